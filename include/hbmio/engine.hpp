@@ -1,0 +1,78 @@
+// The one interface over every data path.
+//
+//   posix   pread/pwrite, one thread, pageable staging + cudaMemcpy: the article's baseline.
+//   uring   io_uring, O_DIRECT where possible, registered pinned bounce buffers, reads
+//           overlapped with cudaMemcpyAsync on several streams, several worker rings.
+//   cufile  NVIDIA GPUDirect Storage through libcufile (loaded at run time).
+//   auto    picks per request: cufile where it runs true GDS/P2PDMA, else uring, else posix,
+//           and says why in Stats::note.
+//
+// A request names a file range and a memory span of the same length. Reads fill the span with
+// bytes [offset, offset + size) of the file; writes store the span there. A zero-length request
+// is a no-op. A read must lie within the file (a read past the end is an error, not a short read).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hbmio/file.hpp"
+#include "hbmio/memory.hpp"
+#include "hbmio/options.hpp"
+
+namespace hbmio {
+
+class FaultInjector;
+
+enum class IoOp { read, write };
+
+struct IoRequest {
+  IoOp op = IoOp::read;
+  const File* file = nullptr;
+  std::uint64_t offset = 0;  // file offset
+  MemorySpan memory{};       // destination (read) or source (write); its size is the length
+  // Optional: engines add the bytes they complete, as they complete them, so another thread
+  // can show progress. Must outlive the transfer.
+  std::atomic<std::uint64_t>* progress = nullptr;
+};
+
+// Thread-safety: an Engine may be shared by threads; each engine serves one request at a time
+// (concurrent submits queue on an internal mutex) and uses its own worker threads inside it.
+// Run several engines to run several transfers truly at once.
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual std::string_view name() const noexcept = 0;
+
+  // Blocking transfer. Throws Error with op, path, offset, length and backend on failure; the
+  // span's contents are then unspecified, and nothing is leaked or left in flight.
+  virtual Stats submit(const IoRequest& request) = 0;
+
+  Stats read(const File& file, std::uint64_t offset, MemorySpan destination);
+  Stats write(const File& file, std::uint64_t offset, MemorySpan source);
+
+  // Runs submit() on another thread. The file and memory must stay alive until get() returns.
+  std::future<Stats> submit_async(IoRequest request);
+};
+
+// Creates a backend by name: "posix", "uring", "cufile" or "auto". Throws Error(EINVAL) for an
+// unknown name and Error(ENOTSUP) with the reason when the backend cannot run here.
+// `faults` (test support) makes the backend see injected failures; see testing/fault_injection.hpp.
+std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options = Options::from_env(),
+                                    std::shared_ptr<FaultInjector> faults = nullptr);
+
+// What each backend can do on this machine, and why not where it cannot.
+struct BackendStatus {
+  std::string name;
+  bool available = false;
+  std::string detail;  // mode or version when available ("compatibility mode"), reason otherwise
+};
+std::vector<BackendStatus> probe_backends(const Options& options = Options::from_env());
+
+std::vector<std::string> backend_names();  // {"posix", "uring", "cufile", "auto"}
+
+}  // namespace hbmio

@@ -1,0 +1,43 @@
+// hbmio::Error: the one exception type of the library.
+//
+// Every failure that reaches a user carries what was being done (op), to which file (path),
+// where (offset, length) and through which backend, plus the system's own message. errno,
+// CUDA and cuFile codes are turned into an Error at one boundary each (see src/core/error.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <system_error>
+
+namespace hbmio {
+
+struct ErrorContext {
+  std::string op;       // "read", "write", "open", "register buffer", ...
+  std::string path;     // file the operation was about; empty when none
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+  std::string backend;  // "posix", "uring", "cufile", "auto"; empty when not backend specific
+};
+
+class Error : public std::system_error {
+ public:
+  // `detail` says what the code alone cannot (e.g. "file ended at byte 4096").
+  Error(std::error_code code, ErrorContext context, const std::string& detail = {});
+
+  const ErrorContext& context() const noexcept { return context_; }
+  const std::string& detail() const noexcept { return detail_; }
+
+ private:
+  ErrorContext context_;
+  std::string detail_;
+};
+
+// Error categories for codes that are not errno values. The messages name the code
+// (e.g. "cudaErrorNoDevice: no CUDA-capable device is detected", "CU_FILE_DRIVER_NOT_INITIALIZED").
+const std::error_category& cuda_category() noexcept;
+const std::error_category& cufile_category() noexcept;
+
+// Shorthand for an errno value.
+inline std::error_code errno_code(int err) noexcept { return {err, std::generic_category()}; }
+
+}  // namespace hbmio

@@ -1,0 +1,64 @@
+// An open file, as engines use it: one buffered descriptor, plus an O_DIRECT descriptor where the
+// file system accepts one. Move-only; the destructor closes both descriptors.
+//
+// Thread-safety: a File may be used by many transfers at once (pread/pwrite do not share a file
+// position); open/close are not concurrent with use.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace hbmio {
+
+enum class OpenMode {
+  read,        // existing file, read only
+  write,       // create or truncate, write only
+  read_write,  // create if missing, keep contents
+};
+
+// What O_DIRECT needs on this file, from statx(STATX_DIOALIGN) where the kernel reports it.
+struct DirectIoInfo {
+  bool supported = false;
+  std::uint32_t memory_alignment = 0;  // buffer address alignment
+  std::uint32_t offset_alignment = 0;  // file offset and length alignment
+  std::string reason;                  // why not supported (e.g. "tmpfs refuses O_DIRECT: EINVAL")
+};
+
+class File {
+ public:
+  File() = default;
+  // Throws Error (op "open") naming the path and the system's message. `with_direct_io = false`
+  // skips the O_DIRECT descriptor: every transfer then goes through the page cache.
+  static File open(const std::string& path, OpenMode mode, bool with_direct_io = true);
+  ~File();
+  File(File&& other) noexcept;
+  File& operator=(File&& other) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  const std::string& path() const noexcept { return path_; }
+  OpenMode mode() const noexcept { return mode_; }
+  int fd() const noexcept { return fd_; }
+  int direct_fd() const noexcept { return direct_fd_; }  // -1 when O_DIRECT is unavailable
+  const DirectIoInfo& direct_io() const noexcept { return direct_; }
+  bool readable() const noexcept { return mode_ != OpenMode::write; }
+  bool writable() const noexcept { return mode_ != OpenMode::read; }
+
+  std::uint64_t size() const;        // current size (fstat); throws Error
+  void sync() const;                 // fsync; an error is final and thrown, never retried
+  void truncate(std::uint64_t size) const;
+
+ private:
+  void close() noexcept;
+  std::string path_;
+  OpenMode mode_ = OpenMode::read;
+  int fd_ = -1;
+  int direct_fd_ = -1;
+  DirectIoInfo direct_{};
+};
+
+// The file system type of a path ("ext4", "tmpfs", ...), from statfs; "unknown" when unmapped.
+std::string file_system_type(const std::string& path);
+
+}  // namespace hbmio

@@ -1,0 +1,62 @@
+// Test support: seeded fault injection inside the backends.
+//
+// An engine made with make_engine(name, options, injector) asks the injector about each of its
+// calls that can fail: setup calls (ring creation, buffer registration, pinned allocation),
+// each storage I/O completion, and each copy to or from the GPU. The injector can fail the
+// N-th call, turn completions into short transfers, or into -EAGAIN / -EINTR a number of times.
+// Everything is decided by the seed, so a failing case replays exactly; log() lists what it did.
+//
+// SQLite-style use: for N = 1, 2, ... run an operation with fail_call = N until it succeeds;
+// after each failure the error must be clear and nothing may leak.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace hbmio {
+
+enum class FaultSite {
+  setup,       // resource creation: rings, buffer registration, pinned/device allocation
+  io,          // one storage read/write (a completion, or a pread/pwrite call)
+  device_copy  // one copy between host and GPU memory
+};
+
+struct FaultPlan {
+  std::uint64_t seed = 1;
+  std::uint64_t fail_call = 0;       // fail the N-th call counted over all sites (1-based; 0: never)
+  int fail_errno = 5;                // EIO
+  double short_probability = 0;      // chance that an I/O completion is cut short
+  unsigned eagain_count = 0;         // the first N I/O completions report -EAGAIN
+  unsigned eintr_count = 0;          // then N report -EINTR
+  std::uint64_t end_of_file_io = 0;  // the N-th storage I/O (1-based) finds the end of the file
+};
+
+class FaultInjector {
+ public:
+  explicit FaultInjector(FaultPlan plan);
+
+  // For setup and device copies: 0 to proceed, or a positive errno to fail with.
+  int check(FaultSite site, const char* what);
+  // For an I/O that moved `result` bytes (or -errno) of `requested`: the result to act on.
+  // May return fewer bytes (short transfer), -EAGAIN, -EINTR or -fail_errno.
+  long long on_io_result(long long result, std::uint64_t requested, const char* what);
+
+  std::uint64_t calls() const;           // calls seen so far
+  bool fired() const;                    // whether fail_call was reached
+  std::vector<std::string> log() const;  // one line per injected fault
+
+ private:
+  mutable std::mutex mutex_;
+  FaultPlan plan_;
+  std::mt19937_64 random_;
+  std::uint64_t calls_ = 0;
+  std::uint64_t io_calls_ = 0;
+  unsigned eagain_left_, eintr_left_;
+  bool fired_ = false;
+  std::vector<std::string> log_;
+};
+
+}  // namespace hbmio

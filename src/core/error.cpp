@@ -1,0 +1,24 @@
+#include "hbmio/error.hpp"
+
+#include <fmt/format.h>
+
+namespace hbmio {
+namespace {
+
+// "read of /data/x.bin [offset 4096, length 1.00 MiB] via uring: Input/output error (detail)"
+std::string describe(const std::error_code& code, const ErrorContext& c, const std::string& detail) {
+  std::string text = c.op.empty() ? std::string("hbmio") : c.op;
+  if (!c.path.empty()) text += fmt::format(" of {}", c.path);
+  if (c.offset != 0 || c.length != 0) text += fmt::format(" [offset {}, length {}]", c.offset, c.length);
+  if (!c.backend.empty()) text += fmt::format(" via {}", c.backend);
+  text += ": " + code.message();
+  if (!detail.empty()) text += " (" + detail + ")";
+  return text;
+}
+
+}  // namespace
+
+Error::Error(std::error_code code, ErrorContext context, const std::string& detail)
+    : std::system_error(code, describe(code, context, detail)), context_(std::move(context)), detail_(detail) {}
+
+}  // namespace hbmio

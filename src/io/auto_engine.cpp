@@ -1,0 +1,81 @@
+// The auto backend: per request, the fastest path that works for that file and memory.
+//
+// Order: cufile (only where it moves data by DMA: GDS or P2PDMA; its compatibility mode is a
+// pread + copy that the uring pipeline beats), then uring, then posix. Every pass-over is
+// recorded with its reason in Stats::note, so "why did it not use GDS?" has an answer.
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "io/cufile_verdict.hpp"
+#include "io/engine_internal.hpp"
+
+namespace hbmio::detail {
+namespace {
+
+class AutoEngine final : public Engine {
+ public:
+  AutoEngine(const Options& options, std::shared_ptr<FaultInjector> faults)
+      : options_(options), faults_(std::move(faults)) {
+    try {
+      uring_ = make_uring_engine(options_, faults_);
+    } catch (const Error& e) {
+      uring_reason_ = e.detail();
+    }
+    posix_ = make_posix_engine(options_, faults_);
+  }
+
+  std::string_view name() const noexcept override { return "auto"; }
+
+  Stats submit(const IoRequest& request) override {
+    std::string reasons;
+    if (request.memory.kind() == MemoryKind::device && request.memory.size > 0) {
+      const CufileVerdict verdict = cufile_verdict(*request.file);
+      if (verdict.usable && verdict.direct) {
+        if (Engine* cufile = cufile_engine()) {
+          Stats stats = cufile->submit(request);
+          stats.note = fmt::format("auto: cufile ({})", verdict.mode);
+          return stats;
+        }
+        reasons += "cufile: " + cufile_reason_ + "; ";
+      } else {
+        reasons += "cufile: " + (verdict.usable ? verdict.mode + ", no faster than uring" : verdict.reason) + "; ";
+      }
+    } else {
+      reasons += "cufile: moves device memory only; ";
+    }
+    Engine& engine = uring_ ? *uring_ : *posix_;
+    if (!uring_) reasons += "uring: " + uring_reason_ + "; ";
+    Stats stats = engine.submit(request);
+    stats.note = fmt::format("auto picked {} (passed over {}){}{}", engine.name(), reasons.substr(0, reasons.size() - 2),
+                             stats.note.empty() ? "" : "; ", stats.note);
+    return stats;
+  }
+
+ private:
+  Engine* cufile_engine() {
+    std::lock_guard lock(mutex_);
+    if (!cufile_ && cufile_reason_.empty()) {
+      try {
+        cufile_ = make_cufile_engine(options_, faults_);
+      } catch (const Error& e) {
+        cufile_reason_ = e.detail();
+      }
+    }
+    return cufile_.get();
+  }
+
+  Options options_;
+  std::shared_ptr<FaultInjector> faults_;
+  std::unique_ptr<Engine> uring_, posix_, cufile_;
+  std::string uring_reason_, cufile_reason_;
+  std::mutex mutex_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr<FaultInjector> faults) {
+  return std::make_unique<AutoEngine>(options, std::move(faults));
+}
+
+}  // namespace hbmio::detail

@@ -1,0 +1,28 @@
+// Whether the cufile backend can serve a given file, and how (true GPUDirect DMA or cuFile's
+// compatibility mode). The auto backend asks this before it picks cufile: only a direct path
+// beats io_uring, since compatibility mode is pread + copy done inside libcufile.
+#pragma once
+
+#include <string>
+
+#include "hbmio/file.hpp"
+
+namespace hbmio::detail {
+
+struct CufileVerdict {
+  bool usable = false;  // cuFile accepted the file (driver open, handle registered)
+  bool direct = false;  // the data would move by DMA (GDS through nvidia-fs, or PCI P2PDMA)
+  std::string mode;     // "GDS (nvidia-fs 2.26)", "P2PDMA", "compatibility mode (...)"; empty when unusable
+  std::string reason;   // why unusable: cuFile code and name, what was tried, how to fix it
+};
+
+// Opens the cuFile driver if needed (once per process) and registers, then releases, a cuFile
+// handle for `file` (its O_DIRECT descriptor where it has one). Never throws. Thread-safe.
+CufileVerdict cufile_verdict(const File& file);
+
+// Why cuFileHandleRegister may have refused `fd` with CU_FILE_HANDLE_NOT_REGISTERED (5027):
+// libcufile needs the udev data of the file's block device even in compatibility mode. Inspects
+// st_dev and /run/udev; says what is missing and how to work around it. Exposed for tests.
+std::string diagnose_handle_not_registered(int fd);
+
+}  // namespace hbmio::detail

@@ -1,0 +1,56 @@
+// Shared pieces of the backends: request validation, timing, error construction, and the
+// factory functions of each backend (make_engine() dispatches to these).
+#pragma once
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "hbmio/engine.hpp"
+#include "hbmio/error.hpp"
+#include "hbmio/testing/fault_injection.hpp"
+
+namespace hbmio::detail {
+
+// Context for errors about `request` in `backend`.
+ErrorContext context_of(const IoRequest& request, std::string_view backend);
+const char* op_name(IoOp op) noexcept;
+
+// Throws Error(EINVAL/EBADF/ENODEV...) when the request cannot be served: no file, a file not
+// open for the operation, offset + length overflowing or (reads) past the end of the file, a
+// null span, device memory without CUDA or not on the named device.
+void validate_request(const IoRequest& request, std::string_view backend);
+
+// Wall and process CPU time over a transfer, written into Stats by finish().
+class TransferTimer {
+ public:
+  TransferTimer();
+  void finish(Stats& stats) const;
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+  double cpu_start_;
+};
+double process_cpu_seconds() noexcept;
+
+// Injector helpers that tolerate a null injector.
+inline int inject(FaultInjector* faults, FaultSite site, const char* what) {
+  return faults ? faults->check(site, what) : 0;
+}
+inline long long inject_io(FaultInjector* faults, long long result, std::uint64_t requested, const char* what) {
+  return faults ? faults->on_io_result(result, requested, what) : result;
+}
+
+// Backend factories. Each throws Error(ENOTSUP) with the reason when it cannot run here.
+std::unique_ptr<Engine> make_posix_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
+std::unique_ptr<Engine> make_uring_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
+std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
+std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
+
+// Availability probes (no exceptions): what `hbmio backends` prints.
+BackendStatus probe_uring();
+BackendStatus probe_cufile();
+
+}  // namespace hbmio::detail

@@ -1,0 +1,61 @@
+#include "io/page_cache.hpp"
+
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <vector>
+
+namespace hbmio::detail {
+namespace {
+
+#ifndef __NR_cachestat
+#define __NR_cachestat 451  // same number on every architecture (added in Linux 6.5)
+#endif
+
+struct CachestatRange {
+  std::uint64_t off, len;
+};
+struct Cachestat {
+  std::uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+
+// Remembered once the kernel says ENOSYS, so old kernels pay for the probe only once.
+std::atomic<bool> cachestat_missing{false};
+
+}  // namespace
+
+Residency page_cache_residency(int fd, std::uint64_t offset, std::uint64_t length) noexcept {
+  Residency r;
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t first = offset / page, last = (offset + length + page - 1) / page;
+  r.total_pages = last - first;
+  if (length == 0) return r;
+
+  if (!cachestat_missing.load(std::memory_order_relaxed)) {
+    CachestatRange range{first * page, (last - first) * page};
+    Cachestat cs{};
+    if (::syscall(__NR_cachestat, fd, &range, &cs, 0) == 0) {
+      r.cached_pages = cs.nr_cache;
+      r.method = "cachestat";
+      return r;
+    }
+    if (errno == ENOSYS) cachestat_missing.store(true, std::memory_order_relaxed);
+  }
+
+  // mincore needs a mapping; mapping does not fault pages in, so this does not disturb the cache.
+  const std::uint64_t map_offset = first * page, map_length = (last - first) * page;
+  void* map = ::mmap(nullptr, map_length, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(map_offset));
+  if (map == MAP_FAILED) return r;
+  std::vector<unsigned char> vec(r.total_pages);
+  if (::mincore(map, map_length, vec.data()) == 0) {
+    for (unsigned char v : vec) r.cached_pages += v & 1;
+    r.method = "mincore";
+  }
+  ::munmap(map, map_length);
+  return r;
+}
+
+}  // namespace hbmio::detail

@@ -1,0 +1,568 @@
+// The uring backend: io_uring + O_DIRECT + registered pinned bounce buffers, with storage reads
+// overlapped with asynchronous copies to the GPU. The fastest path where GDS is not available.
+//
+// How a request flows:
+//   1. The file range is cut into chunks (Options::chunk_size) on a grid aligned to 4 KiB, so
+//      every interior boundary suits O_DIRECT. Worker threads take chunks from a shared counter.
+//   2. Each chunk decides O_DIRECT or page cache (Options::direct_io; "auto" asks cachestat(2)
+//      or mincore(2) whether the chunk is already cached: a warm chunk is copied from memory, a
+//      cold one bypasses the cache).
+//   3. A chunk is cut into pieces of Options::bounce_buffer_size. A piece is read either straight
+//      into the destination (host memory that satisfies O_DIRECT's alignment, or any host memory
+//      through the page cache) or into one of the worker's pinned slots ("bounce buffers"),
+//      registered with the ring as fixed buffers so the kernel skips pinning pages per I/O.
+//      Unaligned heads and tails read the aligned superset into a slot and copy the wanted bytes.
+//   4. When a slot's read completes, the worker starts cudaMemcpyAsync(slot -> GPU) on its stream
+//      and records the slot's event; the slot is reused only after that event has fired. So the
+//      disk (or page-cache copy) of piece k+1 overlaps the PCIe copy of piece k.
+//   5. Short transfers resume where they stopped; -EAGAIN/-EINTR resubmit; a read that finds the
+//      end of the file before the range is complete is an error (the file shrank).
+// Writes mirror this: GPU -> slot (copy), slot -> file (O_DIRECT where aligned, else buffered).
+//
+// Each worker owns one ring, its slots and its CUDA stream for the engine's life (rings are not
+// thread-safe; one owner each). The engine serves one request at a time.
+#include <liburing.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "io/engine_internal.hpp"
+#include "io/page_cache.hpp"
+#include "memory/cuda_runtime.hpp"
+
+namespace hbmio::detail {
+namespace {
+
+constexpr std::size_t kSlotAlignment = 4096;  // slots and grid; O_DIRECT needs at most this
+constexpr unsigned kMaxRetries = 1000;        // consecutive EAGAIN/EINTR on one I/O before giving up
+
+std::uint64_t round_down(std::uint64_t v, std::uint64_t a) { return v / a * a; }
+std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
+
+// An io_uring instance. Not movable: the kernel maps its rings at this address.
+class Ring {
+ public:
+  Ring(unsigned entries, const ErrorContext& context) {
+    const int r = io_uring_queue_init(entries, &ring_, 0);
+    if (r < 0) throw Error(errno_code(-r), context, "io_uring_queue_init");
+  }
+  ~Ring() { io_uring_queue_exit(&ring_); }  // also unregisters the fixed buffers
+  Ring(const Ring&) = delete;
+  Ring& operator=(const Ring&) = delete;
+  io_uring* get() noexcept { return &ring_; }
+
+ private:
+  io_uring ring_{};
+};
+
+enum class SlotState { free, reading, copying };
+
+struct Slot {
+  std::byte* data = nullptr;
+  SlotState state = SlotState::free;
+  cuda::Event copied;  // device jobs only: fires when the slot's copy to the GPU is done
+};
+
+// One in-flight storage I/O.
+struct Op {
+  std::uint64_t file_pos = 0;   // where the I/O starts in the file
+  std::size_t length = 0;       // bytes to transfer from file_pos (block-rounded for O_DIRECT)
+  std::size_t needed = 0;       // bytes that must arrive for the piece to be complete
+  std::size_t done = 0;
+  std::byte* buffer = nullptr;  // slot or user memory
+  int slot = -1;                // slot index when bouncing, else -1
+  int fd = -1;
+  bool direct = false;
+  std::size_t wanted_offset = 0;  // read through a slot: wanted bytes start here in the slot
+  std::byte* user = nullptr;      // read through a slot: where the wanted bytes go
+  std::size_t wanted = 0;         // bytes of the request this piece covers
+  unsigned retries = 0;
+};
+
+// State of one request, shared by its workers.
+struct Job {
+  const IoRequest* request = nullptr;
+  Options options;
+  std::uint64_t grid_base = 0;  // round_down(offset, 4 KiB): chunk and piece boundaries lie on it
+  std::uint64_t chunks = 0;
+  std::size_t alignment = 0;    // O_DIRECT alignment of this file; 0 when O_DIRECT is off
+  bool device = false;
+  std::atomic<std::uint64_t> next_chunk{0};
+  std::atomic<bool> failed{false};
+  std::atomic<std::uint64_t> bytes_direct{0}, bytes_buffered{0}, bounce_copies{0};
+  std::atomic<std::uint64_t> chunks_cached{0}, chunks_cold{0};
+  const char* residency_method = "none";
+  std::mutex error_mutex;
+  std::exception_ptr error;
+
+  std::uint64_t end() const { return request->offset + request->memory.size; }
+  void fail(std::exception_ptr e) {
+    std::lock_guard lock(error_mutex);
+    if (!error) error = std::move(e);
+    failed = true;
+  }
+};
+
+class Worker {
+ public:
+  Worker(const Options& options, FaultInjector* faults) : options_(options), faults_(faults) {}
+
+  // Runs chunks of `job` until none are left or the job failed. Throws nothing: failures go to
+  // job.fail(), after every I/O of this worker has completed and every copy has finished.
+  void run(Job& job) noexcept {
+    job_ = &job;
+    try {
+      prepare(job);
+      loop();
+      if (job.device) stream_.synchronize(context());
+    } catch (...) {
+      job.fail(std::current_exception());
+      drain();
+    }
+    for (auto& slot : slots_) slot.state = SlotState::free;
+    job_ = nullptr;
+  }
+
+ private:
+  ErrorContext context(std::uint64_t offset, std::uint64_t length) const {
+    ErrorContext c = context_of(*job_->request, "uring");
+    c.offset = offset;
+    c.length = length;
+    return c;
+  }
+  ErrorContext context() const { return context_of(*job_->request, "uring"); }
+
+  void fault_point(FaultSite site, const char* what) {
+    if (const int err = inject(faults_, site, what)) throw Error(errno_code(err), context(), fmt::format("{} (injected)", what));
+  }
+
+  // Creates the ring, the slots (pinned for device jobs) and the stream, or reuses them.
+  void prepare(const Job& job) {
+    const ErrorContext ctx = context();
+    if (!ring_) {
+      fault_point(FaultSite::setup, "io_uring_queue_init");
+      ring_ = std::make_unique<Ring>(options_.queue_depth, ctx);
+      ops_.resize(options_.queue_depth);
+      reset_ops();
+    }
+    const bool need_cuda_pinned = job.device;
+    if (pool_.data() == nullptr || (need_cuda_pinned && !pool_.cuda_registered())) {
+      if (pool_.data() != nullptr) io_uring_unregister_buffers(ring_->get());
+      slots_.clear();
+      pool_ = Buffer();
+      events_ready_ = false;
+      fault_point(FaultSite::setup, "allocate bounce buffers");
+      const std::size_t slot_bytes = options_.bounce_buffer_size + 2 * kSlotAlignment;
+      // Host jobs use page-aligned host memory: pinning through CUDA would create a CUDA
+      // context (and hold GPU memory) for a transfer that never touches the GPU.
+      pool_ = Buffer::allocate({need_cuda_pinned ? MemoryKind::pinned : MemoryKind::host, 0},
+                               slot_bytes * options_.bounce_buffers);
+      std::vector<iovec> iovecs(options_.bounce_buffers);
+      slots_.resize(options_.bounce_buffers);
+      for (unsigned i = 0; i < options_.bounce_buffers; ++i) {
+        slots_[i].data = pool_.data() + i * slot_bytes;
+        iovecs[i] = {slots_[i].data, slot_bytes};
+      }
+      fault_point(FaultSite::setup, "io_uring_register_buffers");
+      const int r = io_uring_register_buffers(ring_->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
+      if (r < 0) {
+        slots_.clear();
+        pool_ = Buffer();
+        throw Error(errno_code(-r), ctx, "io_uring_register_buffers");
+      }
+    }
+    if (job.device) {
+      const int device = job.request->memory.location.device;
+      cuda::set_device(device, ctx);
+      if (!stream_.valid() || stream_.device() != device) {
+        fault_point(FaultSite::setup, "cudaStreamCreate");
+        stream_ = cuda::Stream(device, ctx);
+        events_ready_ = false;
+      }
+      if (!events_ready_) {
+        for (auto& slot : slots_) slot.copied = cuda::Event(ctx);  // events belong to the device
+        events_ready_ = true;
+      }
+    }
+  }
+
+  void loop() {
+    io_uring* ring = ring_->get();
+    while (true) {
+      while (!retry_.empty()) {
+        submit_op(retry_.front());
+        retry_.pop_front();
+      }
+      while (in_flight_ < options_.queue_depth && !job_->failed && start_next_piece()) {}
+      if (in_flight_ == 0 && pending_sqes_ == 0) {
+        if (job_->failed || !have_work()) break;
+        wait_for_a_copy();  // every slot is busy copying to the GPU: wait for the oldest
+        continue;
+      }
+      const int r = io_uring_submit_and_wait(ring, 1);
+      if (r < 0 && r != -EINTR) throw Error(errno_code(-r), context(), "io_uring_submit_and_wait");
+      if (r >= 0) pending_sqes_ = 0;
+      io_uring_cqe* cqe = nullptr;
+      while (io_uring_peek_cqe(ring, &cqe) == 0 && cqe != nullptr) {
+        const auto index = static_cast<std::size_t>(io_uring_cqe_get_data64(cqe));
+        const int result = cqe->res;
+        io_uring_cqe_seen(ring, cqe);
+        --in_flight_;
+        complete(index, result);
+      }
+    }
+  }
+
+  // After a failure: let every submitted I/O finish (the kernel writes into our slots and the
+  // user's memory until it does), then let pending copies finish. Never throws.
+  void drain() noexcept {
+    if (ring_) {
+      io_uring* ring = ring_->get();
+      while (in_flight_ > 0 || pending_sqes_ > 0) {
+        const int r = io_uring_submit_and_wait(ring, in_flight_ > 0 ? 1 : 0);
+        if (r < 0 && r != -EINTR) break;  // the ring itself is broken; its teardown waits for I/O
+        if (r >= 0) pending_sqes_ = 0;
+        io_uring_cqe* cqe = nullptr;
+        while (io_uring_peek_cqe(ring, &cqe) == 0 && cqe != nullptr) {
+          io_uring_cqe_seen(ring, cqe);
+          --in_flight_;
+        }
+      }
+    }
+    in_flight_ = 0;
+    retry_.clear();
+    reset_ops();
+    stream_.synchronize_noexcept();
+    chunk_end_ = cursor_ = 0;
+  }
+
+  bool have_work() const { return cursor_ < chunk_end_ || job_->next_chunk.load() < job_->chunks; }
+
+  // Takes the next chunk from the job and decides O_DIRECT or page cache for it.
+  bool next_chunk() {
+    const std::uint64_t index = job_->next_chunk.fetch_add(1);
+    if (index >= job_->chunks) return false;
+    const IoRequest& request = *job_->request;
+    const std::uint64_t begin = std::max<std::uint64_t>(request.offset, job_->grid_base + index * options_.chunk_size);
+    const std::uint64_t end = std::min<std::uint64_t>(job_->end(), job_->grid_base + (index + 1) * options_.chunk_size);
+    cursor_ = begin;
+    chunk_end_ = end;
+    chunk_direct_ = job_->alignment != 0;
+    if (chunk_direct_ && options_.direct_io == DirectIo::automatic && request.op == IoOp::read) {
+      const Residency residency = page_cache_residency(request.file->fd(), begin, end - begin);
+      job_->residency_method = residency.method;
+      chunk_direct_ = residency.fraction() < 0.5;
+      (chunk_direct_ ? job_->chunks_cold : job_->chunks_cached)++;
+    }
+    return true;
+  }
+
+  // Prepares the I/O of the next piece, if a slot (when one is needed) is free. False when there
+  // is no piece left or no slot to put it in.
+  bool start_next_piece() {
+    if (cursor_ >= chunk_end_ && !next_chunk()) return false;
+    const IoRequest& request = *job_->request;
+    const std::uint64_t p = cursor_;
+    const std::uint64_t q = piece_end(p);
+    std::byte* user = request.memory.data + (p - request.offset);
+    const std::size_t a = chunk_direct_ ? job_->alignment : 1;
+    const bool aligned = p % a == 0 && (q % a == 0) && reinterpret_cast<std::uintptr_t>(user) % a == 0;
+    const bool read = request.op == IoOp::read;
+
+    Op op;
+    op.wanted = q - p;
+    op.direct = chunk_direct_;
+    op.fd = chunk_direct_ ? request.file->direct_fd() : request.file->fd();
+    if (!job_->device && aligned) {
+      // Straight between the file and the user's host memory.
+      op.file_pos = p;
+      op.length = op.needed = q - p;
+      op.buffer = user;
+    } else if (!read && chunk_direct_ && (p % a != 0 || q % a != 0)) {
+      // An unaligned piece of a direct write cannot be padded (that would write bytes outside
+      // the range): it goes through the page cache. Its pages are disjoint from the aligned
+      // pieces' blocks, so buffered and direct writes never touch the same block.
+      op.direct = false;
+      op.fd = request.file->fd();
+      if (!job_->device) {
+        op.file_pos = p;
+        op.length = op.needed = q - p;
+        op.buffer = user;
+      } else {
+        if (!bounce_into_slot(op, p, q, 1, user)) return false;
+      }
+    } else {
+      if (!bounce_into_slot(op, p, q, a, user)) return false;
+    }
+    cursor_ = q;
+    const int index = allocate_op(op);
+    submit_op(index);
+    return true;
+  }
+
+  // Next piece boundary after p: pieces lie on the grid grid_base + k * bounce_buffer_size.
+  std::uint64_t piece_end(std::uint64_t p) const {
+    const std::uint64_t size = options_.bounce_buffer_size;
+    const std::uint64_t k = (p - job_->grid_base) / size + 1;
+    return std::min<std::uint64_t>(chunk_end_, job_->grid_base + k * size);
+  }
+
+  // Sets `op` up to move [p, q) through a slot, reading/writing the `a`-aligned superset.
+  bool bounce_into_slot(Op& op, std::uint64_t p, std::uint64_t q, std::size_t a, std::byte* user) {
+    const int slot = acquire_slot();
+    if (slot < 0) return false;
+    const IoRequest& request = *job_->request;
+    op.slot = slot;
+    op.buffer = slots_[slot].data;
+    op.user = user;
+    if (request.op == IoOp::read) {
+      op.file_pos = round_down(p, a);
+      op.length = round_up(q, a) - op.file_pos;
+      op.wanted_offset = p - op.file_pos;
+      op.needed = q - op.file_pos;  // past q (up to the block end) the file may legally end
+    } else {
+      op.file_pos = p;
+      op.length = op.needed = q - p;
+      const ErrorContext ctx = context(p, q - p);
+      if (job_->device) {
+        fault_point(FaultSite::device_copy, "cudaMemcpyAsync (device to host)");
+        stream_.copy_to_host_async(op.buffer, user, q - p, ctx);
+        stream_.synchronize(ctx);
+      } else {
+        std::memcpy(op.buffer, user, q - p);
+      }
+      ++job_->bounce_copies;
+    }
+    slots_[slot].state = SlotState::reading;
+    return true;
+  }
+
+  int acquire_slot() {
+    for (std::size_t i = 0; i < slots_.size(); ++i)
+      if (slots_[i].state == SlotState::free) return static_cast<int>(i);
+    for (std::size_t i = 0; i < slots_.size(); ++i) {
+      if (slots_[i].state == SlotState::copying && slots_[i].copied.ready(context())) {
+        slots_[i].state = SlotState::free;
+        return static_cast<int>(i);
+      }
+    }
+    return -1;
+  }
+
+  void wait_for_a_copy() {
+    for (auto& slot : slots_) {
+      if (slot.state == SlotState::copying) {
+        slot.copied.synchronize(context());
+        slot.state = SlotState::free;
+        return;
+      }
+    }
+    throw Error(errno_code(EDEADLK), context(), "no I/O in flight and no slot to wait for (internal error)");
+  }
+
+  // At most queue_depth ops exist (in flight or waiting to be resubmitted), so one is free here.
+  int allocate_op(const Op& op) {
+    const int index = free_ops_.back();
+    free_ops_.pop_back();
+    ops_[index] = op;
+    return index;
+  }
+
+  void reset_ops() {
+    free_ops_.clear();
+    for (std::size_t i = ops_.size(); i > 0; --i) free_ops_.push_back(static_cast<int>(i - 1));
+  }
+
+  void submit_op(int index) {
+    const Op& op = ops_[index];
+    io_uring* ring = ring_->get();
+    io_uring_sqe* sqe = io_uring_get_sqe(ring);
+    if (sqe == nullptr) {  // submission queue full: hand what is queued to the kernel first
+      io_uring_submit(ring);
+      pending_sqes_ = 0;
+      sqe = io_uring_get_sqe(ring);
+      if (sqe == nullptr) throw Error(errno_code(EBUSY), context(), "io_uring submission queue stays full");
+    }
+    std::byte* buf = op.buffer + op.done;
+    const auto len = static_cast<unsigned>(op.length - op.done);
+    const auto pos = op.file_pos + op.done;
+    const bool read = job_->request->op == IoOp::read;
+    if (op.slot >= 0) {
+      if (read) io_uring_prep_read_fixed(sqe, op.fd, buf, len, pos, op.slot);
+      else io_uring_prep_write_fixed(sqe, op.fd, buf, len, pos, op.slot);
+    } else {
+      if (read) io_uring_prep_read(sqe, op.fd, buf, len, pos);
+      else io_uring_prep_write(sqe, op.fd, buf, len, pos);
+    }
+    io_uring_sqe_set_data64(sqe, static_cast<std::uint64_t>(index));
+    ++in_flight_;
+    ++pending_sqes_;
+  }
+
+  void complete(std::size_t index, int kernel_result) {
+    Op& op = ops_[index];
+    const bool read = job_->request->op == IoOp::read;
+    const std::uint64_t pos = op.file_pos + op.done;
+    const long long result = inject_io(faults_, kernel_result, op.length - op.done, read ? "io_uring read" : "io_uring write");
+    if (result == -EAGAIN || result == -EINTR) {
+      if (++op.retries > kMaxRetries)
+        throw Error(errno_code(static_cast<int>(-result)), context(pos, op.length - op.done), "retried too often");
+      retry_.push_back(static_cast<int>(index));
+      return;
+    }
+    if (result < 0) throw Error(errno_code(static_cast<int>(-result)), context(pos, op.length - op.done));
+    if (result == 0) {
+      if (read)
+        throw Error(errno_code(EIO), context(pos, op.needed - op.done),
+                    fmt::format("file ended at byte {} (did it shrink during the read?)", pos));
+      throw Error(errno_code(ENOSPC), context(pos, op.length - op.done), "write made no progress");
+    }
+    op.retries = 0;
+    op.done += static_cast<std::size_t>(result);
+    if (op.done < op.needed) {
+      // Short transfer: go on from where it stopped. O_DIRECT cannot resume at an unaligned
+      // position, so such a remainder continues through the page cache.
+      if (op.direct && op.done % std::max<std::size_t>(job_->alignment, 1) != 0) {
+        op.direct = false;
+        op.fd = job_->request->file->fd();
+      }
+      retry_.push_back(static_cast<int>(index));
+      return;
+    }
+    finish_piece(op);
+    free_ops_.push_back(static_cast<int>(index));
+  }
+
+  void finish_piece(Op& op) {
+    (op.direct ? job_->bytes_direct : job_->bytes_buffered) += op.wanted;
+    if (op.slot >= 0) {
+      Slot& slot = slots_[op.slot];
+      if (job_->request->op == IoOp::read) {
+        ++job_->bounce_copies;
+        if (job_->device) {
+          const ErrorContext ctx = context(op.file_pos + op.wanted_offset, op.wanted);
+          fault_point(FaultSite::device_copy, "cudaMemcpyAsync (host to device)");
+          stream_.copy_to_device_async(op.user, slot.data + op.wanted_offset, op.wanted, ctx);
+          slot.copied.record(stream_, ctx);
+          slot.state = SlotState::copying;
+        } else {
+          std::memcpy(op.user, slot.data + op.wanted_offset, op.wanted);
+          slot.state = SlotState::free;
+        }
+      } else {
+        slot.state = SlotState::free;
+      }
+    }
+    if (job_->request->progress) *job_->request->progress += op.wanted;
+  }
+
+  Options options_;
+  FaultInjector* faults_;
+  Job* job_ = nullptr;
+  std::unique_ptr<Ring> ring_;
+  Buffer pool_;
+  std::vector<Slot> slots_;
+  cuda::Stream stream_;
+  std::vector<Op> ops_;
+  std::vector<int> free_ops_;
+  std::deque<int> retry_;
+  unsigned in_flight_ = 0;
+  unsigned pending_sqes_ = 0;
+  std::uint64_t cursor_ = 0, chunk_end_ = 0;
+  bool chunk_direct_ = false;
+  bool events_ready_ = false;
+};
+
+class UringEngine final : public Engine {
+ public:
+  UringEngine(const Options& options, std::shared_ptr<FaultInjector> faults)
+      : options_(options), faults_(std::move(faults)) {
+    workers_.resize(options_.resolved_workers());
+  }
+
+  std::string_view name() const noexcept override { return "uring"; }
+
+  Stats submit(const IoRequest& request) override {
+    std::lock_guard lock(mutex_);
+    validate_request(request, name());
+    TransferTimer timer;
+    Stats stats{.backend = "uring"};
+    if (request.memory.size == 0) {
+      timer.finish(stats);
+      return stats;
+    }
+
+    Job job;
+    job.request = &request;
+    job.options = options_;
+    job.device = request.memory.kind() == MemoryKind::device;
+    job.grid_base = round_down(request.offset, kSlotAlignment);
+    job.chunks = (request.offset + request.memory.size - job.grid_base + options_.chunk_size - 1) / options_.chunk_size;
+    const DirectIoInfo& dio = request.file->direct_io();
+    const std::size_t alignment = std::max(dio.memory_alignment, dio.offset_alignment);
+    std::string note;
+    if (options_.direct_io != DirectIo::off) {
+      if (!dio.supported) note = fmt::format("O_DIRECT unavailable ({}): page cache used", dio.reason);
+      else if (alignment > kSlotAlignment) note = fmt::format("O_DIRECT needs {}-byte alignment: page cache used", alignment);
+      else job.alignment = alignment;
+    }
+
+    const auto count = static_cast<unsigned>(std::min<std::uint64_t>(workers_.size(), job.chunks));
+    for (unsigned i = 0; i < count; ++i)
+      if (!workers_[i]) workers_[i] = std::make_unique<Worker>(options_, faults_.get());
+    {
+      std::vector<std::jthread> threads;
+      for (unsigned i = 1; i < count; ++i) threads.emplace_back([&, i] { workers_[i]->run(job); });
+      workers_[0]->run(job);
+    }  // joins
+    if (job.error) std::rethrow_exception(job.error);
+
+    stats.bytes = request.memory.size;
+    stats.bytes_direct = job.bytes_direct;
+    stats.bytes_buffered = job.bytes_buffered;
+    stats.bounce_copies = job.bounce_copies;
+    stats.workers = count;
+    if (job.chunks_cached + job.chunks_cold > 0)
+      note += fmt::format("{}O_DIRECT auto: {} of {} chunks cold ({})", note.empty() ? "" : "; ", job.chunks_cold.load(),
+                          job.chunks_cached + job.chunks_cold, job.residency_method);
+    stats.note = note;
+    timer.finish(stats);
+    return stats;
+  }
+
+ private:
+  Options options_;
+  std::shared_ptr<FaultInjector> faults_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  std::mutex mutex_;
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> make_uring_engine(const Options& options, std::shared_ptr<FaultInjector> faults) {
+  const BackendStatus status = probe_uring();
+  if (!status.available)
+    throw Error(errno_code(ENOTSUP), {.op = "open backend", .backend = "uring"}, status.detail);
+  return std::make_unique<UringEngine>(options, std::move(faults));
+}
+
+BackendStatus probe_uring() {
+  // Containers often forbid io_uring (seccomp, or kernel.io_uring_disabled): try it, don't assume.
+  io_uring ring{};
+  const int r = io_uring_queue_init(2, &ring, 0);
+  if (r < 0)
+    return {"uring", false, fmt::format("io_uring_queue_init failed: {} (seccomp or kernel.io_uring_disabled?)", std::strerror(-r))};
+  io_uring_queue_exit(&ring);
+  return {"uring", true, "io_uring with O_DIRECT and registered bounce buffers"};
+}
+
+}  // namespace hbmio::detail

@@ -1,0 +1,173 @@
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstring>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "hbmio/error.hpp"
+#include "hbmio/memory.hpp"
+#include "memory/cuda_runtime.hpp"
+
+namespace hbmio {
+namespace {
+
+struct LiveCounters {
+  std::atomic<std::int64_t> buffers[3]{};
+  std::atomic<std::int64_t> bytes[3]{};
+};
+LiveCounters& live() {
+  static LiveCounters counters;
+  return counters;
+}
+void count(MemoryKind kind, std::size_t size, int sign) {
+  const auto k = static_cast<int>(kind);
+  live().buffers[k] += sign;
+  live().bytes[k] += sign * static_cast<std::int64_t>(size);
+}
+
+// Host memory comes from mmap: page aligned (O_DIRECT-ready) and returned to the kernel on free.
+std::byte* map_anonymous(std::size_t size, const ErrorContext& context) {
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) throw Error(errno_code(errno), context, "mmap");
+  return static_cast<std::byte*>(p);
+}
+
+}  // namespace
+
+MemoryLocation MemoryLocation::parse(std::string_view text) {
+  if (text == "host" || text == "cpu") return {MemoryKind::host, 0};
+  if (text == "pinned") return {MemoryKind::pinned, 0};
+  if (text == "cuda" || text == "gpu") return {MemoryKind::device, 0};
+  for (std::string_view prefix : {"cuda:", "gpu:"}) {
+    if (text.substr(0, prefix.size()) == prefix && text.size() > prefix.size() && text.size() - prefix.size() <= 4) {
+      int device = 0;
+      for (char c : text.substr(prefix.size())) {
+        if (c < '0' || c > '9') goto bad;
+        device = device * 10 + (c - '0');
+      }
+      return {MemoryKind::device, device};
+    }
+  }
+bad:
+  throw Error(errno_code(EINVAL), {.op = "parse memory location"},
+              fmt::format("'{}': use host, pinned or cuda:N", text));
+}
+
+std::string MemoryLocation::to_string() const {
+  switch (kind) {
+    case MemoryKind::host: return "host";
+    case MemoryKind::pinned: return "pinned";
+    case MemoryKind::device: return fmt::format("cuda:{}", device);
+  }
+  return "?";
+}
+
+MemorySpan MemorySpan::subspan(std::size_t offset, std::size_t length) const {
+  if (offset > size || length > size - offset)
+    throw Error(errno_code(EINVAL), {.op = "subspan"},
+                fmt::format("[{}, +{}) is outside a span of {} bytes", offset, length, size));
+  return {data + offset, length, location};
+}
+
+Buffer Buffer::allocate(MemoryLocation where, std::size_t size) {
+  const ErrorContext context{.op = "allocate " + where.to_string(), .length = size};
+  Buffer buffer;
+  buffer.location_ = where;
+  buffer.size_ = size;
+  if (size == 0) return buffer;
+  switch (where.kind) {
+    case MemoryKind::host:
+      buffer.data_ = map_anonymous(size, context);
+      break;
+    case MemoryKind::pinned:
+      if (cuda::available()) {
+        buffer.data_ = static_cast<std::byte*>(cuda::malloc_host_pinned(size, context));
+        buffer.cuda_registered_ = true;
+      } else {
+        // No GPU: page-locked memory is still what "pinned" promises to storage I/O. mlock may
+        // be refused by RLIMIT_MEMLOCK; the memory is then ordinary, which only costs speed.
+        buffer.data_ = map_anonymous(size, context);
+        buffer.locked_ = ::mlock(buffer.data_, size) == 0;
+      }
+      break;
+    case MemoryKind::device:
+      buffer.data_ = static_cast<std::byte*>(cuda::malloc_device(size, where.device, context));
+      break;
+  }
+  count(where.kind, size, +1);
+  return buffer;
+}
+
+void Buffer::release() noexcept {
+  if (data_ == nullptr) return;
+  switch (location_.kind) {
+    case MemoryKind::host: ::munmap(data_, size_); break;
+    case MemoryKind::pinned:
+      if (cuda_registered_) {
+        cuda::free_host_pinned(data_);
+      } else {
+        if (locked_) ::munlock(data_, size_);
+        ::munmap(data_, size_);
+      }
+      break;
+    case MemoryKind::device: cuda::free_device(data_); break;
+  }
+  count(location_.kind, size_, -1);
+  data_ = nullptr;
+  size_ = 0;
+}
+
+Buffer::~Buffer() { release(); }
+
+Buffer::Buffer(Buffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      location_(other.location_),
+      cuda_registered_(other.cuda_registered_),
+      locked_(other.locked_) {}
+
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
+  if (this != &other) {
+    release();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    location_ = other.location_;
+    cuda_registered_ = other.cuda_registered_;
+    locked_ = other.locked_;
+  }
+  return *this;
+}
+
+void copy_memory(MemorySpan dst, MemorySpan src) {
+  const ErrorContext context{.op = fmt::format("copy {} to {}", src.location.to_string(), dst.location.to_string()),
+                             .length = src.size};
+  if (dst.size != src.size)
+    throw Error(errno_code(EINVAL), context, fmt::format("sizes differ: {} and {}", dst.size, src.size));
+  if (src.size == 0) return;
+  if (dst.kind() != MemoryKind::device && src.kind() != MemoryKind::device) {
+    std::memcpy(dst.data, src.data, src.size);
+    return;
+  }
+  cuda::set_device(dst.kind() == MemoryKind::device ? dst.location.device : src.location.device, context);
+  cuda::memcpy_sync(dst.data, src.data, src.size, context);
+}
+
+void fill_memory(MemorySpan dst, std::byte value) {
+  if (dst.size == 0) return;
+  if (dst.kind() != MemoryKind::device) {
+    std::memset(dst.data, static_cast<int>(value), dst.size);
+    return;
+  }
+  const ErrorContext context{.op = "fill " + dst.location.to_string(), .length = dst.size};
+  cuda::set_device(dst.location.device, context);
+  cuda::memset_device(dst.data, static_cast<int>(value), dst.size, context);
+}
+
+MemoryCounters memory_counters() noexcept {
+  auto& c = live();
+  return {c.buffers[0], c.buffers[1], c.buffers[2], c.bytes[0], c.bytes[1], c.bytes[2]};
+}
+
+}  // namespace hbmio

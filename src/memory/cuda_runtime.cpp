@@ -1,0 +1,260 @@
+#include "memory/cuda_runtime.hpp"
+
+#include <fmt/format.h>
+
+#include <mutex>
+#include <utility>
+
+#include "hbmio/memory.hpp"
+
+#ifdef HBMIO_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace hbmio {
+
+namespace {
+class CudaCategory final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "cuda"; }
+  std::string message(int code) const override {
+#ifdef HBMIO_HAVE_CUDA
+    const auto err = static_cast<cudaError_t>(code);
+    return fmt::format("{}: {}", cudaGetErrorName(err), cudaGetErrorString(err));
+#else
+    return fmt::format("CUDA error {}", code);
+#endif
+  }
+};
+}  // namespace
+
+const std::error_category& cuda_category() noexcept {
+  static const CudaCategory category;
+  return category;
+}
+
+bool built_with_cuda() noexcept {
+#ifdef HBMIO_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+struct DeviceQuery {
+  int count = 0;
+  std::string reason;
+};
+
+// Asked once: cudaGetDeviceCount initialises the runtime, which costs ~100 ms the first time.
+const DeviceQuery& device_query() {
+  static const DeviceQuery query = [] {
+    DeviceQuery q;
+#ifdef HBMIO_HAVE_CUDA
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess) {
+      q.reason = fmt::format("no CUDA device ({}: {})", cudaGetErrorName(err), cudaGetErrorString(err));
+      (void)cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    } else if (count == 0) {
+      q.reason = "no CUDA device";
+    } else {
+      q.count = count;
+    }
+#else
+    q.reason = "hbmio was built without CUDA (HBMIO_CUDA=OFF or no toolkit found)";
+#endif
+    return q;
+  }();
+  return query;
+}
+}  // namespace
+
+int cuda_device_count() noexcept {
+  try {
+    return device_query().count;
+  } catch (...) {
+    return 0;
+  }
+}
+std::string cuda_unavailable_reason() { return device_query().reason; }
+
+std::string cuda_device_name(int device) {
+#ifdef HBMIO_HAVE_CUDA
+  cudaDeviceProp prop{};
+  if (cuda_device_count() > device && cudaGetDeviceProperties(&prop, device) == cudaSuccess) return prop.name;
+#else
+  (void)device;
+#endif
+  return {};
+}
+
+}  // namespace hbmio
+
+namespace hbmio::cuda {
+
+#ifdef HBMIO_HAVE_CUDA
+namespace {
+void check(cudaError_t err, const ErrorContext& context, const char* call) {
+  if (err == cudaSuccess) return;
+  throw Error(std::error_code(static_cast<int>(err), cuda_category()), context, call);
+}
+void require_device(const ErrorContext& context) {
+  if (cuda_device_count() == 0) throw Error(errno_code(ENODEV), context, cuda_unavailable_reason());
+}
+}  // namespace
+
+bool available() noexcept { return cuda_device_count() > 0; }
+
+void set_device(int device, const ErrorContext& context) {
+  require_device(context);
+  if (device < 0 || device >= cuda_device_count())
+    throw Error(errno_code(ENODEV), context, fmt::format("cuda:{} does not exist ({} device(s))", device, cuda_device_count()));
+  check(cudaSetDevice(device), context, "cudaSetDevice");
+}
+
+void check_device_pointer(const void* ptr, int device, const ErrorContext& context) {
+  require_device(context);
+  cudaPointerAttributes attributes{};
+  check(cudaPointerGetAttributes(&attributes, ptr), context, "cudaPointerGetAttributes");
+  if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged)
+    throw Error(errno_code(EINVAL), context, fmt::format("{} is not CUDA device memory", ptr));
+  if (attributes.device != device)
+    throw Error(errno_code(EINVAL), context, fmt::format("{} is memory of cuda:{}, not cuda:{}", ptr, attributes.device, device));
+}
+
+void* malloc_device(std::size_t size, int device, const ErrorContext& context) {
+  set_device(device, context);
+  void* ptr = nullptr;
+  check(cudaMalloc(&ptr, size), context, "cudaMalloc");
+  return ptr;
+}
+void free_device(void* ptr) noexcept { if (ptr) (void)cudaFree(ptr); }
+
+void* malloc_host_pinned(std::size_t size, const ErrorContext& context) {
+  require_device(context);
+  void* ptr = nullptr;
+  check(cudaHostAlloc(&ptr, size, cudaHostAllocPortable), context, "cudaHostAlloc");
+  return ptr;
+}
+void free_host_pinned(void* ptr) noexcept { if (ptr) (void)cudaFreeHost(ptr); }
+
+void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
+  check(cudaMemcpy(dst, src, size, cudaMemcpyDefault), context, "cudaMemcpy");
+}
+void memset_device(void* dst, int value, std::size_t size, const ErrorContext& context) {
+  check(cudaMemset(dst, value, size), context, "cudaMemset");
+}
+
+Stream::Stream(int device, const ErrorContext& context) : device_(device) {
+  set_device(device, context);
+  cudaStream_t stream = nullptr;
+  // Non-blocking: our copies must not serialise against work on the legacy default stream.
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), context, "cudaStreamCreate");
+  handle_ = stream;
+}
+Stream::~Stream() {
+  if (handle_) {
+    synchronize_noexcept();
+    (void)cudaStreamDestroy(static_cast<cudaStream_t>(handle_));
+  }
+}
+Stream::Stream(Stream&& other) noexcept
+    : handle_(std::exchange(other.handle_, nullptr)), device_(std::exchange(other.device_, -1)) {}
+Stream& Stream::operator=(Stream&& other) noexcept {
+  if (this != &other) {
+    Stream old(std::move(*this));
+    handle_ = std::exchange(other.handle_, nullptr);
+    device_ = std::exchange(other.device_, -1);
+  }
+  return *this;
+}
+void Stream::copy_to_device_async(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
+  check(cudaMemcpyAsync(dst, src, size, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(handle_)), context,
+        "cudaMemcpyAsync (host to device)");
+}
+void Stream::copy_to_host_async(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
+  check(cudaMemcpyAsync(dst, src, size, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(handle_)), context,
+        "cudaMemcpyAsync (device to host)");
+}
+void Stream::synchronize(const ErrorContext& context) {
+  check(cudaStreamSynchronize(static_cast<cudaStream_t>(handle_)), context, "cudaStreamSynchronize");
+}
+void Stream::synchronize_noexcept() noexcept {
+  if (handle_) (void)cudaStreamSynchronize(static_cast<cudaStream_t>(handle_));
+}
+
+Event::Event(const ErrorContext& context) {
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), context, "cudaEventCreate");
+  handle_ = event;
+}
+Event::~Event() {
+  if (handle_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(handle_));
+}
+Event::Event(Event&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    Event old(std::move(*this));
+    handle_ = std::exchange(other.handle_, nullptr);
+  }
+  return *this;
+}
+void Event::record(const Stream& stream, const ErrorContext& context) {
+  check(cudaEventRecord(static_cast<cudaEvent_t>(handle_), static_cast<cudaStream_t>(stream.handle())), context,
+        "cudaEventRecord");
+}
+bool Event::ready(const ErrorContext& context) {
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(handle_));
+  if (err == cudaErrorNotReady) return false;
+  check(err, context, "cudaEventQuery");
+  return true;
+}
+void Event::synchronize(const ErrorContext& context) {
+  check(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_)), context, "cudaEventSynchronize");
+}
+
+#else  // built without CUDA: every entry point says so.
+
+namespace {
+[[noreturn]] void no_cuda(const ErrorContext& context) {
+  throw Error(errno_code(ENOTSUP), context, cuda_unavailable_reason());
+}
+}  // namespace
+
+bool available() noexcept { return false; }
+void set_device(int, const ErrorContext& context) { no_cuda(context); }
+void check_device_pointer(const void*, int, const ErrorContext& context) { no_cuda(context); }
+void* malloc_device(std::size_t, int, const ErrorContext& context) { no_cuda(context); }
+void free_device(void*) noexcept {}
+void* malloc_host_pinned(std::size_t, const ErrorContext& context) { no_cuda(context); }
+void free_host_pinned(void*) noexcept {}
+void memcpy_sync(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
+void memset_device(void*, int, std::size_t, const ErrorContext& context) { no_cuda(context); }
+Stream::Stream(int, const ErrorContext& context) { no_cuda(context); }
+Stream::~Stream() = default;
+Stream::Stream(Stream&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)), device_(other.device_) {}
+Stream& Stream::operator=(Stream&& other) noexcept {
+  handle_ = std::exchange(other.handle_, nullptr);
+  device_ = other.device_;
+  return *this;
+}
+void Stream::copy_to_device_async(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
+void Stream::copy_to_host_async(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
+void Stream::synchronize(const ErrorContext& context) { no_cuda(context); }
+void Stream::synchronize_noexcept() noexcept {}
+Event::Event(const ErrorContext& context) { no_cuda(context); }
+Event::~Event() = default;
+Event::Event(Event&& other) noexcept : handle_(std::exchange(other.handle_, nullptr)) {}
+Event& Event::operator=(Event&& other) noexcept {
+  handle_ = std::exchange(other.handle_, nullptr);
+  return *this;
+}
+void Event::record(const Stream&, const ErrorContext& context) { no_cuda(context); }
+bool Event::ready(const ErrorContext& context) { no_cuda(context); }
+void Event::synchronize(const ErrorContext& context) { no_cuda(context); }
+
+#endif
+
+}  // namespace hbmio::cuda

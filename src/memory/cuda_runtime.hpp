@@ -1,0 +1,72 @@
+// The thin layer over the CUDA runtime that the rest of the library uses. Every function exists
+// in builds without CUDA too: there, they throw Error(ENOTSUP, "built without CUDA"), so callers
+// need no #ifdefs. Errors become hbmio::Error (cuda_category) here, at one boundary.
+#pragma once
+
+#include <cstddef>
+#include <string>
+
+#include "hbmio/error.hpp"
+
+namespace hbmio::cuda {
+
+// Opaque handles (cudaStream_t / cudaEvent_t) so that headers need no CUDA include.
+using StreamHandle = void*;
+using EventHandle = void*;
+
+bool available() noexcept;  // built with CUDA and at least one device
+void set_device(int device, const ErrorContext& context);
+// Throws unless `ptr` is device memory on `device` (cudaPointerGetAttributes).
+void check_device_pointer(const void* ptr, int device, const ErrorContext& context);
+
+void* malloc_device(std::size_t size, int device, const ErrorContext& context);
+void free_device(void* ptr) noexcept;
+void* malloc_host_pinned(std::size_t size, const ErrorContext& context);  // portable
+void free_host_pinned(void* ptr) noexcept;
+
+void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context);
+void memset_device(void* dst, int value, std::size_t size, const ErrorContext& context);
+
+// Move-only stream + the events of one worker, all on one device.
+class Stream {
+ public:
+  Stream() = default;
+  Stream(int device, const ErrorContext& context);
+  ~Stream();
+  Stream(Stream&& other) noexcept;
+  Stream& operator=(Stream&& other) noexcept;
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  bool valid() const noexcept { return handle_ != nullptr; }
+  int device() const noexcept { return device_; }
+  StreamHandle handle() const noexcept { return handle_; }
+  void copy_to_device_async(void* dst, const void* src, std::size_t size, const ErrorContext& context);
+  void copy_to_host_async(void* dst, const void* src, std::size_t size, const ErrorContext& context);
+  void synchronize(const ErrorContext& context);
+  void synchronize_noexcept() noexcept;
+
+ private:
+  StreamHandle handle_ = nullptr;
+  int device_ = -1;
+};
+
+class Event {
+ public:
+  Event() = default;
+  explicit Event(const ErrorContext& context);  // timing disabled: cheapest to record and query
+  ~Event();
+  Event(Event&& other) noexcept;
+  Event& operator=(Event&& other) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  void record(const Stream& stream, const ErrorContext& context);
+  bool ready(const ErrorContext& context);  // cudaEventQuery
+  void synchronize(const ErrorContext& context);
+
+ private:
+  EventHandle handle_ = nullptr;
+};
+
+}  // namespace hbmio::cuda

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# End-to-end checks of the hbmio command: exit codes, messages naming the file, valid JSON.
+set -euo pipefail
+hbmio="$1"
+dir=$(mktemp -d "${HBMIO_TEST_DIR:-/var/tmp}/hbmio-cli-XXXXXX")
+trap 'rm -rf "$dir"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$hbmio" --version | grep -q '^hbmio [0-9]' || fail "--version"
+"$hbmio" --help | grep -q 'backends' || fail "--help lists the subcommands"
+"$hbmio" read --help | grep -q -- '--into' || fail "read --help"
+
+"$hbmio" write "$dir/a.bin" --size 3MiB --seed 7 --sync --verify >/dev/null || fail "write --verify"
+[ "$(stat -c %s "$dir/a.bin")" = 3145728 ] || fail "written size"
+for b in posix uring auto; do
+  "$hbmio" read "$dir/a.bin" --backend $b --into pinned --offset 4097 --verify --json "$dir/r.json" >/dev/null \
+    || fail "read --backend $b"
+  python3 -c "
+import json,sys; j=json.load(open('$dir/r.json'))
+assert j['verified'] is True and j['length']==3145728-4097 and j['stats']['bytes']==j['length'], j
+assert j['stats']['backend'] in ('posix','uring'), j" || fail "read JSON ($b)"
+done
+
+"$hbmio" backends --json - | python3 -c "
+import json,sys; j=json.load(sys.stdin); names=[b['name'] for b in j['backends']]
+assert names==['posix','uring','cufile','auto'], names
+assert all(b['detail'] for b in j['backends'])" || fail "backends --json"
+
+# Errors: non-zero exit, message names the file and the cause.
+out=$("$hbmio" read "$dir/missing.bin" 2>&1) && fail "missing file accepted"
+grep -q "missing.bin" <<<"$out" && grep -q "No such file" <<<"$out" || fail "missing file message: $out"
+out=$("$hbmio" read "$dir/a.bin" --offset 3MiB --length 1 2>&1) && fail "read past EOF accepted"
+grep -q "past the end" <<<"$out" || fail "past-EOF message: $out"
+out=$("$hbmio" read "$dir/a.bin" --backend warp 2>&1) && fail "unknown backend accepted"
+grep -q "unknown backend" <<<"$out" || fail "unknown backend message: $out"
+out=$("$hbmio" read "$dir/a.bin" --into disk 2>&1) && fail "bad --into accepted"
+grep -q "host, pinned or cuda:N" <<<"$out" || fail "bad --into message: $out"
+echo "cli: all checks passed"

@@ -1,0 +1,107 @@
+// Options, sizes, memory locations, buffers: the small pieces everything else relies on.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "test_support.hpp"
+
+namespace hbmio::test {
+namespace {
+
+TEST(Sizes, ParseAndFormat) {
+  EXPECT_EQ(parse_size("4096"), 4096u);
+  EXPECT_EQ(parse_size("64K"), 65536u);
+  EXPECT_EQ(parse_size("4MiB"), 4u << 20);
+  EXPECT_EQ(parse_size("1.5G"), 3u << 29);
+  EXPECT_EQ(parse_size("2gib"), std::uint64_t{2} << 30);
+  for (const char* bad : {"", "x", "4X", "-1", "1.5", "nan", "1e30T"}) EXPECT_THROW(parse_size(bad), Error) << bad;
+  EXPECT_EQ(format_size(512), "512 B");
+  EXPECT_EQ(format_size(3u << 29), "1.50 GiB");
+}
+
+TEST(MemoryLocations, ParseAndPrint) {
+  EXPECT_EQ(MemoryLocation::parse("host"), (MemoryLocation{MemoryKind::host, 0}));
+  EXPECT_EQ(MemoryLocation::parse("pinned"), (MemoryLocation{MemoryKind::pinned, 0}));
+  EXPECT_EQ(MemoryLocation::parse("cuda:3"), (MemoryLocation{MemoryKind::device, 3}));
+  EXPECT_EQ(MemoryLocation::parse("cuda:3").to_string(), "cuda:3");
+  for (const char* bad : {"", "gpu0", "cuda:", "cuda:x", "cuda:-1", "disk"}) EXPECT_THROW(MemoryLocation::parse(bad), Error) << bad;
+}
+
+TEST(Options, EnvironmentOverridesDefaults) {
+  ::setenv("HBMIO_CHUNK_SIZE", "32MiB", 1);
+  ::setenv("HBMIO_QUEUE_DEPTH", "16", 1);
+  ::setenv("HBMIO_DIRECT_IO", "off", 1);
+  const Options o = Options::from_env();
+  EXPECT_EQ(o.chunk_size, 32u << 20);
+  EXPECT_EQ(o.queue_depth, 16u);
+  EXPECT_EQ(o.direct_io, DirectIo::off);
+  ::setenv("HBMIO_BOUNCE_BUFFER_SIZE", "lots", 1);
+  try {
+    Options::from_env();
+    ADD_FAILURE() << "malformed variable accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("HBMIO_BOUNCE_BUFFER_SIZE"), std::string::npos) << e.what();
+  }
+  for (const char* v : {"HBMIO_CHUNK_SIZE", "HBMIO_QUEUE_DEPTH", "HBMIO_DIRECT_IO", "HBMIO_BOUNCE_BUFFER_SIZE"}) ::unsetenv(v);
+}
+
+TEST(Options, ValidationNamesTheField) {
+  Options o;
+  o.bounce_buffer_size = 1000;
+  try {
+    o.validate();
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bounce_buffer_size"), std::string::npos);
+  }
+  o = Options{};
+  o.chunk_size = o.bounce_buffer_size + 4096;
+  EXPECT_THROW(o.validate(), Error);
+  EXPECT_GE(Options{}.resolved_workers(), 1u);
+}
+
+TEST(Buffers, HostAndPinnedAreAlignedAndCounted) {
+  const MemoryCounters before = memory_counters();
+  {
+    Buffer host = Buffer::allocate({MemoryKind::host}, 10000);
+    Buffer pinned = Buffer::allocate({MemoryKind::pinned}, 10000);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(host.data()) % 4096, 0u);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(pinned.data()) % 4096, 0u);
+    EXPECT_EQ(memory_counters().host_buffers, before.host_buffers + 1);
+    EXPECT_EQ(memory_counters().pinned_bytes, before.pinned_bytes + 10000);
+    Buffer moved = std::move(host);
+    EXPECT_EQ(host.data(), nullptr);
+    EXPECT_EQ(moved.size(), 10000u);
+  }
+  EXPECT_EQ(memory_counters().host_buffers, before.host_buffers);
+  EXPECT_EQ(memory_counters().pinned_buffers, before.pinned_buffers);
+}
+
+TEST(Buffers, SubspanChecksBounds) {
+  Buffer b = Buffer::allocate({MemoryKind::host}, 100);
+  EXPECT_EQ(b.span().subspan(10, 90).size, 90u);
+  EXPECT_THROW(b.span().subspan(10, 91), Error);
+}
+
+TEST(Files, DirectIoAlignmentIsReported) {
+  TempDir dir;
+  write_file(dir.file("f"), random_bytes(10, 1));
+  File f = File::open(dir.file("f"), OpenMode::read);
+  EXPECT_EQ(f.size(), 10u);
+  if (f.direct_io().supported) {
+    EXPECT_GT(f.direct_io().offset_alignment, 0u);
+    EXPECT_LE(f.direct_io().offset_alignment, 4096u);
+  } else {
+    EXPECT_FALSE(f.direct_io().reason.empty());
+  }
+}
+
+TEST(Backends, ProbeNamesEveryBackendWithAReason) {
+  const auto statuses = probe_backends();
+  ASSERT_EQ(statuses.size(), 4u);
+  for (const auto& s : statuses) EXPECT_FALSE(s.detail.empty()) << s.name;
+  EXPECT_TRUE(statuses[0].available);  // posix always works
+}
+
+}  // namespace
+}  // namespace hbmio::test

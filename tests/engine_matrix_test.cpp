@@ -1,0 +1,147 @@
+// Every backend x memory kind x O_DIRECT mode x offsets and lengths around every boundary the
+// engines care about (4 KiB blocks, bounce buffers, chunks), compared byte for byte with pread.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <tuple>
+
+#include "test_support.hpp"
+
+namespace hbmio::test {
+namespace {
+
+constexpr std::size_t kBounce = 64 << 10, kChunk = 256 << 10;
+
+std::vector<std::size_t> lengths() {
+  return {0, 1, 4095, 4096, 4097, kBounce - 1, kBounce, kBounce + 1, kChunk - 1, kChunk, kChunk + 1, 3 * kChunk + 12345};
+}
+std::vector<std::uint64_t> offsets() { return {0, 1, 4096, 4097, kBounce - 1, kChunk + 512}; }
+
+using Case = std::tuple<std::string, std::string, DirectIo>;  // backend, memory, direct
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  std::string memory = std::get<1>(info.param);
+  for (auto& c : memory)
+    if (c == ':') c = '_';
+  return fmt::format("{}_{}_direct_{}", std::get<0>(info.param), memory, to_string(std::get<2>(info.param)));
+}
+
+// Reads every (offset, length) with one engine and compares with pread.
+void read_matrix(const Case& param) {
+  const auto& [backend, memory, direct] = param;
+  TempDir dir;
+  const std::string path = dir.file("data.bin");
+  const std::size_t file_size = 4 * kChunk + kChunk / 2 + 777;  // not a block multiple
+  write_file(path, random_bytes(file_size, 42));
+  auto engine = make_engine(backend, small_options(direct));
+  File file = File::open(path, OpenMode::read);
+  const MemoryLocation where = MemoryLocation::parse(memory);
+  for (std::uint64_t offset : offsets()) {
+    for (std::size_t length : lengths()) {
+      if (offset + length > file_size) continue;
+      SCOPED_TRACE(fmt::format("offset {} length {}", offset, length));
+      // One byte of slack on each side, poisoned: a read must not write outside its span.
+      Buffer buffer = Buffer::allocate(where, length + 2);
+      fill_memory(buffer.span(), std::byte{0xA5});
+      const MemorySpan span = buffer.span().subspan(1, length);
+      const Stats stats = engine->read(file, offset, span);
+      EXPECT_EQ(stats.bytes, length);
+      EXPECT_EQ(stats.bytes_direct + stats.bytes_buffered, length);
+      const auto got = to_host(buffer.span());
+      ASSERT_EQ(first_mismatch(std::vector<std::byte>(got.begin() + 1, got.end() - 1), pread_range(path, offset, length)), -1);
+      ASSERT_EQ(got.front(), std::byte{0xA5});
+      ASSERT_EQ(got.back(), std::byte{0xA5});
+      if (backend == "uring" && direct == DirectIo::off) {
+        EXPECT_EQ(stats.bytes_direct, 0u);
+      }
+    }
+  }
+}
+
+// Writes every (offset, length) into a prefilled file; bytes around the range must stay.
+void write_matrix(const Case& param) {
+  const auto& [backend, memory, direct] = param;
+  TempDir dir;
+  const std::string path = dir.file("data.bin");
+  const std::size_t file_size = 4 * kChunk + 777;
+  auto engine = make_engine(backend, small_options(direct));
+  const MemoryLocation where = MemoryLocation::parse(memory);
+  std::uint64_t seed = 1;
+  for (std::uint64_t offset : offsets()) {
+    for (std::size_t length : lengths()) {
+      if (offset + length > file_size) continue;
+      SCOPED_TRACE(fmt::format("offset {} length {}", offset, length));
+      auto expected = random_bytes(file_size, seed++);
+      write_file(path, expected);
+      const auto data = random_bytes(length, seed++);
+      std::copy(data.begin(), data.end(), expected.begin() + static_cast<std::ptrdiff_t>(offset));
+      Buffer buffer = Buffer::allocate(where, length);
+      copy_memory(buffer.span(), {const_cast<std::byte*>(data.data()), data.size(), {}});
+      {
+        File file = File::open(path, OpenMode::read_write);
+        const Stats stats = engine->write(file, offset, buffer.span());
+        EXPECT_EQ(stats.bytes, length);
+      }
+      ASSERT_EQ(first_mismatch(pread_range(path, 0, file_size), expected), -1);
+    }
+  }
+}
+
+class HostReadMatrix : public testing::TestWithParam<Case> {};
+TEST_P(HostReadMatrix, MatchesPread) { read_matrix(GetParam()); }
+class HostWriteMatrix : public testing::TestWithParam<Case> {};
+TEST_P(HostWriteMatrix, ReadsBackIdentical) { write_matrix(GetParam()); }
+
+const auto kHostCases = testing::Combine(testing::Values("posix", "uring", "auto"), testing::Values("host", "pinned"),
+                                         testing::Values(DirectIo::off, DirectIo::on, DirectIo::automatic));
+INSTANTIATE_TEST_SUITE_P(Backends, HostReadMatrix, kHostCases, case_name);
+INSTANTIATE_TEST_SUITE_P(Backends, HostWriteMatrix, kHostCases, case_name);
+
+// The same on GPU memory (ctest label "gpu"); skipped with the reason where there is no GPU.
+class GpuReadMatrix : public testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  }
+};
+TEST_P(GpuReadMatrix, MatchesPread) { read_matrix(GetParam()); }
+class GpuWriteMatrix : public GpuReadMatrix {};
+TEST_P(GpuWriteMatrix, ReadsBackIdentical) { write_matrix(GetParam()); }
+
+const auto kGpuCases = testing::Combine(testing::Values("posix", "uring", "auto"), testing::Values("cuda:0"),
+                                        testing::Values(DirectIo::off, DirectIo::on, DirectIo::automatic));
+INSTANTIATE_TEST_SUITE_P(Backends, GpuReadMatrix, kGpuCases, case_name);
+INSTANTIATE_TEST_SUITE_P(Backends, GpuWriteMatrix, kGpuCases, case_name);
+
+// Past 2 GiB and 4 GiB offsets: a sparse file with random data at the places that matter.
+class LargeFile : public testing::TestWithParam<std::string> {};
+TEST_P(LargeFile, SparseMultiGiBReadMatchesPread) {
+  TempDir dir;
+  const std::string path = dir.file("sparse.bin");
+  const std::uint64_t size = (std::uint64_t{5} << 30) / 2 + 4097;  // 2.5 GiB + 4097
+  {
+    File file = File::open(path, OpenMode::write);
+    file.truncate(size);
+    for (std::uint64_t at : {std::uint64_t{0}, (std::uint64_t{1} << 31) - 5000, std::uint64_t{1} << 31, size - 9000}) {
+      const auto block = random_bytes(9000, at);
+      ASSERT_EQ(::pwrite(file.fd(), block.data(), block.size(), static_cast<off_t>(at)), 9000);
+    }
+  }
+  Options options;
+  options.direct_io = DirectIo::on;
+  auto engine = make_engine(GetParam(), options);
+  File file = File::open(path, OpenMode::read);
+  Buffer buffer = Buffer::allocate({MemoryKind::host}, size - 1);
+  engine->read(file, 1, buffer.span());
+  const std::size_t step = 64 << 20;
+  for (std::uint64_t at = 1; at < size; at += step) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(step, size - at));
+    const auto expected = pread_range(path, at, n);
+    ASSERT_EQ(std::memcmp(buffer.data() + (at - 1), expected.data(), n), 0) << "in the 64 MiB block at " << at;
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Backends, LargeFile, testing::Values("posix", "uring"));
+
+}  // namespace
+}  // namespace hbmio::test

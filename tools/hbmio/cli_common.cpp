@@ -1,0 +1,71 @@
+#include "cli_common.hpp"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include <fmt/format.h>
+
+namespace hbmio::cli {
+
+Progress::Progress(std::string label, std::uint64_t total) : label_(std::move(label)), total_(total) {
+  if (!::isatty(STDERR_FILENO) || total_ == 0) return;
+  thread_ = std::thread([this] {
+    const auto start = std::chrono::steady_clock::now();
+    bool shown = false;
+    while (!stop_.load()) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      const auto done = done_.load();
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      fmt::print(stderr, "\r{}  {} / {}  ({:.0f}%)  {:.2f} GiB/s   ", label_, format_size(done), format_size(total_),
+                 100.0 * static_cast<double>(done) / static_cast<double>(total_),
+                 seconds > 0 ? static_cast<double>(done) / seconds / (1 << 30) : 0.0);
+      std::fflush(stderr);
+      shown = true;
+    }
+    if (shown) fmt::print(stderr, "\r\033[K");
+  });
+}
+
+Progress::~Progress() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+nlohmann::json to_json(const Stats& s) {
+  return {{"backend", s.backend},
+          {"bytes", s.bytes},
+          {"seconds", s.seconds},
+          {"gib_per_second", s.gib_per_second()},
+          {"cpu_seconds", s.cpu_seconds},
+          {"bytes_direct", s.bytes_direct},
+          {"bytes_buffered", s.bytes_buffered},
+          {"direct_io", s.used_direct_io()},
+          {"bounce_copies", s.bounce_copies},
+          {"workers", s.workers},
+          {"note", s.note}};
+}
+
+std::string summary_line(const Stats& s) {
+  std::string direct = s.bytes == 0                 ? "-"
+                       : s.bytes_direct == s.bytes  ? "O_DIRECT"
+                       : s.bytes_direct == 0        ? "page cache"
+                                                    : fmt::format("{:.0f}% O_DIRECT", 100.0 * static_cast<double>(s.bytes_direct) / static_cast<double>(s.bytes));
+  return fmt::format("{:<7} {:>10} in {:8.3f} s  {:7.2f} GiB/s  cpu {:6.2f} s  {}{}{}", s.backend, format_size(s.bytes),
+                     s.seconds, s.gib_per_second(), s.cpu_seconds, direct, s.note.empty() ? "" : "  ", s.note);
+}
+
+void write_json(const nlohmann::json& j, const std::string& path) {
+  if (path == "-") {
+    std::cout << j.dump(2) << std::endl;
+    return;
+  }
+  std::ofstream out(path);
+  out << j.dump(2) << '\n';
+  if (!out) throw Error(errno_code(EIO), {.op = "write", .path = path}, "could not write JSON output");
+}
+
+}  // namespace hbmio::cli
