@@ -146,6 +146,19 @@ TEST_P(Errors, EveryCallFailingInTurnLeavesNoLeak) {
           EXPECT_EQ(e.context().backend, served_by());
           EXPECT_EQ(e.context().path, path_);
           EXPECT_NE(std::string(e.what()).find("Input/output error"), std::string::npos) << e.what();
+          // The same engine serves the next request exactly: nothing of the failed one lingers.
+          Buffer poisoned = Buffer::allocate({MemoryKind::host}, 1 << 20);
+          fill_memory(poisoned.span(), std::byte{0x5A});
+          File reader = File::open(path_, OpenMode::read);
+          engine->read(reader, 4096, poisoned.span().subspan(8192, 4096));
+          const auto got = to_host(poisoned.span());
+          EXPECT_EQ(std::memcmp(got.data() + 8192, pread_range(path_, 4096, 4096).data(), 4096), 0);
+          for (std::size_t i = 0; i < got.size(); ++i) {
+            if ((i < 8192 || i >= 8192 + 4096) && got[i] != std::byte{0x5A}) {
+              ADD_FAILURE() << "byte " << i << " outside the span was written";
+              break;
+            }
+          }
         }
       }
       EXPECT_EQ(open_fd_count(), fds_before);

@@ -26,8 +26,11 @@ class Error : public std::system_error {
 
   const ErrorContext& context() const noexcept { return context_; }
   const std::string& detail() const noexcept { return detail_; }
+  // "read of /data/x.bin [offset 4096, length 1048576] via uring: Input/output error (detail)"
+  const char* what() const noexcept override { return message_.c_str(); }
 
  private:
+  std::string message_;  // std::system_error's own what() would append the code's message twice
   ErrorContext context_;
   std::string detail_;
 };

@@ -13,6 +13,9 @@
 //   HBMIO_WORKERS               workers             0 (auto)  threads; auto = min(cores, 16)
 //   HBMIO_DIRECT_IO             direct_io           auto      on | off | auto (page-cache residency)
 //
+// Outside Options: HBMIO_CUFILE_LIBRARY (the libcufile to load, instead of searching), and
+// libcufile's own CUFILE_ENV_PATH_JSON / CUFILE_EXPERIMENTAL_FS (see README, "cuFile in containers").
+//
 // Sizes accept suffixes: 4096, 64K, 4MiB, 1G, 2GiB (binary multiples).
 #pragma once
 

@@ -19,6 +19,9 @@ std::string describe(const std::error_code& code, const ErrorContext& c, const s
 }  // namespace
 
 Error::Error(std::error_code code, ErrorContext context, const std::string& detail)
-    : std::system_error(code, describe(code, context, detail)), context_(std::move(context)), detail_(detail) {}
+    : std::system_error(code),
+      message_(describe(code, context, detail)),
+      context_(std::move(context)),
+      detail_(detail) {}
 
 }  // namespace hbmio

@@ -91,6 +91,7 @@ struct Op {
 // State of one request, shared by its workers.
 struct Job {
   const IoRequest* request = nullptr;
+  ErrorContext context;         // built once: hot paths pass it by reference
   Options options;
   std::uint64_t grid_base = 0;  // round_down(offset, 4 KiB): chunk and piece boundaries lie on it
   std::uint64_t chunks = 0;
@@ -100,7 +101,8 @@ struct Job {
   std::atomic<bool> failed{false};
   std::atomic<std::uint64_t> bytes_direct{0}, bytes_buffered{0}, bounce_copies{0};
   std::atomic<std::uint64_t> chunks_cached{0}, chunks_cold{0};
-  const char* residency_method = "none";
+  std::atomic<const char*> residency_method{"none"};
+  std::atomic<int> fixed_buffer_errno{0};  // why the slots could not be registered, if so
   std::mutex error_mutex;
   std::exception_ptr error;
 
@@ -120,6 +122,12 @@ class Worker {
   // job.fail(), after every I/O of this worker has completed and every copy has finished.
   void run(Job& job) noexcept {
     job_ = &job;
+    // Nothing of an earlier request may carry over (a request that failed elsewhere leaves
+    // this worker's chunk half done).
+    cursor_ = chunk_end_ = 0;
+    chunk_direct_ = false;
+    retry_.clear();
+    reset_ops();
     try {
       prepare(job);
       loop();
@@ -134,12 +142,12 @@ class Worker {
 
  private:
   ErrorContext context(std::uint64_t offset, std::uint64_t length) const {
-    ErrorContext c = context_of(*job_->request, "uring");
+    ErrorContext c = job_->context;
     c.offset = offset;
     c.length = length;
     return c;
   }
-  ErrorContext context() const { return context_of(*job_->request, "uring"); }
+  const ErrorContext& context() const { return job_->context; }
 
   void fault_point(FaultSite site, const char* what) {
     if (const int err = inject(faults_, site, what)) throw Error(errno_code(err), context(), fmt::format("{} (injected)", what));
@@ -156,7 +164,8 @@ class Worker {
     }
     const bool need_cuda_pinned = job.device;
     if (pool_.data() == nullptr || (need_cuda_pinned && !pool_.cuda_registered())) {
-      if (pool_.data() != nullptr) io_uring_unregister_buffers(ring_->get());
+      if (fixed_buffers_) io_uring_unregister_buffers(ring_->get());
+      fixed_buffers_ = false;
       slots_.clear();
       pool_ = Buffer();
       events_ready_ = false;
@@ -172,14 +181,20 @@ class Worker {
         slots_[i].data = pool_.data() + i * slot_bytes;
         iovecs[i] = {slots_[i].data, slot_bytes};
       }
-      fault_point(FaultSite::setup, "io_uring_register_buffers");
-      const int r = io_uring_register_buffers(ring_->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
-      if (r < 0) {
+      int r = -inject(faults_, FaultSite::setup, "io_uring_register_buffers");
+      if (r == 0) r = io_uring_register_buffers(ring_->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
+      fixed_buffers_ = r == 0;
+      fixed_buffer_errno_ = -r;
+      if (r == -EOPNOTSUPP || r == -ENOMEM) {
+        // Old kernels refuse some memory as fixed buffers (or count it against RLIMIT_MEMLOCK):
+        // the slots then work as plain buffers, at the cost of pinning pages per I/O.
+      } else if (r < 0) {
         slots_.clear();
         pool_ = Buffer();
         throw Error(errno_code(-r), ctx, "io_uring_register_buffers");
       }
     }
+    if (!fixed_buffers_) job_->fixed_buffer_errno.store(fixed_buffer_errno_);
     if (job.device) {
       const int device = job.request->memory.location.device;
       cuda::set_device(device, ctx);
@@ -209,7 +224,10 @@ class Worker {
         continue;
       }
       const int r = io_uring_submit_and_wait(ring, 1);
-      if (r < 0 && r != -EINTR) throw Error(errno_code(-r), context(), "io_uring_submit_and_wait");
+      // EINTR: a signal; EAGAIN/EBUSY: the kernel is short of resources or the completion queue
+      // is full. Reaping completions below and entering again resolves all three.
+      if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY)
+        throw Error(errno_code(-r), context(), "io_uring_submit_and_wait");
       if (r >= 0) pending_sqes_ = 0;
       io_uring_cqe* cqe = nullptr;
       while (io_uring_peek_cqe(ring, &cqe) == 0 && cqe != nullptr) {
@@ -229,7 +247,17 @@ class Worker {
       io_uring* ring = ring_->get();
       while (in_flight_ > 0 || pending_sqes_ > 0) {
         const int r = io_uring_submit_and_wait(ring, in_flight_ > 0 ? 1 : 0);
-        if (r < 0 && r != -EINTR) break;  // the ring itself is broken; its teardown waits for I/O
+        if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) {
+          // The ring itself is broken. Destroying it waits for (or cancels) its I/O, so no
+          // read lands in memory the caller frees after we return; the next request makes a
+          // new ring and registers the slots again.
+          if (fixed_buffers_) io_uring_unregister_buffers(ring);
+          ring_.reset();
+          fixed_buffers_ = false;
+          slots_.clear();
+          pool_ = Buffer();
+          break;
+        }
         if (r >= 0) pending_sqes_ = 0;
         io_uring_cqe* cqe = nullptr;
         while (io_uring_peek_cqe(ring, &cqe) == 0 && cqe != nullptr) {
@@ -259,7 +287,7 @@ class Worker {
     chunk_direct_ = job_->alignment != 0;
     if (chunk_direct_ && options_.direct_io == DirectIo::automatic && request.op == IoOp::read) {
       const Residency residency = page_cache_residency(request.file->fd(), begin, end - begin);
-      job_->residency_method = residency.method;
+      job_->residency_method.store(residency.method, std::memory_order_relaxed);
       chunk_direct_ = residency.fraction() < 0.5;
       (chunk_direct_ ? job_->chunks_cold : job_->chunks_cached)++;
     }
@@ -306,6 +334,12 @@ class Worker {
     cursor_ = q;
     const int index = allocate_op(op);
     submit_op(index);
+    if (!read) {
+      // A write's data may have taken a blocking copy from the GPU to be ready: start the disk
+      // on it now instead of after the next pieces' copies.
+      io_uring_submit(ring_->get());
+      pending_sqes_ = 0;
+    }
     return true;
   }
 
@@ -396,7 +430,7 @@ class Worker {
     const auto len = static_cast<unsigned>(op.length - op.done);
     const auto pos = op.file_pos + op.done;
     const bool read = job_->request->op == IoOp::read;
-    if (op.slot >= 0) {
+    if (op.slot >= 0 && fixed_buffers_) {
       if (read) io_uring_prep_read_fixed(sqe, op.fd, buf, len, pos, op.slot);
       else io_uring_prep_write_fixed(sqe, op.fd, buf, len, pos, op.slot);
     } else {
@@ -480,6 +514,8 @@ class Worker {
   std::uint64_t cursor_ = 0, chunk_end_ = 0;
   bool chunk_direct_ = false;
   bool events_ready_ = false;
+  bool fixed_buffers_ = false;  // slots registered with the ring
+  int fixed_buffer_errno_ = 0;
 };
 
 class UringEngine final : public Engine {
@@ -503,6 +539,7 @@ class UringEngine final : public Engine {
 
     Job job;
     job.request = &request;
+    job.context = context_of(request, name());
     job.options = options_;
     job.device = request.memory.kind() == MemoryKind::device;
     job.grid_base = round_down(request.offset, kSlotAlignment);
@@ -533,7 +570,10 @@ class UringEngine final : public Engine {
     stats.workers = count;
     if (job.chunks_cached + job.chunks_cold > 0)
       note += fmt::format("{}O_DIRECT auto: {} of {} chunks cold ({})", note.empty() ? "" : "; ", job.chunks_cold.load(),
-                          job.chunks_cached + job.chunks_cold, job.residency_method);
+                          job.chunks_cached + job.chunks_cold, job.residency_method.load());
+    if (const int err = job.fixed_buffer_errno.load())
+      note += fmt::format("{}bounce buffers not registered with io_uring ({}): plain reads", note.empty() ? "" : "; ",
+                          std::strerror(err));
     stats.note = note;
     timer.finish(stats);
     return stats;
