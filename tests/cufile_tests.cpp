@@ -374,6 +374,7 @@ class CufileGpu : public ::testing::Test {
   static hbmio::Options small_chunks() {
     hbmio::Options options;
     options.chunk_size = std::size_t{1} << 20;  // several pieces on several workers
+    options.bounce_buffer_size = std::size_t{256} << 10;
     options.workers = 4;
     return options;
   }

@@ -7,9 +7,33 @@
 #include <fstream>
 #include <iostream>
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 namespace hbmio::cli {
+
+void TuningFlags::add_to(CLI::App* app) {
+  app->add_option("--chunk-size", chunk_size, "Work unit per worker (e.g. 16MiB)")->group("Tuning");
+  app->add_option("--bounce-buffer-size", bounce_buffer_size, "Size of one storage I/O and copy (e.g. 4MiB)")->group("Tuning");
+  app->add_option("--bounce-buffers", bounce_buffers, "Pinned bounce buffers per worker")->group("Tuning");
+  app->add_option("--queue-depth", queue_depth, "I/Os in flight per worker")->group("Tuning");
+  app->add_option("--workers", workers, "Worker threads (0: min(cores, 16))")->group("Tuning");
+  app->add_option("--direct-io", direct_io, "O_DIRECT: on, off or auto (by page-cache residency)")
+      ->check(CLI::IsMember({"on", "off", "auto"}))
+      ->group("Tuning");
+}
+
+Options TuningFlags::resolve() const {
+  Options o = Options::from_env();
+  if (!chunk_size.empty()) o.chunk_size = parse_size(chunk_size);
+  if (!bounce_buffer_size.empty()) o.bounce_buffer_size = parse_size(bounce_buffer_size);
+  if (bounce_buffers) o.bounce_buffers = bounce_buffers;
+  if (queue_depth) o.queue_depth = queue_depth;
+  if (workers) o.workers = workers;
+  if (!direct_io.empty()) o.direct_io = parse_direct_io(direct_io);
+  o.validate();
+  return o;
+}
 
 Progress::Progress(std::string label, std::uint64_t total) : label_(std::move(label)), total_(total) {
   if (!::isatty(STDERR_FILENO) || total_ == 0) return;

@@ -10,7 +10,20 @@
 
 #include "hbmio/hbmio.hpp"
 
+namespace CLI {
+class App;
+}
+
 namespace hbmio::cli {
+
+// Options a user may tune from the command line; unset flags keep the HBMIO_* / default value.
+struct TuningFlags {
+  std::string chunk_size, bounce_buffer_size, direct_io;
+  unsigned bounce_buffers = 0, queue_depth = 0, workers = 0;
+
+  void add_to(CLI::App* app);
+  Options resolve() const;  // throws Error(EINVAL) on a bad value
+};
 
 // Shows "label  1.2 GiB / 4.0 GiB  (30%)  3.1 GiB/s" on stderr, refreshed while a transfer runs,
 // when stderr is a terminal. Silent otherwise, so logs and pipes stay clean.

@@ -8,39 +8,12 @@
 
 #include <fmt/format.h>
 
+#include "bench.hpp"
 #include "cli_common.hpp"
 #include "hbmio/hbmio.hpp"
 
 namespace hbmio::cli {
 namespace {
-
-// Options a user may tune from the command line; unset flags keep the HBMIO_* / default value.
-struct TuningFlags {
-  std::string chunk_size, bounce_buffer_size, direct_io;
-  unsigned bounce_buffers = 0, queue_depth = 0, workers = 0;
-
-  void add_to(CLI::App* app) {
-    app->add_option("--chunk-size", chunk_size, "Work unit per worker (e.g. 16MiB)")->group("Tuning");
-    app->add_option("--bounce-buffer-size", bounce_buffer_size, "Size of one storage I/O and copy (e.g. 4MiB)")->group("Tuning");
-    app->add_option("--bounce-buffers", bounce_buffers, "Pinned bounce buffers per worker")->group("Tuning");
-    app->add_option("--queue-depth", queue_depth, "I/Os in flight per worker")->group("Tuning");
-    app->add_option("--workers", workers, "Worker threads (0: min(cores, 16))")->group("Tuning");
-    app->add_option("--direct-io", direct_io, "O_DIRECT: on, off or auto (by page-cache residency)")
-        ->check(CLI::IsMember({"on", "off", "auto"}))
-        ->group("Tuning");
-  }
-  Options resolve() const {
-    Options o = Options::from_env();
-    if (!chunk_size.empty()) o.chunk_size = parse_size(chunk_size);
-    if (!bounce_buffer_size.empty()) o.bounce_buffer_size = parse_size(bounce_buffer_size);
-    if (bounce_buffers) o.bounce_buffers = bounce_buffers;
-    if (queue_depth) o.queue_depth = queue_depth;
-    if (workers) o.workers = workers;
-    if (!direct_io.empty()) o.direct_io = parse_direct_io(direct_io);
-    o.validate();
-    return o;
-  }
-};
 
 // Deterministic fast pseudo-random bytes (splitmix64): test data that does not compress and
 // that a re-run with the same seed reproduces.
@@ -221,6 +194,9 @@ int main(int argc, char** argv) {
   backends->add_option("--json", json, "Write the result as JSON to FILE ('-' for stdout)");
   tuning.add_to(backends);
 
+  int bench_status = 0;  // set by the bench callback, which runs inside app.parse()
+  hbmio::cli::add_bench_command(app, bench_status);
+
   app.footer(
       "Environment overrides (defaults in brackets): HBMIO_BACKEND [auto], HBMIO_CHUNK_SIZE [16MiB],\n"
       "HBMIO_BOUNCE_BUFFER_SIZE [4MiB], HBMIO_BOUNCE_BUFFERS [4], HBMIO_QUEUE_DEPTH [8],\n"
@@ -232,6 +208,7 @@ int main(int argc, char** argv) {
     if (*read) return run_read(path, into, backend, offset, length, verify, json, tuning);
     if (*write) return run_write(path, from, backend, size, offset, seed, sync, verify, json, tuning);
     if (*backends) return run_backends(json, tuning);
+    if (app.got_subcommand("bench")) return bench_status;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const hbmio::Error& e) {
