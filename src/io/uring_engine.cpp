@@ -131,12 +131,13 @@ class Worker {
     try {
       prepare(job);
       loop();
-      if (job.device) stream_.synchronize(context());
+      while (!copying_.empty()) wait_for_oldest_copy();  // the data is in GPU memory on return
     } catch (...) {
       job.fail(std::current_exception());
       drain();
     }
     for (auto& slot : slots_) slot.state = SlotState::free;
+    copying_.clear();
     job_ = nullptr;
   }
 
@@ -218,12 +219,19 @@ class Worker {
         retry_.pop_front();
       }
       while (in_flight_ < options_.queue_depth && !job_->failed && start_next_piece()) {}
-      if (in_flight_ == 0 && pending_sqes_ == 0) {
-        if (job_->failed || !have_work()) break;
-        wait_for_a_copy();  // every slot is busy copying to the GPU: wait for the oldest
-        continue;
+      if (in_flight_ == 0) break;  // no piece left (a slot is always found when none is reading)
+      // While copies to the GPU are running, wake up after 0.1 ms even without a completion: a
+      // 4 MiB copy takes about that long, and its slot should carry the next read at once
+      // rather than idle until some storage read completes (milliseconds on a disk).
+      int r;
+      if (copying_.empty()) {
+        r = io_uring_submit_and_wait(ring, 1);
+      } else {
+        __kernel_timespec timeout{.tv_sec = 0, .tv_nsec = 100'000};
+        io_uring_cqe* first = nullptr;
+        r = io_uring_submit_and_wait_timeout(ring, &first, 1, &timeout, nullptr);
+        if (r == -ETIME) r = 0;
       }
-      const int r = io_uring_submit_and_wait(ring, 1);
       // EINTR: a signal; EAGAIN/EBUSY: the kernel is short of resources or the completion queue
       // is full. Reaping completions below and entering again resolves all three.
       if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY)
@@ -272,8 +280,6 @@ class Worker {
     stream_.synchronize_noexcept();
     chunk_end_ = cursor_ = 0;
   }
-
-  bool have_work() const { return cursor_ < chunk_end_ || job_->next_chunk.load() < job_->chunks; }
 
   // Takes the next chunk from the job and decides O_DIRECT or page cache for it.
   bool next_chunk() {
@@ -380,27 +386,25 @@ class Worker {
     return true;
   }
 
+  // A free slot, or -1 when none is free yet. Copies run in order on the worker's stream, so
+  // only the oldest can have finished. With storage I/O in flight we do not block on a copy
+  // (the loop comes back within 0.1 ms, see loop()); with none, waiting for the copy is all
+  // there is to do.
   int acquire_slot() {
     for (std::size_t i = 0; i < slots_.size(); ++i)
       if (slots_[i].state == SlotState::free) return static_cast<int>(i);
-    for (std::size_t i = 0; i < slots_.size(); ++i) {
-      if (slots_[i].state == SlotState::copying && slots_[i].copied.ready(context())) {
-        slots_[i].state = SlotState::free;
-        return static_cast<int>(i);
-      }
-    }
-    return -1;
+    if (copying_.empty()) return -1;
+    if (in_flight_ > 0 && !slots_[copying_.front()].copied.ready(context())) return -1;
+    return wait_for_oldest_copy();
   }
 
-  void wait_for_a_copy() {
-    for (auto& slot : slots_) {
-      if (slot.state == SlotState::copying) {
-        slot.copied.synchronize(context());
-        slot.state = SlotState::free;
-        return;
-      }
-    }
-    throw Error(errno_code(EDEADLK), context(), "no I/O in flight and no slot to wait for (internal error)");
+  // Copies run in order on the worker's stream, so the oldest finishes first.
+  int wait_for_oldest_copy() {
+    const int slot = copying_.front();
+    slots_[slot].copied.synchronize(context());
+    copying_.pop_front();
+    slots_[slot].state = SlotState::free;
+    return slot;
   }
 
   // At most queue_depth ops exist (in flight or waiting to be resubmitted), so one is free here.
@@ -488,6 +492,7 @@ class Worker {
           stream_.copy_to_device_async(op.user, slot.data + op.wanted_offset, op.wanted, ctx);
           slot.copied.record(stream_, ctx);
           slot.state = SlotState::copying;
+          copying_.push_back(op.slot);
         } else {
           std::memcpy(op.user, slot.data + op.wanted_offset, op.wanted);
           slot.state = SlotState::free;
@@ -509,6 +514,7 @@ class Worker {
   std::vector<Op> ops_;
   std::vector<int> free_ops_;
   std::deque<int> retry_;
+  std::deque<int> copying_;  // slots whose copy to the GPU is queued, oldest first
   unsigned in_flight_ = 0;
   unsigned pending_sqes_ = 0;
   std::uint64_t cursor_ = 0, chunk_end_ = 0;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <utility>
 
@@ -187,7 +188,12 @@ void Stream::synchronize_noexcept() noexcept {
 
 Event::Event(const ErrorContext& context) {
   cudaEvent_t event = nullptr;
-  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), context, "cudaEventCreate");
+  // BlockingSync: a waiting worker sleeps instead of spinning a core (the runtime's default
+  // spin-wait made 16 workers burn every core while the copy engines did the work). Set per
+  // event, so the process's own device flags stay the caller's.
+  const unsigned flags = std::getenv("HBMIO_EXPERIMENT_SPIN") ? cudaEventDisableTiming
+                                                              : cudaEventDisableTiming | cudaEventBlockingSync;
+  check(cudaEventCreateWithFlags(&event, flags), context, "cudaEventCreate");
   handle_ = event;
 }
 Event::~Event() {
