@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <utility>
 
@@ -191,9 +190,7 @@ Event::Event(const ErrorContext& context) {
   // BlockingSync: a waiting worker sleeps instead of spinning a core (the runtime's default
   // spin-wait made 16 workers burn every core while the copy engines did the work). Set per
   // event, so the process's own device flags stay the caller's.
-  const unsigned flags = std::getenv("HBMIO_EXPERIMENT_SPIN") ? cudaEventDisableTiming
-                                                              : cudaEventDisableTiming | cudaEventBlockingSync;
-  check(cudaEventCreateWithFlags(&event, flags), context, "cudaEventCreate");
+  check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync), context, "cudaEventCreate");
   handle_ = event;
 }
 Event::~Event() {
