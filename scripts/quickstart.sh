@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The main job: install, build, and read a generated file through every backend that works
-# here, into GPU memory where there is a GPU and into pinned host memory where there is not.
+# The main job: install, build, and run `hbmio bench` on a generated sample file: every backend
+# that works here, cold and warm, into GPU memory where there is a GPU and into pinned host
+# memory where there is not, beside the storage and PCIe ceilings measured in the same run.
 # Usage: scripts/quickstart.sh [SIZE]   (default 1GiB; the file goes to $HBMIO_SAMPLE_DIR or .)
+# Writes hbmio-bench.json and hbmio-bench.svg in the current directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size="${1:-1GiB}"
@@ -10,21 +12,9 @@ cmake --preset default >/dev/null
 cmake --build --preset default -j "$(nproc)"
 hbmio=build/hbmio
 
-dir=$(mktemp -d "${HBMIO_SAMPLE_DIR:-.}/hbmio-sample-XXXXXX")
-trap 'rm -rf "$dir"' EXIT
 "$hbmio" backends
-if "$hbmio" backends --json - | python3 -c 'import json,sys; sys.exit(0 if json.load(sys.stdin)["cuda"]["devices"] > 0 else 1)'; then
-  into=cuda:0
-else
-  into=pinned
-  echo "No GPU here: measuring storage into pinned host memory."
-fi
-echo "Generating a $size sample file in $dir ..."
-"$hbmio" write "$dir/sample.bin" --size "$size" --sync >/dev/null
-for backend in posix uring cufile auto; do
-  if "$hbmio" backends --json - | python3 -c "import json,sys; sys.exit(0 if any(b['name']=='$backend' and b['available'] for b in json.load(sys.stdin)['backends']) else 1)"; then
-    "$hbmio" read "$dir/sample.bin" --into "$into" --backend "$backend" --verify | head -n 1
-  else
-    echo "$backend: not available here (see 'hbmio backends')"
-  fi
-done
+echo
+# hbmio bench makes a sample file of random data on the file system of --dir, measures every
+# backend cold and warm beside this machine's ceilings, and removes the file. Without a GPU it
+# reads into pinned host memory and says so.
+exec "$hbmio" bench --size "$size" --dir "${HBMIO_SAMPLE_DIR:-.}" --json hbmio-bench.json --chart hbmio-bench.svg
