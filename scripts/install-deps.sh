@@ -29,8 +29,11 @@ fi
 
 # The real cufile.h (and libcufile) from NVIDIA's wheel: the ABI test checks hbmio's own
 # declarations of the cuFile C API against it. Pinned to the version on the GPU machine.
-python3 - <<'PY' 2>/dev/null || python3 -m pip install -q --disable-pip-version-check nvidia-cufile==1.15.1.6
+# safetensors + numpy: the reference implementation the format tests compare hbmio's writer against.
+python3 - <<'PY' 2>/dev/null || python3 -m pip install -q --disable-pip-version-check nvidia-cufile==1.15.1.6 safetensors numpy
 import importlib.util, sys
 spec = importlib.util.find_spec("nvidia")
-sys.exit(0 if spec and any(__import__("os").path.exists(p + "/cu13/include/cufile.h") for p in spec.submodule_search_locations) else 1)
+have_cufile = spec and any(__import__("os").path.exists(p + "/cu13/include/cufile.h") for p in spec.submodule_search_locations)
+have_reference = all(importlib.util.find_spec(m) for m in ("safetensors", "numpy"))
+sys.exit(0 if have_cufile and have_reference else 1)
 PY
