@@ -15,6 +15,8 @@ enum class OpenMode {
   read,        // existing file, read only
   write,       // create or truncate, write only
   read_write,  // create if missing, keep contents
+  create_new,  // create a file that must not exist yet, write only; never follows a symlink
+               // (O_CREAT | O_EXCL | O_NOFOLLOW): for temporary files that nobody may swap
 };
 
 // What O_DIRECT needs on this file, from statx(STATX_DIOALIGN) where the kernel reports it.
@@ -42,7 +44,7 @@ class File {
   int fd() const noexcept { return fd_; }
   int direct_fd() const noexcept { return direct_fd_; }  // -1 when O_DIRECT is unavailable
   const DirectIoInfo& direct_io() const noexcept { return direct_; }
-  bool readable() const noexcept { return mode_ != OpenMode::write; }
+  bool readable() const noexcept { return mode_ == OpenMode::read || mode_ == OpenMode::read_write; }
   bool writable() const noexcept { return mode_ != OpenMode::read; }
 
   std::uint64_t size() const;        // current size (fstat); throws Error

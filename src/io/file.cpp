@@ -43,6 +43,7 @@ File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
     case OpenMode::read: flags |= O_RDONLY; break;
     case OpenMode::write: flags |= O_WRONLY | O_CREAT | O_TRUNC; break;
     case OpenMode::read_write: flags |= O_RDWR | O_CREAT; break;
+    case OpenMode::create_new: flags |= O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW; break;
   }
   File file;
   file.path_ = path;
@@ -61,7 +62,7 @@ File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
     file.direct_.reason = "opened without O_DIRECT";
     return file;
   }
-  const int direct_flags = (flags & ~(O_CREAT | O_TRUNC)) | O_DIRECT;
+  const int direct_flags = (flags & ~(O_CREAT | O_TRUNC | O_EXCL | O_NOFOLLOW)) | O_DIRECT;
   const std::string self = fmt::format("/proc/self/fd/{}", file.fd_);
   file.direct_fd_ = ::open(self.c_str(), direct_flags);
   if (file.direct_fd_ < 0) file.direct_fd_ = ::open(path.c_str(), direct_flags);

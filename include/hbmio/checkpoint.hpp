@@ -1,0 +1,121 @@
+// Checkpoints: safetensors files and Hugging Face sharded checkpoints straight into host, pinned
+// or GPU memory, and back out, crash-safe and optionally verified with per-tensor checksums.
+//
+// Thread-safety: the functions are safe to call from several threads at once on different
+// checkpoints. A LoadedCheckpoint owns its memory; the spans it hands out live as long as it does.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hbmio/engine.hpp"
+#include "hbmio/memory.hpp"
+#include "hbmio/options.hpp"
+#include "hbmio/safetensors.hpp"
+
+namespace hbmio {
+
+enum class TensorLayout {
+  single_allocation,  // one buffer; each tensor starts at a multiple of LoadOptions::alignment
+  per_tensor,         // one buffer per tensor
+};
+
+struct LoadOptions {
+  MemoryLocation into{};
+  std::string backend = "auto";
+  std::vector<std::string> names;  // tensors to load; empty: all
+  TensorLayout layout = TensorLayout::single_allocation;
+  std::size_t alignment = 256;     // of each tensor in a single allocation (CUDA's own is 256)
+  bool verify = false;             // recompute the checksums stored in the file; throw on mismatch
+  std::optional<Options> engine_options;  // default: Options::from_env()
+  std::atomic<std::uint64_t>* progress = nullptr;  // bytes loaded so far, for a progress display
+  // An engine to reuse (its rings and pinned buffers stay set up across loads); when null, the
+  // load makes one from `backend` and `engine_options`.
+  Engine* engine = nullptr;
+};
+
+struct LoadedTensor {
+  std::string name;
+  safetensors::Dtype dtype = safetensors::Dtype::U8;
+  std::vector<std::uint64_t> shape;
+  MemorySpan data;            // where the tensor's bytes are now
+  std::string file;           // the file it came from
+  std::uint64_t file_offset;  // where its bytes start in that file
+};
+
+class LoadedCheckpoint {
+ public:
+  const std::vector<LoadedTensor>& tensors() const noexcept { return tensors_; }
+  const LoadedTensor* find(const std::string& name) const noexcept;
+  // __metadata__ of the (first) file, and of the index for a sharded checkpoint.
+  const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+  const Stats& stats() const noexcept { return stats_; }
+  bool verified() const noexcept { return verified_; }
+
+ private:
+  friend LoadedCheckpoint load_checkpoint(const std::string&, const LoadOptions&);
+  std::vector<Buffer> buffers_;
+  std::vector<LoadedTensor> tensors_;
+  std::map<std::string, std::string> metadata_;
+  Stats stats_;
+  bool verified_ = false;
+};
+
+// One file of a checkpoint and the tensors it holds.
+struct CheckpointFile {
+  std::string path;
+  safetensors::Header header;
+};
+
+// Resolves PATH (a .safetensors file, a *.index.json, or a directory holding either) to its files,
+// each header read and validated; for an index, checks that every tensor it names is in its shard.
+std::vector<CheckpointFile> open_checkpoint(const std::string& path);
+
+// Loads tensors into memory of one kind. Reads are planned: tensors adjacent in the file and in
+// memory become one request, so a file of many small tensors loads like one of few big ones.
+// Throws Error naming the file (and tensor) on any failure; nothing is leaked.
+LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
+
+struct TensorToSave {
+  std::string name;
+  safetensors::Dtype dtype = safetensors::Dtype::U8;
+  std::vector<std::uint64_t> shape;
+  MemorySpan data;  // host, pinned or device; its size must match dtype and shape
+};
+
+struct SaveOptions {
+  std::map<std::string, std::string> metadata;
+  bool checksums = true;  // XXH3-64 of each tensor in __metadata__ ("hbmio.xxh3.<name>")
+  std::string backend = "auto";
+  std::optional<Options> engine_options;
+  std::shared_ptr<FaultInjector> faults;  // test support: injected write and fsync failures
+};
+
+// Writes a safetensors file that the reference reader accepts, crash-safe: a temporary file in the
+// same directory (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0666 so the umask applies), fsync, rename over
+// `path`, fsync of the directory. On any error the previous file at `path` is untouched, the
+// temporary file is removed, and the error (never retried: an fsync failure is final) is thrown.
+// Temporary files left by a crashed earlier save of the same name are removed first.
+Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options = {});
+
+// The outcome of checking the stored checksums of a checkpoint against its bytes on disk.
+struct VerifyResult {
+  bool has_checksums = false;
+  std::uint64_t tensors_checked = 0;
+  std::optional<std::string> first_bad;  // "tensor T in FILE at byte OFFSET: stored X, computed Y"
+};
+VerifyResult verify_checkpoint(const std::string& path);
+
+// Rewrites a single-file checkpoint with checksums added (crash-safe, as save_checkpoint).
+void add_checksums(const std::string& path);
+
+// XXH3-64 of host memory, as hex (16 digits): the checksum format stored in files.
+std::string xxh3_hex(const std::byte* data, std::size_t size);
+inline constexpr const char* kChecksumPrefix = "hbmio.xxh3.";
+
+}  // namespace hbmio

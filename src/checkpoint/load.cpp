@@ -1,0 +1,210 @@
+// Loading checkpoints: resolve the path to files, plan where each tensor lands and which reads
+// to issue, read through one engine, optionally verify the stored checksums.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "checkpoint/integrity.hpp"
+#include "hbmio/checkpoint.hpp"
+#include "hbmio/error.hpp"
+#include "io/engine_internal.hpp"
+
+namespace hbmio {
+namespace fs = std::filesystem;
+namespace st = safetensors;
+
+namespace {
+
+Error checkpoint_error(int err, const std::string& path, const std::string& detail) {
+  return Error(errno_code(err), {.op = "open checkpoint", .path = path}, detail);
+}
+
+// A directory holds an index (sharded) or exactly one .safetensors file.
+std::string resolve_directory(const std::string& dir) {
+  std::vector<std::string> indexes, files;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.ends_with(".safetensors.index.json")) indexes.push_back(entry.path().string());
+    else if (name.ends_with(".safetensors")) files.push_back(entry.path().string());
+  }
+  std::sort(indexes.begin(), indexes.end());
+  if (indexes.size() == 1) return indexes.front();
+  if (indexes.size() > 1)
+    throw checkpoint_error(EINVAL, dir, fmt::format("holds {} index files; name the one to load", indexes.size()));
+  if (files.size() == 1) return files.front();
+  throw checkpoint_error(files.empty() ? ENOENT : EINVAL, dir,
+                         files.empty() ? "holds no .safetensors file and no *.safetensors.index.json"
+                                       : fmt::format("holds {} .safetensors files and no index; name the file to load", files.size()));
+}
+
+std::uint64_t align_up(std::uint64_t value, std::uint64_t alignment) {
+  return alignment <= 1 ? value : (value + alignment - 1) / alignment * alignment;
+}
+
+// One read: a byte range of one file into one contiguous span of memory.
+struct PlannedRead {
+  std::size_t file = 0;
+  std::uint64_t file_offset = 0;
+  MemorySpan memory;
+};
+
+}  // namespace
+
+std::vector<CheckpointFile> open_checkpoint(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) throw checkpoint_error(errno, path, "");
+  const std::string target = S_ISDIR(info.st_mode) ? resolve_directory(path) : path;
+
+  std::vector<CheckpointFile> files;
+  if (!target.ends_with(".json")) {
+    files.push_back({target, st::read_header(target)});
+    return files;
+  }
+  // A sharded checkpoint: each shard's header is read and validated, and must hold the tensors
+  // the index assigns to it (and only those are loaded from it).
+  const st::ShardIndex index = st::read_index(target);
+  const fs::path dir = fs::path(target).parent_path();
+  for (const std::string& shard : index.shards) {
+    const std::string shard_path = (dir / shard).string();
+    if (::stat(shard_path.c_str(), &info) != 0)
+      throw checkpoint_error(errno, target, fmt::format("shard '{}' named by the index cannot be opened", shard));
+    st::Header header = st::read_header(shard_path);
+    std::erase_if(header.tensors, [&](const st::TensorInfo& t) {
+      const auto it = index.weight_map.find(t.name);
+      return it == index.weight_map.end() || it->second != shard;
+    });
+    files.push_back({shard_path, std::move(header)});
+  }
+  for (const auto& [tensor, shard] : index.weight_map) {
+    const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) {
+      return fs::path(f.path).filename() == shard;
+    });
+    if (file == files.end() || file->header.find(tensor) == nullptr)
+      throw checkpoint_error(EINVAL, target, fmt::format("tensor '{}' is missing from its shard '{}'", tensor, shard));
+  }
+  return files;
+}
+
+const LoadedTensor* LoadedCheckpoint::find(const std::string& name) const noexcept {
+  for (const auto& t : tensors_)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
+  detail::TransferTimer timer;
+  const std::vector<CheckpointFile> files = open_checkpoint(path);
+
+  // Which tensors, in file order (the order that makes reads sequential).
+  const std::set<std::string> wanted(options.names.begin(), options.names.end());
+  struct Pick {
+    std::size_t file;
+    const st::TensorInfo* info;
+    std::uint64_t memory_offset = 0;
+  };
+  std::vector<Pick> picks;
+  std::set<std::string> found;
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    for (const auto& t : files[f].header.tensors) {
+      if (!wanted.empty() && !wanted.contains(t.name)) continue;
+      picks.push_back({f, &t});
+      found.insert(t.name);
+    }
+  }
+  for (const auto& name : wanted)
+    if (!found.contains(name)) throw checkpoint_error(ENOENT, path, fmt::format("no tensor named '{}'", name));
+
+  LoadedCheckpoint result;
+  result.metadata_ = files.front().header.metadata;
+
+  // Where each tensor lands. In one allocation a tensor starts at a multiple of `alignment`; one
+  // whose predecessor ends aligned follows it directly, so runs of such tensors stay contiguous
+  // in memory as they are in the file, and are read with one request.
+  std::vector<PlannedRead> reads;
+  auto plan_read = [&](const Pick& pick, MemorySpan memory) {
+    const std::uint64_t file_offset = files[pick.file].header.data_offset + pick.info->begin;
+    if (!reads.empty()) {
+      PlannedRead& last = reads.back();
+      if (last.file == pick.file && last.file_offset + last.memory.size == file_offset &&
+          last.memory.data + last.memory.size == memory.data && memory.size > 0) {
+        last.memory.size += memory.size;
+        return;
+      }
+    }
+    if (memory.size > 0) reads.push_back({pick.file, file_offset, memory});
+  };
+  if (options.layout == TensorLayout::single_allocation) {
+    std::uint64_t cursor = 0;
+    for (auto& pick : picks) {
+      pick.memory_offset = align_up(cursor, options.alignment);
+      cursor = pick.memory_offset + pick.info->size();
+    }
+    result.buffers_.push_back(Buffer::allocate(options.into, cursor));
+    for (const auto& pick : picks) {
+      const MemorySpan memory = result.buffers_.front().span().subspan(pick.memory_offset, pick.info->size());
+      plan_read(pick, memory);
+      result.tensors_.push_back({pick.info->name, pick.info->dtype, pick.info->shape, memory, files[pick.file].path,
+                                 files[pick.file].header.data_offset + pick.info->begin});
+    }
+  } else {
+    for (const auto& pick : picks) {
+      result.buffers_.push_back(Buffer::allocate(options.into, pick.info->size()));
+      const MemorySpan memory = result.buffers_.back().span();
+      plan_read(pick, memory);
+      result.tensors_.push_back({pick.info->name, pick.info->dtype, pick.info->shape, memory, files[pick.file].path,
+                                 files[pick.file].header.data_offset + pick.info->begin});
+    }
+  }
+
+  // Read: one engine for the whole checkpoint, so rings and pinned buffers are set up once.
+  std::unique_ptr<Engine> own_engine;
+  Engine* engine = options.engine;
+  if (engine == nullptr) {
+    own_engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()));
+    engine = own_engine.get();
+  }
+  Stats& total = result.stats_;
+  std::optional<File> open_file;
+  std::size_t open_index = files.size();
+  for (const PlannedRead& read : reads) {
+    if (open_index != read.file) {
+      open_file.emplace(File::open(files[read.file].path, OpenMode::read));
+      open_index = read.file;
+    }
+    const Stats s = engine->submit(
+        {.op = IoOp::read, .file = &*open_file, .offset = read.file_offset, .memory = read.memory, .progress = options.progress});
+    total.backend = s.backend;
+    total.bytes += s.bytes;
+    total.bytes_direct += s.bytes_direct;
+    total.bytes_buffered += s.bytes_buffered;
+    total.bounce_copies += s.bounce_copies;
+    total.workers = std::max(total.workers, s.workers);
+    if (total.note.empty()) total.note = s.note;
+  }
+  total.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}", result.tensors_.size(), files.size(), reads.size(),
+                           total.note.empty() ? "" : "; ", total.note);
+
+  if (options.verify) {
+    for (const auto& file : files) {
+      if (!detail::has_checksums(file.header.metadata))
+        throw Error(errno_code(ENODATA), {.op = "verify", .path = file.path},
+                    "the file holds no hbmio checksums (add them with `hbmio ckpt checksum`)");
+    }
+    for (const auto& tensor : result.tensors_) {
+      const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) { return f.path == tensor.file; });
+      if (auto bad = detail::check_tensor(file->header.metadata, tensor.name, tensor.file, tensor.file_offset,
+                                          detail::xxh3_of(tensor.data)))
+        throw Error(errno_code(EIO), {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size},
+                    *bad);
+    }
+    result.verified_ = true;
+  }
+  timer.finish(total);
+  return result;
+}
+
+}  // namespace hbmio

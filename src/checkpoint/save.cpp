@@ -1,0 +1,141 @@
+// Saving checkpoints crash-safely: temporary file in the target directory, fsync, rename,
+// fsync of the directory. A crash at any point leaves either the old file or the new one under
+// the final name, never a mix (rename is atomic; the data is durable before it).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "checkpoint/integrity.hpp"
+#include "hbmio/checkpoint.hpp"
+#include "hbmio/error.hpp"
+#include "io/engine_internal.hpp"
+
+namespace hbmio {
+namespace fs = std::filesystem;
+namespace st = safetensors;
+
+namespace {
+
+// Temporary files are ".<final name>.hbmio-tmp-<random>" beside the final file: the same file
+// system (so rename is atomic), hidden, and recognisable for clean-up after a crash.
+std::string temp_prefix(const fs::path& target) { return "." + target.filename().string() + ".hbmio-tmp-"; }
+
+void remove_stale_temporaries(const fs::path& target) {
+  const std::string prefix = temp_prefix(target);
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(target.parent_path(), ec))
+    if (entry.path().filename().string().starts_with(prefix)) fs::remove(entry.path(), ec);
+}
+
+// The directory entry made by rename is durable only once the directory itself is fsynced
+// (fsync(2); PostgreSQL's durable_rename and RocksDB #10573 lost files without it).
+void sync_directory(const fs::path& dir, const std::string& target) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw Error(errno_code(errno), {.op = "save", .path = target}, "open of its directory to fsync it");
+  const int r = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (r != 0) throw Error(errno_code(err), {.op = "save", .path = target}, "fsync of its directory");
+}
+
+std::uint64_t expected_size(const TensorToSave& t) {
+  std::uint64_t elements = 1;
+  for (std::uint64_t d : t.shape)
+    if (__builtin_mul_overflow(elements, d, &elements))
+      throw Error(errno_code(EOVERFLOW), {.op = "save"}, fmt::format("tensor '{}': shape overflows", t.name));
+  std::uint64_t bits = 0;
+  if (__builtin_mul_overflow(elements, std::uint64_t{st::bits_per_element(t.dtype)}, &bits))
+    throw Error(errno_code(EOVERFLOW), {.op = "save"}, fmt::format("tensor '{}': shape overflows", t.name));
+  return (bits + 7) / 8;
+}
+
+}  // namespace
+
+Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  detail::TransferTimer timer;
+  const fs::path target = fs::absolute(path);
+  const ErrorContext context{.op = "save", .path = path};
+
+  // Check everything before touching the disk.
+  std::set<std::string> names;
+  std::vector<st::TensorInfo> infos;
+  for (const auto& t : tensors) {
+    if (t.name.empty()) throw Error(errno_code(EINVAL), context, "a tensor has an empty name");
+    if (t.name == "__metadata__") throw Error(errno_code(EINVAL), context, "'__metadata__' cannot name a tensor");
+    if (!names.insert(t.name).second) throw Error(errno_code(EINVAL), context, fmt::format("tensor '{}' given twice", t.name));
+    if (expected_size(t) != t.data.size)
+      throw Error(errno_code(EINVAL), context,
+                  fmt::format("tensor '{}': {} bytes in memory, but {} {} needs {}", t.name, t.data.size,
+                              st::to_string(t.dtype), fmt::join(t.shape, "x"), expected_size(t)));
+    infos.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
+  }
+  st::order_like_reference(infos);
+
+  std::map<std::string, std::string> metadata = options.metadata;
+  for (auto it = metadata.begin(); it != metadata.end();)  // stale checksums would lie
+    it = it->first.starts_with(kChecksumPrefix) || it->first == detail::kChecksumAlgorithmKey ? metadata.erase(it) : std::next(it);
+  if (options.checksums) {
+    metadata[detail::kChecksumAlgorithmKey] = "xxh3-64";
+    for (const auto& t : tensors) metadata[kChecksumPrefix + t.name] = detail::to_hex(detail::xxh3_of(t.data));
+  }
+  const std::string header = st::serialize_header(infos, metadata);
+
+  remove_stale_temporaries(target);
+  std::random_device random;
+  const fs::path temp = target.parent_path() / fmt::format("{}{:08x}{:08x}", temp_prefix(target), random(), random());
+  auto engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()), options.faults);
+  Stats total;
+  try {
+    {
+      File file = File::open(temp.string(), OpenMode::create_new);
+      Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
+      std::memcpy(header_buffer.data(), header.data(), header.size());
+      total.bytes += engine->write(file, 0, header_buffer.span()).bytes;
+      for (const auto& info : infos) {
+        const auto source = std::find_if(tensors.begin(), tensors.end(), [&](const TensorToSave& t) { return t.name == info.name; });
+        const Stats s = engine->write(file, header.size() + info.begin, source->data);
+        total.backend = s.backend;
+        total.bytes += s.bytes;
+        total.bytes_direct += s.bytes_direct;
+        total.bytes_buffered += s.bytes_buffered;
+        total.bounce_copies += s.bounce_copies;
+        total.workers = std::max(total.workers, s.workers);
+      }
+      if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
+        throw Error(errno_code(err), context, "fsync (injected)");
+      file.sync();  // throws on failure: never retried, the old checkpoint stays
+    }
+    if (::rename(temp.c_str(), target.c_str()) != 0) throw Error(errno_code(errno), context, "rename of the temporary file");
+  } catch (...) {
+    std::error_code ec;
+    fs::remove(temp, ec);
+    throw;
+  }
+  sync_directory(target.parent_path(), path);
+  total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}", tensors.size(),
+                           options.checksums ? ", with XXH3-64 checksums" : "");
+  timer.finish(total);
+  return total;
+}
+
+void add_checksums(const std::string& path) {
+  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  if (files.size() != 1)
+    throw Error(errno_code(ENOTSUP), {.op = "add checksums", .path = path}, "a sharded checkpoint: add checksums to each shard");
+  // The whole file in host memory, then a crash-safe rewrite: the original stays until the
+  // rewritten file is durable.
+  const LoadedCheckpoint loaded = load_checkpoint(files.front().path, {.into = {MemoryKind::host}, .backend = "posix"});
+  std::vector<TensorToSave> tensors;
+  for (const auto& t : loaded.tensors()) tensors.push_back({t.name, t.dtype, t.shape, t.data});
+  save_checkpoint(files.front().path, tensors, {.metadata = loaded.metadata(), .checksums = true});
+}
+
+}  // namespace hbmio

@@ -1,0 +1,327 @@
+// Checkpoints: the reference implementation's fixtures load exactly as its MANIFEST.json says;
+// save -> load round trips across memory kinds and backends; saving is crash-safe under injected
+// write and fsync failures; verify catches flipped, swapped and truncated data.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "hbmio/checkpoint.hpp"
+#include "hbmio/testing/fault_injection.hpp"
+#include "sha256.hpp"
+#include "test_support.hpp"
+
+namespace hbmio::test {
+namespace {
+namespace fs = std::filesystem;
+namespace st = safetensors;
+
+std::string fixtures() {
+  const char* env = std::getenv("HBMIO_FIXTURES");
+  return env && *env ? std::string(env) + "/safetensors" : std::string();
+}
+
+std::string tensor_sha(const LoadedTensor& t) {
+  const auto bytes = to_host(t.data);
+  return sha256_hex(bytes.data(), bytes.size());
+}
+
+// Every tensor of every fixture file, loaded into `where`, has the manifest's dtype, shape and
+// sha256; the sharded fixture loads through its index.
+void check_fixtures(MemoryLocation where, const std::string& backend, TensorLayout layout) {
+  const std::string dir = fixtures();
+  if (dir.empty() || !fs::exists(dir + "/MANIFEST.json")) GTEST_SKIP() << "no fixtures at '" << dir << "' (set HBMIO_FIXTURES)";
+  const auto manifest = nlohmann::json::parse(std::ifstream(dir + "/MANIFEST.json"));
+  std::size_t files = 0;
+  for (const auto& [file, tensors] : manifest.items()) {
+    SCOPED_TRACE(file);
+    const LoadedCheckpoint loaded = load_checkpoint(dir + "/" + file, {.into = where, .backend = backend, .layout = layout});
+    std::size_t count = 0;
+    for (const auto& [name, expected] : tensors.items()) {
+      if (name == "__metadata__") {
+        for (const auto& [k, v] : expected.items()) EXPECT_EQ(loaded.metadata().at(k), v.get<std::string>()) << k;
+        continue;
+      }
+      SCOPED_TRACE(name);
+      const LoadedTensor* t = loaded.find(name);
+      ASSERT_NE(t, nullptr);
+      EXPECT_EQ(st::to_string(t->dtype), expected["dtype"].get<std::string>());
+      EXPECT_EQ(t->shape, expected["shape"].get<std::vector<std::uint64_t>>());
+      EXPECT_EQ(t->data.size, expected["data_offsets"][1].get<std::uint64_t>() - expected["data_offsets"][0].get<std::uint64_t>());
+      EXPECT_EQ(tensor_sha(*t), expected["sha256"].get<std::string>());
+      if (layout == TensorLayout::single_allocation && t->data.size > 0)
+        EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t->data.data) % 256, 0u);
+      ++count;
+    }
+    EXPECT_EQ(loaded.tensors().size(), count);
+    ++files;
+  }
+  EXPECT_GE(files, 5u);
+
+  // The sharded checkpoint: every tensor of every shard, through the index and through the directory.
+  for (const std::string path : {dir + "/sharded/model.safetensors.index.json", dir + "/sharded"}) {
+    const LoadedCheckpoint sharded = load_checkpoint(path, {.into = where, .backend = backend, .layout = layout});
+    std::size_t total = 0;
+    for (const auto& shard : fs::directory_iterator(dir + "/sharded")) {
+      if (shard.path().extension() != ".safetensors") continue;
+      const LoadedCheckpoint one = load_checkpoint(shard.path().string(), {.into = {MemoryKind::host}});
+      for (const auto& t : one.tensors()) {
+        const LoadedTensor* s = sharded.find(t.name);
+        ASSERT_NE(s, nullptr) << t.name;
+        EXPECT_EQ(tensor_sha(*s), tensor_sha(t)) << t.name;
+        ++total;
+      }
+    }
+    EXPECT_EQ(sharded.tensors().size(), total);
+  }
+}
+
+class Fixtures : public testing::TestWithParam<std::tuple<std::string, std::string>> {};
+TEST_P(Fixtures, LoadAsTheManifestSays) {
+  const auto& [memory, backend] = GetParam();
+  check_fixtures(MemoryLocation::parse(memory), backend, TensorLayout::single_allocation);
+  check_fixtures(MemoryLocation::parse(memory), backend, TensorLayout::per_tensor);
+}
+INSTANTIATE_TEST_SUITE_P(Host, Fixtures, testing::Combine(testing::Values("host", "pinned"), testing::Values("posix", "uring", "auto")));
+
+class GpuFixtures : public Fixtures {
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  }
+};
+TEST_P(GpuFixtures, LoadAsTheManifestSays) {
+  const auto& [memory, backend] = GetParam();
+  check_fixtures(MemoryLocation::parse(memory), backend, TensorLayout::single_allocation);
+}
+INSTANTIATE_TEST_SUITE_P(Gpu, GpuFixtures, testing::Combine(testing::Values("cuda:0"), testing::Values("posix", "uring", "auto")));
+
+// Tensors of every dtype and odd sizes, including scalars and empty ones, in `where`.
+struct Sample {
+  std::vector<Buffer> buffers;
+  std::vector<TensorToSave> tensors;
+  std::vector<std::vector<std::byte>> bytes;
+};
+Sample make_sample(MemoryLocation where) {
+  Sample s;
+  const std::vector<std::tuple<std::string, st::Dtype, std::vector<std::uint64_t>>> specs = {
+      {"embed.weight", st::Dtype::BF16, {300, 129}}, {"norm", st::Dtype::F32, {77}},     {"scalar", st::Dtype::F64, {}},
+      {"empty", st::Dtype::I32, {0, 5}},              {"mask", st::Dtype::BOOL, {13}},   {"q8", st::Dtype::I8, {4097}},
+      {"big", st::Dtype::F16, {1024, 513}},           {"idx", st::Dtype::I64, {3, 3}}, {"u16", st::Dtype::U16, {5}}};
+  std::uint64_t seed = 1;
+  for (const auto& [name, dtype, shape] : specs) {
+    std::uint64_t elements = 1;
+    for (auto d : shape) elements *= d;
+    const std::size_t size = elements * st::bits_per_element(dtype) / 8;
+    s.bytes.push_back(random_bytes(size, seed++));
+    s.buffers.push_back(Buffer::allocate(where, size));
+    copy_memory(s.buffers.back().span(), {s.bytes.back().data(), size, {}});
+    s.tensors.push_back({name, dtype, shape, s.buffers.back().span()});
+  }
+  return s;
+}
+
+void round_trip(MemoryLocation where, const std::string& backend) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  const Sample sample = make_sample(where);
+  save_checkpoint(path, sample.tensors, {.metadata = {{"format", "pt"}}, .backend = backend});
+  const LoadedCheckpoint loaded = load_checkpoint(path, {.into = where, .backend = backend, .verify = true});
+  EXPECT_TRUE(loaded.verified());
+  EXPECT_EQ(loaded.metadata().at("format"), "pt");
+  ASSERT_EQ(loaded.tensors().size(), sample.tensors.size());
+  for (std::size_t i = 0; i < sample.tensors.size(); ++i) {
+    const LoadedTensor* t = loaded.find(sample.tensors[i].name);
+    ASSERT_NE(t, nullptr);
+    EXPECT_EQ(t->dtype, sample.tensors[i].dtype);
+    EXPECT_EQ(t->shape, sample.tensors[i].shape);
+    EXPECT_EQ(first_mismatch(to_host(t->data), sample.bytes[i]), -1) << t->name;
+  }
+  EXPECT_FALSE(verify_checkpoint(path).first_bad.has_value());
+  // A subset by name.
+  const LoadedCheckpoint two = load_checkpoint(path, {.into = where, .backend = backend, .names = {"norm", "q8"}});
+  EXPECT_EQ(two.tensors().size(), 2u);
+  EXPECT_THROW(load_checkpoint(path, {.names = {"nope"}}), Error);
+}
+
+class RoundTrip : public testing::TestWithParam<std::tuple<std::string, std::string>> {};
+TEST_P(RoundTrip, SaveThenLoadIsByteIdentical) {
+  const auto& [memory, backend] = GetParam();
+  round_trip(MemoryLocation::parse(memory), backend);
+}
+INSTANTIATE_TEST_SUITE_P(Host, RoundTrip, testing::Combine(testing::Values("host", "pinned"), testing::Values("posix", "uring", "auto")));
+
+class GpuRoundTrip : public RoundTrip {
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  }
+};
+TEST_P(GpuRoundTrip, SaveThenLoadIsByteIdentical) {
+  const auto& [memory, backend] = GetParam();
+  round_trip(MemoryLocation::parse(memory), backend);
+}
+INSTANTIATE_TEST_SUITE_P(Gpu, GpuRoundTrip, testing::Combine(testing::Values("cuda:0"), testing::Values("posix", "uring", "auto")));
+
+std::vector<std::byte> read_all(const std::string& path) {
+  return pread_range(path, 0, static_cast<std::size_t>(fs::file_size(path)));
+}
+
+std::size_t temporaries_in(const std::string& dir) {
+  std::size_t n = 0;
+  for (const auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().find(".hbmio-tmp-") != std::string::npos;
+  return n;
+}
+
+// Every write and the fsync failing in turn (EIO and ENOSPC): the old checkpoint stays intact,
+// and the temporary file is gone.
+TEST(CrashSafety, InjectedWriteAndFsyncFailuresKeepTheOldCheckpoint) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  const Sample old_sample = make_sample({MemoryKind::host});
+  save_checkpoint(path, old_sample.tensors);
+  const auto old_bytes = read_all(path);
+  Sample new_sample = make_sample({MemoryKind::host});
+  for (auto& b : new_sample.buffers) fill_memory(b.span(), std::byte{0x42});
+  for (int err : {EIO, ENOSPC}) {
+    bool succeeded = false;
+    for (std::uint64_t n = 1; n < 200 && !succeeded; ++n) {
+      SCOPED_TRACE(fmt::format("errno {} at call {}", err, n));
+      auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = n, .fail_errno = err});
+      try {
+        save_checkpoint(path, new_sample.tensors, {.backend = "uring", .faults = faults});
+        succeeded = true;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code().value(), err) << e.what();
+        EXPECT_EQ(first_mismatch(read_all(path), old_bytes), -1) << "the old checkpoint changed";
+        EXPECT_EQ(temporaries_in(dir.path()), 0u);
+      }
+    }
+    EXPECT_TRUE(succeeded);
+    EXPECT_NE(first_mismatch(read_all(path), old_bytes), -1);
+    EXPECT_FALSE(verify_checkpoint(path).first_bad.has_value());
+    save_checkpoint(path, old_sample.tensors);  // back to the old one for the next errno
+  }
+}
+
+TEST(CrashSafety, StaleTemporariesAreRemovedAndModeFollowsTheUmask) {
+  TempDir dir;
+  const std::string path = dir.file("m.safetensors");
+  write_file(dir.file(".m.safetensors.hbmio-tmp-deadbeef"), random_bytes(100, 1));
+  const Sample sample = make_sample({MemoryKind::host});
+  const mode_t old_mask = ::umask(022);
+  save_checkpoint(path, sample.tensors);
+  ::umask(old_mask);
+  EXPECT_EQ(temporaries_in(dir.path()), 0u);
+  EXPECT_EQ(fs::status(path).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read);
+}
+
+TEST(CrashSafety, RefusesASymlinkSwappedInForTheTemporaryName) {
+  // O_EXCL | O_NOFOLLOW: opening a name that exists (even as a dangling symlink) fails.
+  TempDir dir;
+  const std::string target = dir.file("victim");
+  fs::create_symlink(target, dir.file("tmp-link"));
+  EXPECT_THROW(File::open(dir.file("tmp-link"), OpenMode::create_new), Error);
+  EXPECT_FALSE(fs::exists(target));
+}
+
+// Corruption: each is detected by verify, naming the tensor.
+class Corruption : public testing::Test {
+ protected:
+  TempDir dir_;
+  std::string path_ = dir_.file("c.safetensors");
+  st::Header header_;
+  void SetUp() override {
+    const Sample sample = make_sample({MemoryKind::host});
+    save_checkpoint(path_, sample.tensors);
+    header_ = st::read_header(path_);
+    ASSERT_FALSE(verify_checkpoint(path_).first_bad.has_value());
+  }
+  void patch(std::uint64_t offset, const std::vector<std::byte>& bytes) {
+    File f = File::open(path_, OpenMode::read_write, false);
+    ASSERT_EQ(::pwrite(f.fd(), bytes.data(), bytes.size(), static_cast<off_t>(offset)), static_cast<ssize_t>(bytes.size()));
+  }
+};
+
+TEST_F(Corruption, FlippedDataByteNamesTheTensor) {
+  const st::TensorInfo* t = header_.find("embed.weight");
+  const std::uint64_t at = header_.data_offset + t->begin + 1000;
+  auto byte = pread_range(path_, at, 1);
+  byte[0] ^= std::byte{1};
+  patch(at, byte);
+  const VerifyResult r = verify_checkpoint(path_);
+  ASSERT_TRUE(r.first_bad.has_value());
+  EXPECT_NE(r.first_bad->find("embed.weight"), std::string::npos) << *r.first_bad;
+  EXPECT_THROW(load_checkpoint(path_, {.verify = true}), Error);
+}
+
+TEST_F(Corruption, SwappedTensorsAreDetected) {
+  // The 72 bytes of "idx" trade places with the first 72 bytes of "big": every size stays valid,
+  // only the bytes move, so only the checksums can tell.
+  const st::TensorInfo* a = header_.find("idx");
+  const st::TensorInfo* b = header_.find("big");
+  const auto a_bytes = pread_range(path_, header_.data_offset + a->begin, a->size());
+  const auto b_bytes = pread_range(path_, header_.data_offset + b->begin, a->size());
+  patch(header_.data_offset + a->begin, b_bytes);
+  patch(header_.data_offset + b->begin, a_bytes);
+  const VerifyResult r = verify_checkpoint(path_);
+  ASSERT_TRUE(r.first_bad.has_value());
+}
+
+TEST_F(Corruption, FlippedHeaderByteOrTruncationIsRefused) {
+  const auto original = read_all(path_);
+  auto flipped = original;
+  flipped[8 + header_.header_size / 2] ^= std::byte{0x20};
+  write_file(path_, flipped);
+  bool detected = false;
+  try {
+    detected = verify_checkpoint(path_).first_bad.has_value();
+  } catch (const Error&) {
+    detected = true;
+  }
+  EXPECT_TRUE(detected);
+  write_file(path_, std::vector<std::byte>(original.begin(), original.end() - 7));
+  EXPECT_THROW(verify_checkpoint(path_), Error);
+  EXPECT_THROW(load_checkpoint(path_), Error);
+}
+
+TEST(Checkpoints, ChecksumsCanBeAddedToAReferenceFile) {
+  const std::string dir = fixtures();
+  if (dir.empty()) GTEST_SKIP() << "no fixtures (set HBMIO_FIXTURES)";
+  TempDir tmp;
+  const std::string path = tmp.file("layers.safetensors");
+  fs::copy_file(dir + "/layers.safetensors", path);
+  fs::permissions(path, fs::perms::owner_write, fs::perm_options::add);
+  EXPECT_FALSE(verify_checkpoint(path).has_checksums);
+  add_checksums(path);
+  const VerifyResult r = verify_checkpoint(path);
+  EXPECT_TRUE(r.has_checksums);
+  EXPECT_FALSE(r.first_bad.has_value());
+  const LoadedCheckpoint a = load_checkpoint(dir + "/layers.safetensors"), b = load_checkpoint(path, {.verify = true});
+  ASSERT_EQ(a.tensors().size(), b.tensors().size());
+  for (const auto& t : a.tensors()) EXPECT_EQ(tensor_sha(t), tensor_sha(*b.find(t.name))) << t.name;
+}
+
+TEST(Checkpoints, BadPathsAreClearErrors) {
+  TempDir dir;
+  EXPECT_THROW(open_checkpoint(dir.file("missing.safetensors")), Error);
+  try {
+    open_checkpoint(dir.path());
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no .safetensors file"), std::string::npos) << e.what();
+  }
+  std::ofstream(dir.file("model.safetensors.index.json")) << R"({"weight_map": {"a": "missing-shard.safetensors"}})";
+  try {
+    open_checkpoint(dir.path());
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("missing-shard.safetensors"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace hbmio::test

@@ -1,0 +1,18 @@
+# Checkpoint tests; include()d from tests/CMakeLists.txt. The fixtures made by the reference
+# safetensors implementation live beside the checkout (../shared/fixtures) in CI.
+if(NOT DEFINED HBMIO_FIXTURES)
+  set(HBMIO_FIXTURES "${PROJECT_SOURCE_DIR}/../shared/fixtures" CACHE PATH "fixtures made by reference implementations")
+endif()
+add_executable(checkpoint_tests ${CMAKE_CURRENT_LIST_DIR}/checkpoint_test.cpp)
+target_link_libraries(checkpoint_tests PRIVATE hbmio GTest::gtest_main fmt::fmt-header-only nlohmann_json::nlohmann_json)
+target_include_directories(checkpoint_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
+set(_hbmio_ckpt_env "HBMIO_TEST_DIR=${CMAKE_CURRENT_BINARY_DIR};HBMIO_FIXTURES=${HBMIO_FIXTURES}")
+add_test(NAME checkpoint COMMAND checkpoint_tests --gtest_filter=-Gpu*:*/Gpu*)
+add_test(NAME checkpoint_gpu COMMAND checkpoint_tests --gtest_filter=Gpu*:*/Gpu*)
+set_tests_properties(checkpoint checkpoint_gpu PROPERTIES ENVIRONMENT "${_hbmio_ckpt_env}")
+set_tests_properties(checkpoint_gpu PROPERTIES LABELS gpu)
+if(HBMIO_BUILD_TOOLS)
+  add_test(NAME ckpt_cli COMMAND ${CMAKE_CURRENT_LIST_DIR}/ckpt_cli_test.sh $<TARGET_FILE:hbmio_cli>)
+  set_tests_properties(ckpt_cli PROPERTIES ENVIRONMENT "${_hbmio_ckpt_env}")
+endif()
+unset(_hbmio_ckpt_env)

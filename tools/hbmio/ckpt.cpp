@@ -1,0 +1,218 @@
+#include "ckpt.hpp"
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "cli_common.hpp"
+#include "hbmio/checkpoint.hpp"
+
+namespace hbmio::cli {
+namespace {
+namespace st = safetensors;
+
+struct CkptFlags {
+  std::string path, into = "host", backend = "auto", json, names, layout = "single";
+  bool verify = false, no_checksums = false;
+  unsigned runs = 1;
+  // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each
+  unsigned count = 8;
+  std::string tensor_size = "16MiB", dtype = "BF16", from = "host";
+  std::uint64_t seed = 1;
+  TuningFlags tuning;
+};
+
+std::vector<std::string> split_names(const std::string& text) {
+  std::vector<std::string> names;
+  std::stringstream in(text);
+  for (std::string name; std::getline(in, name, ',');)
+    if (!name.empty()) names.push_back(name);
+  return names;
+}
+
+nlohmann::json tensor_json(const std::string& name, st::Dtype dtype, const std::vector<std::uint64_t>& shape,
+                           std::uint64_t bytes, const std::string& file, std::uint64_t offset) {
+  return {{"name", name}, {"dtype", std::string(st::to_string(dtype))}, {"shape", shape},
+          {"bytes", bytes}, {"file", file}, {"offset", offset}};
+}
+
+int run_info(const CkptFlags& f) {
+  const auto files = open_checkpoint(f.path);
+  nlohmann::json tensors = nlohmann::json::array(), shards = nlohmann::json::array();
+  std::uint64_t total = 0, count = 0;
+  bool checksums = true;
+  for (const auto& file : files) {
+    const bool has = file.header.metadata.contains("hbmio.checksum");
+    checksums = checksums && has;
+    shards.push_back({{"file", file.path}, {"tensors", file.header.tensors.size()}, {"data_bytes", file.header.data_size},
+                      {"checksums", has}, {"metadata", file.header.metadata}});
+    for (const auto& t : file.header.tensors) {
+      tensors.push_back(tensor_json(t.name, t.dtype, t.shape, t.size(), file.path, file.header.data_offset + t.begin));
+      total += t.size();
+      ++count;
+    }
+  }
+  if (!f.json.empty()) {
+    write_json({{"path", f.path}, {"files", shards}, {"tensors", tensors}, {"tensor_count", count},
+                {"total_bytes", total}, {"checksums", checksums}},
+               f.json);
+    if (f.json == "-") return 0;
+  }
+  fmt::print("{}: {} tensors, {} in {} file(s), checksums: {}\n", f.path, count, format_size(total), files.size(),
+             checksums ? "yes (XXH3-64)" : "no");
+  for (const auto& t : tensors)
+    fmt::print("  {:<40} {:<6} {:<20} {:>12}\n", t["name"].get<std::string>(), t["dtype"].get<std::string>(),
+               fmt::format("[{}]", fmt::join(t["shape"].get<std::vector<std::uint64_t>>(), ", ")),
+               format_size(t["bytes"].get<std::uint64_t>()));
+  return 0;
+}
+
+int run_load(const CkptFlags& f) {
+  const MemoryLocation into = MemoryLocation::parse(f.into);
+  // One engine for every run: its rings and pinned bounce buffers are set up once, as in a
+  // program that loads several checkpoints.
+  auto engine = make_engine(f.backend, f.tuning.resolve());
+  // The device's context is created before timing (a framework has it already when it loads).
+  if (into.kind == MemoryKind::device) Buffer::allocate(into, 1);
+  std::uint64_t total = 0;
+  for (const auto& file : open_checkpoint(f.path))
+    for (const auto& t : file.header.tensors) total += t.size();
+  std::vector<double> seconds;
+  std::optional<LoadedCheckpoint> loaded;
+  for (unsigned run = 1; run <= f.runs; ++run) {
+    loaded.reset();  // frees the previous run's memory first
+    Progress progress(fmt::format("load {} -> {}", f.path, f.into), total);
+    loaded = load_checkpoint(f.path, {.into = into, .names = split_names(f.names),
+                                      .layout = f.layout == "per-tensor" ? TensorLayout::per_tensor : TensorLayout::single_allocation,
+                                      .verify = f.verify, .progress = progress.counter(), .engine = engine.get()});
+    seconds.push_back(loaded->stats().seconds);
+    if (f.runs > 1 && f.json != "-") fmt::print("run {}/{}: {}\n", run, f.runs, summary_line(loaded->stats()));
+  }
+  std::vector<double> sorted = seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[sorted.size() / 2];
+  const Stats& s = loaded->stats();
+  if (!f.json.empty()) {
+    nlohmann::json tensors = nlohmann::json::array();
+    for (const auto& t : loaded->tensors()) tensors.push_back(tensor_json(t.name, t.dtype, t.shape, t.data.size, t.file, t.file_offset));
+    write_json({{"path", f.path}, {"into", f.into}, {"verified", loaded->verified()}, {"stats", to_json(s)},
+                {"run_seconds", seconds}, {"median_seconds", median},
+                {"median_gib_per_second", static_cast<double>(s.bytes) / median / (1 << 30)}, {"tensors", tensors}},
+               f.json);
+    if (f.json == "-") return 0;
+  }
+  if (f.runs > 1)
+    fmt::print("median of {} runs: {:.3f} s, {:.2f} GiB/s\n", f.runs, median, static_cast<double>(s.bytes) / median / (1 << 30));
+  else
+    fmt::print("{}\n", summary_line(s));
+  if (loaded->verified()) fmt::print("verified: every tensor's XXH3-64 checksum matches\n");
+  return 0;
+}
+
+int run_save(const CkptFlags& f) {
+  const auto dtype = st::parse_dtype(f.dtype);
+  if (!dtype) throw Error(errno_code(EINVAL), {.op = "ckpt save"}, fmt::format("unknown dtype '{}'", f.dtype));
+  const std::uint64_t bytes = parse_size(f.tensor_size);
+  const unsigned bits = st::bits_per_element(*dtype);
+  if (bytes * 8 % bits != 0)
+    throw Error(errno_code(EINVAL), {.op = "ckpt save"}, fmt::format("{} bytes is not a whole number of {} elements", bytes, f.dtype));
+  const std::uint64_t elements = bytes * 8 / bits;
+  // Matrices of 1024 columns where the size allows (like real weights), else vectors.
+  const std::vector<std::uint64_t> shape =
+      elements % 1024 == 0 && elements >= 1024 ? std::vector<std::uint64_t>{elements / 1024, 1024} : std::vector<std::uint64_t>{elements};
+  const MemoryLocation from = MemoryLocation::parse(f.from);
+  std::vector<Buffer> buffers;
+  std::vector<TensorToSave> tensors;
+  Buffer staging = Buffer::allocate({MemoryKind::host}, bytes);
+  for (unsigned i = 0; i < f.count; ++i) {
+    fill_random(staging.data(), bytes, f.seed + i);
+    buffers.push_back(Buffer::allocate(from, bytes));
+    copy_memory(buffers.back().span(), staging.span());
+    tensors.push_back({fmt::format("layers.{}.weight", i), *dtype, shape, buffers.back().span()});
+  }
+  const Stats s = save_checkpoint(f.path, tensors,
+                                  {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt save"}},
+                                   .checksums = !f.no_checksums, .backend = f.backend, .engine_options = f.tuning.resolve()});
+  if (!f.json.empty()) {
+    write_json({{"path", f.path}, {"from", f.from}, {"tensors", f.count}, {"stats", to_json(s)}}, f.json);
+    if (f.json == "-") return 0;
+  }
+  fmt::print("{}\n", summary_line(s));
+  return 0;
+}
+
+int run_verify(const CkptFlags& f) {
+  const VerifyResult r = verify_checkpoint(f.path);
+  if (!r.has_checksums) {
+    fmt::print(stderr, "hbmio: {} holds no hbmio checksums: nothing to verify (add them with `hbmio ckpt checksum`)\n", f.path);
+    return 1;
+  }
+  if (r.first_bad) {
+    fmt::print(stderr, "hbmio: verify FAILED: {}\n", *r.first_bad);
+    return 1;
+  }
+  fmt::print("{}: {} tensors verified (XXH3-64)\n", f.path, r.tensors_checked);
+  return 0;
+}
+
+}  // namespace
+
+void add_ckpt_command(CLI::App& app, int& exit_status) {
+  auto flags = std::make_shared<CkptFlags>();
+  auto* ckpt = app.add_subcommand("ckpt", "safetensors checkpoints: info, load, save, verify, checksum");
+  ckpt->require_subcommand(1);
+  const std::string path_help = "A .safetensors file, a *.safetensors.index.json, or a directory holding either";
+
+  auto* info = ckpt->add_subcommand("info", "List the tensors (name, dtype, shape, bytes) and whether checksums are stored");
+  info->add_option("path", flags->path, path_help)->required();
+  info->add_option("--json", flags->json, "Write the listing as JSON to FILE ('-' for stdout)");
+  info->callback([flags, &exit_status] { exit_status = run_info(*flags); });
+
+  auto* load = ckpt->add_subcommand("load", "Load every tensor (or --names) into memory and report the throughput");
+  load->add_option("path", flags->path, path_help)->required();
+  load->add_option("--into", flags->into, "host, pinned or cuda:N")->capture_default_str();
+  load->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
+  load->add_option("--names", flags->names, "Comma-separated tensor names to load (default: all)");
+  load->add_option("--layout", flags->layout, "single: one allocation, tensors 256-byte aligned; per-tensor: one each")
+      ->check(CLI::IsMember({"single", "per-tensor"}))
+      ->capture_default_str();
+  load->add_flag("--verify", flags->verify, "Check every tensor against its stored XXH3-64 checksum");
+  load->add_option("--runs", flags->runs, "Load N times with one engine and report the median (a benchmark)")
+      ->check(CLI::Range(1u, 1000u))
+      ->capture_default_str();
+  load->add_option("--json", flags->json, "Write the result as JSON to FILE ('-' for stdout)");
+  flags->tuning.add_to(load);
+  load->callback([flags, &exit_status] { exit_status = run_load(*flags); });
+
+  auto* save = ckpt->add_subcommand("save", "Save generated random tensors (for tests and benchmarks), crash-safe");
+  save->add_option("path", flags->path, "The .safetensors file to write")->required();
+  save->add_option("--count", flags->count, "Number of tensors")->capture_default_str();
+  save->add_option("--tensor-size", flags->tensor_size, "Bytes per tensor (e.g. 128MiB)")->capture_default_str();
+  save->add_option("--dtype", flags->dtype, "Element type (BF16, F32, U8, ...)")->capture_default_str();
+  save->add_option("--from", flags->from, "Memory the tensors live in: host, pinned or cuda:N")->capture_default_str();
+  save->add_option("--seed", flags->seed, "Seed of the generated data")->capture_default_str();
+  save->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
+  save->add_flag("--no-checksums", flags->no_checksums, "Do not store XXH3-64 checksums");
+  save->add_option("--json", flags->json, "Write the result as JSON to FILE ('-' for stdout)");
+  flags->tuning.add_to(save);
+  save->callback([flags, &exit_status] { exit_status = run_save(*flags); });
+
+  auto* verify = ckpt->add_subcommand("verify", "Recompute the stored checksums; name the first bad tensor and its offset");
+  verify->add_option("path", flags->path, path_help)->required();
+  verify->callback([flags, &exit_status] { exit_status = run_verify(*flags); });
+
+  auto* checksum = ckpt->add_subcommand("checksum", "Add checksums to an existing file (crash-safe rewrite)");
+  checksum->add_option("path", flags->path, "A .safetensors file")->required();
+  checksum->callback([flags, &exit_status] {
+    add_checksums(flags->path);
+    fmt::print("{}: checksums added\n", flags->path);
+    exit_status = 0;
+  });
+}
+
+}  // namespace hbmio::cli
