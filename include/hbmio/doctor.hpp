@@ -1,0 +1,50 @@
+// `hbmio doctor`: the GPUDirect Storage deployment checklist, checked on the machine at hand (or
+// on a recorded sysfs/procfs tree): GPUs, storage and NVMe(-oF) controllers, RDMA and modules,
+// PCIe topology with ACS and IOMMU, cuFile configuration, and for each given path which data
+// path `auto` takes there and what bounds it.
+//
+// Every probe is read-only, except the O_DIRECT trial on a directory PATH, which creates,
+// reads and removes one 4 KiB file in it. Thread-safety: run_doctor may run concurrently with
+// itself; it never throws for what it finds (missing or garbled files become WARN/INFO checks).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace hbmio {
+
+enum class CheckStatus {
+  pass,  // as GDS wants it
+  warn,  // works, but slower than it could be, or cannot be confirmed
+  fail,  // broken: a transfer would fail or the setup is invalid
+  info,  // a fact, or a probe that was not possible here (and why)
+};
+std::string_view to_string(CheckStatus status) noexcept;  // "PASS", "WARN", "FAIL", "INFO"
+
+struct Check {
+  std::string id;        // stable key: "gpu.device:0000:06:00.0", "gds.cufile_json", "summary.auto:/data"
+  std::string group;     // "GPUs", "Storage", "Fabric", "Topology", "GDS", "Summary"
+  CheckStatus status = CheckStatus::info;
+  std::string found;     // what the machine has
+  std::string expected;  // what GDS wants (empty when there is nothing to compare against)
+  std::string fix;       // the command or setting that would change it (empty for PASS)
+};
+
+struct DoctorOptions {
+  // Where sysfs, procfs and /etc live. Anything but "/" is a recorded tree: probes that need the
+  // live machine (O_DIRECT trial, cuFile handle registration, CUDA, io_uring) report INFO
+  // "skipped: --root given" there.
+  std::string root = "/";
+  // Files or directories to judge: file system, block device, O_DIRECT, cuFile verdict, and the
+  // summary of what `auto` picks. With a recorded root they are paths inside that tree.
+  std::vector<std::string> paths;
+};
+
+// Runs every check, grouped in the order GPUs, Storage, Fabric, Topology, GDS, Summary.
+std::vector<Check> run_doctor(const DoctorOptions& options);
+
+// True when any check FAILs (the CLI's exit status 1).
+bool any_failed(const std::vector<Check>& checks) noexcept;
+
+}  // namespace hbmio

@@ -1,0 +1,105 @@
+// The pieces of `hbmio doctor`, one file per group: what each group discovers (the inventory)
+// and the checks it writes. run_doctor() in doctor.cpp strings them together.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "doctor/pci.hpp"
+#include "doctor/sysfs.hpp"
+#include "hbmio/doctor.hpp"
+
+namespace hbmio::doctor {
+
+inline constexpr const char* kGroupGpus = "GPUs";
+inline constexpr const char* kGroupStorage = "Storage";
+inline constexpr const char* kGroupFabric = "Fabric";
+inline constexpr const char* kGroupTopology = "Topology";
+inline constexpr const char* kGroupGds = "GDS";
+inline constexpr const char* kGroupSummary = "Summary";
+inline constexpr const char* kSkippedForRoot = "skipped: --root given (needs the live machine)";
+
+struct Gpu {
+  PciDevice pci;
+  std::optional<std::uint64_t> bar1_bytes;        // from the `resource` file (BAR1 is its second line)
+  std::optional<int> memory_numa_node;            // GPU memory onlined as a NUMA node (POWER9, Grace)
+};
+
+struct NvmeController {
+  std::string name;        // "nvme0"; the PCI address for old kernels without /sys/class/nvme
+  std::string transport;   // "pcie", "rdma", "tcp", "fc", "loop", "apple-nvme"; empty when unknown
+  std::string address;     // "0000:04:00.0" or "traddr=192.168.1.10,trsvcid=4420"
+  std::string subsysnqn, state, model;
+  std::vector<std::string> namespaces;
+  std::optional<PciDevice> pci;  // the PCIe function of a pcie controller
+  bool fabrics() const { return !transport.empty() && transport != "pcie" && transport != "apple-nvme"; }
+};
+
+struct RdmaPort {
+  std::string number, state, rate, link_layer;  // "1", "4: ACTIVE", "100 Gb/sec (4X EDR)", "InfiniBand"
+};
+struct RdmaDevice {
+  std::string name;  // "mlx5_0"
+  std::optional<PciDevice> pci;
+  std::vector<RdmaPort> ports;
+  bool active() const;
+};
+
+struct Inventory {
+  std::vector<PciDevice> pci;
+  std::vector<Gpu> gpus;
+  std::vector<NvmeController> nvme;
+  std::vector<RdmaDevice> rdma;
+};
+Inventory discover(const Root& root);
+
+// What was learnt about one PATH, for the GDS verdict and the summary.
+struct PathFacts {
+  std::string path;
+  bool exists = false;
+  std::string fs_type, mount_point, mount_options;
+  std::string block_device;                  // "vda", "nvme0n1", "md0"
+  std::string block_kind;                    // "NVMe", "virtio-blk", "md RAID", "loop", "none"
+  std::vector<std::string> nvme_controllers; // controllers behind it
+  bool direct_io_tried = false, direct_io_works = false;
+  bool verdict_tried = false, cufile_usable = false, cufile_direct = false;
+  std::string cufile_mode, cufile_reason;
+};
+
+Check make_check(std::string id, const char* group, CheckStatus status, std::string found, std::string expected = {},
+                 std::string fix = {});
+
+// gpu.cpp
+std::vector<Gpu> find_gpus(const Root& root, const std::vector<PciDevice>& pci);
+void check_gpus(const Root& root, const Inventory& inventory, std::vector<Check>& out);
+
+// storage.cpp
+std::vector<NvmeController> find_nvme_controllers(const Root& root, const std::vector<PciDevice>& pci);
+void check_nvme(const Root& root, const Inventory& inventory, std::vector<Check>& out);
+PathFacts check_path(const Root& root, const Inventory& inventory, const std::string& path, std::vector<Check>& out);
+
+struct Mount {
+  std::string mount_point, fs_type, source, options, super_options;
+  unsigned major = 0, minor = 0;
+};
+// The mount holding `path` (longest mount point prefix) in a mountinfo text.
+std::optional<Mount> find_mount(const std::string& mountinfo, const std::string& path);
+
+// fabric.cpp
+std::vector<RdmaDevice> find_rdma_devices(const Root& root);
+void check_fabric(const Root& root, const Inventory& inventory, std::vector<Check>& out);
+
+// topology.cpp
+void check_topology(const Root& root, const Inventory& inventory, std::vector<Check>& out);
+
+// gds.cpp
+// cufile.json allows // comments, which JSON does not: removes them (outside strings).
+std::string strip_json_comments(const std::string& text);
+void check_gds(const Root& root, const Inventory& inventory, const std::vector<PathFacts>& paths, std::vector<Check>& out);
+
+// doctor.cpp
+void check_summary(const Root& root, const Inventory& inventory, const std::vector<PathFacts>& paths, std::vector<Check>& out);
+
+}  // namespace hbmio::doctor

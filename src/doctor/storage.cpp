@@ -1,0 +1,404 @@
+// Storage: NVMe controllers (local and fabrics) and, for each PATH, its file system, mount
+// options, block device, and whether O_DIRECT really works there.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "doctor/doctor_internal.hpp"
+#include "hbmio/file.hpp"
+#include "io/cufile_verdict.hpp"
+
+namespace hbmio::doctor {
+
+namespace {
+
+bool is_controller_name(std::string_view name) {
+  // "nvme0" but not "nvme0n1", "nvme0c1n1" or "nvme-subsys0".
+  if (!name.starts_with("nvme") || name.size() == 4) return false;
+  return name.substr(4).find_first_not_of("0123456789") == std::string_view::npos;
+}
+
+bool is_namespace_name(std::string_view name) {
+  return name.starts_with("nvme") && name.find('n', 4) != std::string_view::npos && !name.starts_with("nvme-");
+}
+
+std::string join(const std::vector<std::string>& items, std::string_view separator = ", ") {
+  std::string text;
+  for (const auto& item : items) text += (text.empty() ? "" : std::string(separator)) + item;
+  return text;
+}
+
+}  // namespace
+
+std::vector<NvmeController> find_nvme_controllers(const Root& root, const std::vector<PciDevice>& pci) {
+  std::vector<NvmeController> controllers;
+  for (const auto& name : root.list("sys/class/nvme")) {
+    const std::string dir = "sys/class/nvme/" + name + "/";
+    NvmeController controller{.name = name,
+                              .transport = root.read_attribute(dir + "transport").value_or(""),
+                              .address = root.read_attribute(dir + "address").value_or(""),
+                              .subsysnqn = root.read_attribute(dir + "subsysnqn").value_or(""),
+                              .state = root.read_attribute(dir + "state").value_or(""),
+                              .model = root.read_attribute(dir + "model").value_or("")};
+    for (const auto& entry : root.list(dir))
+      if (is_namespace_name(entry)) controller.namespaces.push_back(entry);
+    if (controller.transport == "pcie" || controller.transport.empty())
+      if (const auto real = root.resolve("sys/class/nvme/" + name)) controller.pci = pci_device_above(root, *real);
+    controllers.push_back(std::move(controller));
+  }
+  // Kernels before 4.x (and captures that kept only the PCI tree) have no /sys/class/nvme: the
+  // PCI class 0x0108 (mass storage, NVM) still shows each controller.
+  for (const auto& device : pci) {
+    if (!device.class_code || (*device.class_code >> 8) != 0x0108) continue;
+    const bool known = std::any_of(controllers.begin(), controllers.end(),
+                                   [&](const NvmeController& c) { return c.pci && c.pci->address == device.address; });
+    if (known) continue;
+    NvmeController controller{.name = device.address, .transport = "pcie", .address = device.address, .pci = device};
+    for (const auto* sub : {"/nvme", "/misc"})
+      for (const auto& entry : root.list(device.sysfs_path + sub))
+        if (is_controller_name(entry)) controller.name = entry;
+    for (const auto& entry : root.list(device.sysfs_path + "/block"))
+      if (is_namespace_name(entry)) controller.namespaces.push_back(entry);
+    for (const auto& entry : root.list(device.sysfs_path + "/nvme/" + controller.name))
+      if (is_namespace_name(entry)) controller.namespaces.push_back(entry);
+    controllers.push_back(std::move(controller));
+  }
+  return controllers;
+}
+
+void check_nvme(const Root& root, const Inventory& inventory, std::vector<Check>& out) {
+  if (inventory.nvme.empty()) {
+    out.push_back(make_check("storage.nvme", kGroupStorage, CheckStatus::info,
+                             "no NVMe controller (no /sys/class/nvme, no PCI class 0x0108)", "NVMe drives or NVMe-oF namespaces",
+                             "GDS reads NVMe (local or over RDMA); other block devices run in compatibility mode"));
+  }
+  for (const auto& c : inventory.nvme) {
+    std::string found = fmt::format("{}: transport {}", c.name, c.transport.empty() ? "unknown" : c.transport);
+    if (!c.address.empty()) found += ", address " + c.address;
+    if (c.pci && c.pci->address != c.address) found += ", PCI " + c.pci->address;
+    if (c.pci && c.pci->numa_node) found += fmt::format(", NUMA node {}", *c.pci->numa_node);
+    if (!c.model.empty()) found += ", model " + c.model;
+    if (!c.state.empty()) found += ", state " + c.state;
+    if (!c.subsysnqn.empty()) found += ", subsystem " + c.subsysnqn;
+    if (c.pci && !c.pci->link.current_speed.empty() && c.pci->link.current_width)
+      found += fmt::format(", link {} x{}", c.pci->link.current_speed, *c.pci->link.current_width);
+    found += c.namespaces.empty() ? ", no namespaces" : ", namespaces " + join(c.namespaces);
+    const std::string id = "storage.nvme:" + c.name;
+
+    if (!c.state.empty() && c.state != "live") {
+      out.push_back(make_check(id, kGroupStorage, CheckStatus::warn, found, "state live",
+                               c.fabrics() ? "check the fabric path: nvme list-subsys; nvme connect again if it stays down"
+                                           : "check the drive: nvme list; dmesg | grep nvme"));
+    } else if (c.transport == "tcp") {
+      out.push_back(make_check(id, kGroupStorage, CheckStatus::warn, found, "transport rdma",
+                               "GDS moves NVMe-oF data by RDMA; over tcp cuFile runs in compatibility mode: "
+                               "connect with nvme connect -t rdma where the target offers it"));
+    } else if (c.transport == "pcie" || c.transport == "rdma") {
+      out.push_back(make_check(id, kGroupStorage, CheckStatus::pass, found));
+    } else {
+      out.push_back(make_check(id, kGroupStorage, CheckStatus::info, found, "transport pcie or rdma",
+                               "GDS supports local NVMe (pcie) and NVMe-oF over rdma"));
+    }
+  }
+  if (root.exists("sys/class/nvme-fabrics/ctl"))
+    out.push_back(make_check("storage.nvme_fabrics", kGroupStorage, CheckStatus::info,
+                             "/sys/class/nvme-fabrics/ctl present: the nvme-fabrics module is loaded"));
+}
+
+std::optional<Mount> find_mount(const std::string& mountinfo, const std::string& path) {
+  // mountinfo(5): id parent major:minor root mount-point options [optional...] - fstype source super-options
+  const auto unescape = [](std::string text) {
+    for (std::size_t at; (at = text.find('\\')) != std::string::npos && at + 3 < text.size();) {
+      const char c = static_cast<char>(std::strtol(text.substr(at + 1, 3).c_str(), nullptr, 8));
+      text.replace(at, 4, 1, c);
+    }
+    return text;
+  };
+  const auto covers = [](const std::string& mount_point, const std::string& p) {
+    if (mount_point == "/") return true;
+    return p == mount_point || (p.starts_with(mount_point) && p[mount_point.size()] == '/');
+  };
+  std::optional<Mount> best;
+  std::istringstream lines(mountinfo);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream fields(line);
+    std::string id, parent, device, mount_root, mount_point, options, field;
+    if (!(fields >> id >> parent >> device >> mount_root >> mount_point >> options)) continue;
+    while (fields >> field && field != "-") {
+    }
+    Mount mount{.mount_point = unescape(mount_point), .options = options};
+    if (!(fields >> mount.fs_type >> mount.source)) continue;
+    fields >> mount.super_options;
+    if (std::sscanf(device.c_str(), "%u:%u", &mount.major, &mount.minor) != 2) continue;
+    // The last matching mount wins among equals: later mounts hide earlier ones.
+    if (covers(mount.mount_point, path) && (!best || mount.mount_point.size() >= best->mount_point.size())) best = mount;
+  }
+  return best;
+}
+
+namespace {
+
+// The whole disk behind a block device number and what kind it is, following md/dm members.
+void describe_block_device(const Root& root, const Inventory& inventory, unsigned major, unsigned minor, PathFacts& facts,
+                           std::vector<Check>& out) {
+  const std::string id = "storage.block_device:" + facts.path;
+  if (major == 0) {
+    facts.block_kind = "none";
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::info,
+                             fmt::format("no block device ({}: memory or network file system)", facts.fs_type),
+                             "a file system on NVMe", "GDS reads files on NVMe-backed ext4/xfs (or its supported network file systems)"));
+    return;
+  }
+  auto real = root.resolve(fmt::format("sys/dev/block/{}:{}", major, minor));
+  if (!real) {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::info, fmt::format("block device {}:{} not in sysfs", major, minor)));
+    return;
+  }
+  if (root.exists(*real + "/partition")) real = parent_of(*real);  // nvme0n1p2 -> nvme0n1
+  facts.block_device = name_of(*real);
+  const std::string& disk = facts.block_device;
+
+  // Controllers behind an NVMe namespace: its parent (nvme/nvme0/nvme0n1) or, with native
+  // multipath, every controller of its subsystem (nvme-subsystem/nvme-subsys0/nvme0n1).
+  const auto controllers_of = [&](const std::string& disk_path) {
+    std::vector<std::string> names;
+    const std::string parent = parent_of(disk_path);
+    if (name_of(parent).starts_with("nvme-subsys")) {
+      for (const auto& entry : root.list(parent))
+        if (is_controller_name(entry)) names.push_back(entry);
+    } else if (is_controller_name(name_of(parent))) {
+      names.push_back(name_of(parent));
+    }
+    return names;
+  };
+
+  std::string detail;
+  if (disk.starts_with("nvme")) {
+    facts.block_kind = "NVMe";
+    facts.nvme_controllers = controllers_of(*real);
+  } else if (disk.starts_with("vd")) {
+    facts.block_kind = "virtio-blk";
+  } else if (disk.starts_with("loop")) {
+    facts.block_kind = "loop";
+    detail = "backing file " + root.read_attribute(*real + "/loop/backing_file").value_or("unknown");
+  } else if (disk.starts_with("md") || disk.starts_with("dm-")) {
+    facts.block_kind = disk.starts_with("md") ? "md RAID" : "device-mapper";
+    if (disk.starts_with("md")) detail = root.read_attribute(*real + "/md/level").value_or("");
+    std::vector<std::string> members;
+    for (const auto& slave : root.list(*real + "/slaves")) {
+      members.push_back(slave);
+      if (auto member = root.resolve(*real + "/slaves/" + slave)) {
+        if (root.exists(*member + "/partition")) member = parent_of(*member);
+        for (auto& c : controllers_of(*member)) facts.nvme_controllers.push_back(std::move(c));
+      }
+    }
+    detail += (detail.empty() ? "" : ", ") + std::string("members ") + (members.empty() ? "unknown" : join(members));
+  } else if (disk.starts_with("sd")) {
+    facts.block_kind = "SCSI/SATA";
+  } else {
+    facts.block_kind = "other";
+  }
+  if (facts.block_kind == "NVMe" || facts.block_kind == "md RAID" || facts.block_kind == "device-mapper")
+    for (const auto& name : facts.nvme_controllers)
+      for (const auto& c : inventory.nvme)
+        if (c.name == name) detail += fmt::format("{}controller {} ({})", detail.empty() ? "" : ", ", name, c.transport);
+
+  const std::string found = fmt::format("{} ({}{}{})", disk, facts.block_kind, detail.empty() ? "" : ", ", detail);
+  if (facts.block_kind == "NVMe") {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::pass, found));
+  } else if (!facts.nvme_controllers.empty()) {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::info, found, "NVMe",
+                             "GDS supports md RAID 0 over NVMe; other layouts run in compatibility mode"));
+  } else {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::info, found, "NVMe (local, or NVMe-oF over RDMA)",
+                             "cuFile can move data by DMA only from NVMe; here it would use compatibility mode"));
+  }
+}
+
+struct FreeDeleter {
+  void operator()(void* p) const noexcept { std::free(p); }
+};
+
+// Opens `file` with O_DIRECT and reads its first 4 KiB into 4 KiB-aligned memory: the only way to
+// know that O_DIRECT works is to do it (some FUSE file systems accept the flag and fail the read).
+std::string try_direct_read(const std::string& file, int& error) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (fd < 0) {
+    error = errno;
+    return fmt::format("open with O_DIRECT: {}", std::strerror(error));
+  }
+  std::unique_ptr<void, FreeDeleter> buffer(std::aligned_alloc(4096, 4096));
+  ssize_t got;
+  do got = ::pread(fd, buffer.get(), 4096, 0); while (got < 0 && errno == EINTR);
+  error = got < 0 ? errno : 0;
+  ::close(fd);
+  if (got < 0) return fmt::format("aligned 4 KiB pread with O_DIRECT: {}", std::strerror(error));
+  return fmt::format("aligned 4 KiB pread with O_DIRECT returned {} bytes", got);
+}
+
+// A 4 KiB file made in `directory` for the trials, removed again by the destructor.
+class ProbeFile {
+ public:
+  explicit ProbeFile(const std::string& directory) {
+    std::string name = directory + "/.hbmio-doctor-XXXXXX";
+    const int fd = ::mkstemp(name.data());
+    if (fd < 0) {
+      error_ = fmt::format("cannot create a probe file in {}: {}", directory, std::strerror(errno));
+      return;
+    }
+    const std::string block(4096, 'h');
+    const bool written = ::write(fd, block.data(), block.size()) == static_cast<ssize_t>(block.size());
+    const int write_errno = errno;
+    ::close(fd);
+    path_ = name;
+    if (!written) error_ = fmt::format("cannot write the probe file {}: {}", name, std::strerror(write_errno));
+  }
+  ~ProbeFile() {
+    if (!path_.empty()) ::unlink(path_.c_str());
+  }
+  ProbeFile(const ProbeFile&) = delete;
+  ProbeFile& operator=(const ProbeFile&) = delete;
+  const std::string& path() const { return path_; }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::string path_, error_;
+};
+
+void check_direct_io_and_cufile(const std::string& path, bool is_directory, PathFacts& facts, std::vector<Check>& out) {
+  const std::string id = "storage.o_direct:" + path;
+  std::unique_ptr<ProbeFile> probe;
+  std::string target = path;
+  if (is_directory) {
+    probe = std::make_unique<ProbeFile>(path);
+    if (!probe->error().empty()) {
+      out.push_back(make_check(id, kGroupStorage, CheckStatus::info, probe->error(), "a writable directory, or name a file in it",
+                               "give a file on the same file system: hbmio doctor FILE"));
+      return;
+    }
+    target = probe->path();
+  }
+  int error = 0;
+  const std::string trial = try_direct_read(target, error);
+  facts.direct_io_tried = true;
+  facts.direct_io_works = error == 0;
+
+  std::string alignment = "statx DIOALIGN not checked";
+  try {
+    const File file = File::open(target, OpenMode::read);
+    const DirectIoInfo& info = file.direct_io();
+    alignment = info.supported ? fmt::format("statx DIOALIGN: memory {} B, offset {} B", info.memory_alignment, info.offset_alignment)
+                               : "statx/O_DIRECT: " + info.reason;
+    const detail::CufileVerdict verdict = detail::cufile_verdict(file);
+    facts.verdict_tried = true;
+    facts.cufile_usable = verdict.usable;
+    facts.cufile_direct = verdict.direct;
+    facts.cufile_mode = verdict.mode;
+    facts.cufile_reason = verdict.reason;
+  } catch (const std::exception& e) {
+    alignment = e.what();
+    facts.cufile_reason = e.what();
+  }
+  const std::string found = fmt::format("{}{}; {}", trial, is_directory ? " (on a probe file, removed again)" : "", alignment);
+  if (facts.direct_io_works) {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::pass, found));
+  } else if (error == EINVAL || error == EOPNOTSUPP) {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::warn, found, "O_DIRECT reads",
+                             fmt::format("{} refuses O_DIRECT: reads go through the page cache and GDS cannot run; "
+                                         "put the data on ext4 or xfs", facts.fs_type)));
+  } else {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::fail, found, "O_DIRECT reads",
+                             "the read failed: check the device (dmesg) and the file's permissions"));
+  }
+}
+
+}  // namespace
+
+PathFacts check_path(const Root& root, const Inventory& inventory, const std::string& path, std::vector<Check>& out) {
+  PathFacts facts{.path = path};
+  const std::string path_id = "storage.path:" + path;
+
+  std::optional<Mount> mount;
+  unsigned major = 0, minor = 0;
+  bool have_device = false, is_directory = false;
+  std::string lookup = path;  // what to look for in mountinfo
+  if (root.is_live()) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      out.push_back(make_check(path_id, kGroupStorage, CheckStatus::fail, fmt::format("cannot stat {}: {}", path, std::strerror(errno)),
+                               "an existing, readable file or directory", "check the path and its permissions"));
+      return facts;
+    }
+    if (::access(path.c_str(), R_OK) != 0) {
+      out.push_back(make_check(path_id, kGroupStorage, CheckStatus::fail, fmt::format("cannot read {}: {}", path, std::strerror(errno)),
+                               "a readable file or directory", "check the permissions of the path"));
+      return facts;
+    }
+    facts.exists = true;
+    is_directory = S_ISDIR(st.st_mode);
+    major = ::major(st.st_dev);
+    minor = ::minor(st.st_dev);
+    have_device = true;
+    if (char* real = ::realpath(path.c_str(), nullptr)) {
+      lookup = real;
+      std::free(real);
+    }
+    facts.fs_type = file_system_type(path);
+  } else {
+    facts.exists = root.exists(path);
+  }
+
+  const auto mountinfo = root.read_file("proc/self/mountinfo");
+  if (mountinfo) mount = find_mount(*mountinfo, lookup.starts_with('/') ? lookup : "/" + lookup);
+  if (mount) {
+    facts.mount_point = mount->mount_point;
+    facts.mount_options = mount->options;
+    if (facts.fs_type.empty() || facts.fs_type == "unknown") facts.fs_type = mount->fs_type;
+    if (!have_device) {
+      major = mount->major;
+      minor = mount->minor;
+      have_device = true;
+    }
+  }
+  if (!root.is_live() && !mount) {
+    out.push_back(make_check(path_id, kGroupStorage, CheckStatus::info,
+                             fmt::format("{}: no proc/self/mountinfo entry in this tree", path), "",
+                             "record /proc/self/mountinfo with the tree to judge paths"));
+    return facts;
+  }
+
+  const std::string super = mount ? mount->super_options : "";
+  std::string found = fmt::format("{} on {}", facts.fs_type.empty() ? "unknown file system" : facts.fs_type,
+                                  facts.mount_point.empty() ? "unknown mount point" : facts.mount_point);
+  if (mount) found += fmt::format(" ({}, {}; source {})", mount->options, super, mount->source);
+  const bool gds_file_system = facts.fs_type == "ext4" || facts.fs_type == "xfs";
+  if (super.find("data=journal") != std::string::npos) {
+    out.push_back(make_check("storage.filesystem:" + path, kGroupStorage, CheckStatus::warn, found, "ext4 data=ordered",
+                             "GDS does not support ext4 data=journal: remount with data=ordered"));
+  } else if (gds_file_system) {
+    out.push_back(make_check("storage.filesystem:" + path, kGroupStorage, CheckStatus::pass, found));
+  } else {
+    out.push_back(make_check("storage.filesystem:" + path, kGroupStorage, CheckStatus::info, found,
+                             "ext4 or xfs (or a network file system with a GDS client: NFS, Lustre, WekaFS, GPFS, BeeGFS)",
+                             "GDS's local file systems are ext4 and xfs"));
+  }
+  if (have_device) describe_block_device(root, inventory, major, minor, facts, out);
+
+  if (!root.is_live()) {
+    out.push_back(make_check("storage.o_direct:" + path, kGroupStorage, CheckStatus::info, kSkippedForRoot));
+    return facts;
+  }
+  check_direct_io_and_cufile(path, is_directory, facts, out);
+  return facts;
+}
+
+}  // namespace hbmio::doctor

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# hbmio doctor from the command line: --help, the JSON schema, --root on a recorded tree, exit
+# statuses, and a clear error for a PATH that does not exist.
+# Usage: doctor_cli_test.sh HBMIO_BINARY FIXTURES_DIR
+set -euo pipefail
+hbmio=$1
+fixtures=${2:-}
+work=$(mktemp -d "${HBMIO_TEST_DIR:-/tmp}/doctor-cli.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# Every check has exactly {id, group, status, found, expected, fix}, strings, status one of four.
+check_schema() {
+  python3 - "$1" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+assert report["command"] == "doctor", report.keys()
+checks = report["checks"]
+assert checks, "no checks"
+for c in checks:
+    assert set(c) == {"id", "group", "status", "found", "expected", "fix"}, c
+    assert all(isinstance(v, str) for v in c.values()), c
+    assert c["status"] in ("PASS", "WARN", "FAIL", "INFO"), c
+    assert c["group"] in ("GPUs", "Storage", "Fabric", "Topology", "GDS", "Summary", ), c
+assert report["failed"] == any(c["status"] == "FAIL" for c in checks)
+assert sum(report["counts"].values()) == len(checks)
+PY
+}
+
+"$hbmio" doctor --help | grep -q -- "--root" || fail "--help does not explain --root"
+
+# The live machine: 0 or 1, never a crash; valid JSON on stdout with --json -.
+set +e
+"$hbmio" doctor "$work" --json "$work/live.json" > "$work/live.txt"
+status=$?
+set -e
+[[ $status -le 1 ]] || fail "live run exited $status"
+check_schema "$work/live.json" || fail "live JSON schema"
+grep -q "^Summary" "$work/live.txt" || fail "no Summary group in the checklist"
+grep -q "summary.auto:$work" "$work/live.txt" || fail "no auto verdict for $work"
+set +e
+"$hbmio" doctor "$work" --json - > "$work/stdout.json"
+set -e
+check_schema "$work/stdout.json" || fail "--json - is not the JSON report alone"
+
+# A missing PATH: FAIL, exit 1, and a message naming it.
+set +e
+"$hbmio" doctor /nonexistent/hbmio-doctor-path > "$work/missing.txt" 2> "$work/missing.err"
+status=$?
+set -e
+[[ $status -eq 1 ]] || fail "missing PATH exited $status"
+grep -q "cannot stat /nonexistent/hbmio-doctor-path: No such file or directory" "$work/missing.err" || fail "unclear error: $(cat "$work/missing.err")"
+
+# A constructed tree with a malformed cufile.json: exit 1; the same tree fixed: exit 0.
+mkdir -p "$work/tree/etc" "$work/tree/proc" "$work/tree/sys/kernel/iommu_groups"
+echo "root=/dev/vda" > "$work/tree/proc/cmdline"
+echo '{ "properties": { "allow_compat_mode": tru } }' > "$work/tree/etc/cufile.json"
+set +e
+"$hbmio" doctor --root "$work/tree" --json "$work/tree.json" > /dev/null
+status=$?
+set -e
+[[ $status -eq 1 ]] || fail "malformed cufile.json exited $status"
+python3 -c "import json,sys; c=[x for x in json.load(open(sys.argv[1]))['checks'] if x['id']=='gds.cufile_json'][0]; assert c['status']=='FAIL', c" "$work/tree.json"
+printf '// comment\n{ "properties": { "allow_compat_mode": true } }\n' > "$work/tree/etc/cufile.json"
+"$hbmio" doctor --root "$work/tree" > "$work/tree.txt" || fail "clean constructed tree exited $?"
+grep -q "skipped: --root given" "$work/tree.txt" || fail "live probes not marked as skipped"
+
+# A recorded tree with NVMe controllers.
+archive="$fixtures/sysfs/libnvme/tree-pcie.tar.xz"
+if [[ -f "$archive" ]]; then
+  mkdir -p "$work/nvme"
+  tar -xf "$archive" -C "$work/nvme" 2>/dev/null || true
+  set +e
+  "$hbmio" doctor --root "$work/nvme" --json "$work/nvme.json" > "$work/nvme.txt"
+  status=$?
+  set -e
+  [[ $status -eq 0 ]] || fail "tree-pcie exited $status"
+  check_schema "$work/nvme.json"
+  grep -q "storage.nvme:nvme1 .*transport pcie, address 052e:78:00.0" "$work/nvme.txt" || fail "nvme1 not shown: $(cat "$work/nvme.txt")"
+else
+  echo "skipped the recorded-tree case: $archive not found"
+fi
+echo "doctor CLI: all passed"

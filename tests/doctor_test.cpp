@@ -1,0 +1,586 @@
+// hbmio doctor: recorded sysfs trees from real machines (../shared/fixtures/sysfs), trees built
+// here for what no capture has (NVMe-oF rdma, GPU + NVMe + NIC under one switch, ACS, IOMMU,
+// nvidia-fs, cufile.json), malformed trees, and the live machine.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "doctor/doctor_internal.hpp"
+#include "hbmio/doctor.hpp"
+
+namespace fs = std::filesystem;
+using hbmio::Check;
+using hbmio::CheckStatus;
+using namespace hbmio::doctor;
+
+namespace {
+
+fs::path test_dir() {
+  const char* dir = std::getenv("HBMIO_TEST_DIR");
+  return dir && *dir ? fs::path(dir) : fs::temp_directory_path();
+}
+
+const Check* find_check(const std::vector<Check>& checks, const std::string& id) {
+  for (const auto& c : checks)
+    if (c.id == id) return &c;
+  return nullptr;
+}
+
+std::string dump(const std::vector<Check>& checks) {
+  std::string text;
+  for (const auto& c : checks) text += fmt::format("{} {} | {}\n", hbmio::to_string(c.status), c.id, c.found);
+  return text;
+}
+
+// The recorded tree of `archive` (relative to fixtures/sysfs), unpacked once per test run into
+// the build directory. Returns the directory holding sys/ and proc/ (hwloc archives add a top
+// directory), or an empty path with `why` set when the fixture is missing.
+fs::path unpack_fixture(const std::string& archive, std::string& why) {
+  static std::mutex mutex;
+  static std::map<std::string, fs::path> unpacked;
+  std::lock_guard lock(mutex);
+  if (auto it = unpacked.find(archive); it != unpacked.end()) return it->second;
+  const fs::path source = fs::path(HBMIO_FIXTURES) / "sysfs" / archive;
+  if (!fs::exists(source)) {
+    why = "fixture " + source.string() + " not found (set -DHBMIO_FIXTURES)";
+    return {};
+  }
+  fs::path into = test_dir() / "doctor-fixtures" / fs::path(archive).stem().stem();
+  fs::remove_all(into);
+  fs::create_directories(into);
+  const std::string command = fmt::format("tar -xf '{}' -C '{}' 2>/dev/null", source.string(), into.string());
+  if (std::system(command.c_str()) != 0 && !fs::exists(into / "sys")) {
+    // Some archives carry entries tar warns about (hard links, odd modes); only an empty result is fatal.
+    bool any = false;
+    for (const auto& e : fs::directory_iterator(into)) any = any || e.exists();
+    if (!any) {
+      why = "cannot unpack " + source.string();
+      return {};
+    }
+  }
+  fs::path root = into;
+  if (!fs::exists(root / "sys")) {
+    for (const auto& entry : fs::directory_iterator(into))
+      if (entry.is_directory() && fs::exists(entry.path() / "sys")) root = entry.path();
+  }
+  unpacked[archive] = root;
+  return root;
+}
+
+#define FIXTURE_ROOT(var, archive)                   \
+  std::string var##_why;                             \
+  const fs::path var = unpack_fixture(archive, var##_why); \
+  if (var.empty()) GTEST_SKIP() << var##_why
+
+// A tree written by a test, removed afterwards.
+class Tree {
+ public:
+  Tree() {
+    static int counter = 0;
+    path_ = test_dir() / fmt::format("doctor-tree-{}-{}", ::getpid(), counter++);
+    fs::remove_all(path_);
+    fs::create_directories(path_);
+  }
+  ~Tree() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const fs::path& path() const { return path_; }
+  void write(const std::string& relative, const std::string& content) const {
+    fs::create_directories((path_ / relative).parent_path());
+    std::ofstream(path_ / relative, std::ios::binary) << content;
+  }
+  void mkdir(const std::string& relative) const { fs::create_directories(path_ / relative); }
+  void link(const std::string& relative, const std::string& target) const {
+    fs::create_directories((path_ / relative).parent_path());
+    fs::create_directory_symlink(target, path_ / relative);
+  }
+  // A PCI function at sys/devices/<device_path> with its /sys/bus/pci/devices link.
+  void pci(const std::string& device_path, const std::string& vendor, const std::string& device, const std::string& class_code,
+           int numa_node) const {
+    const std::string dir = "sys/devices/" + device_path + "/";
+    write(dir + "vendor", vendor + "\n");
+    write(dir + "device", device + "\n");
+    write(dir + "class", class_code + "\n");
+    write(dir + "numa_node", std::to_string(numa_node) + "\n");
+    const std::string address = fs::path(device_path).filename().string();
+    link("sys/bus/pci/devices/" + address, "../../../devices/" + device_path);
+  }
+  void link_attributes(const std::string& device_path, const std::string& speed, int width) const {
+    const std::string dir = "sys/devices/" + device_path + "/";
+    write(dir + "current_link_speed", speed + "\n");
+    write(dir + "max_link_speed", speed + "\n");
+    write(dir + "current_link_width", std::to_string(width) + "\n");
+    write(dir + "max_link_width", std::to_string(width) + "\n");
+  }
+
+ private:
+  fs::path path_;
+};
+
+// Config space with one extended capability list: AER (id 1) at 0x100 -> `acs` at 0x140 (when
+// given) with its control register.
+std::string config_space(std::optional<unsigned> acs_control) {
+  std::string config(4096, '\0');
+  const auto put32 = [&](std::size_t at, std::uint32_t v) {
+    for (int i = 0; i < 4; ++i) config[at + i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  };
+  put32(0x100, 0x0001u | (1u << 16) | ((acs_control ? 0x140u : 0u) << 20));
+  if (acs_control) {
+    put32(0x140, 0x000du | (1u << 16));
+    put32(0x144, 0x005fu | (*acs_control << 16));
+  }
+  return config;
+}
+
+constexpr const char* kSwitch = "pci0000:00/0000:00:01.0/0000:01:00.0";  // root port -> switch upstream port
+const std::string kGpuPath = std::string(kSwitch) + "/0000:02:00.0/0000:03:00.0";
+const std::string kNvmePath = std::string(kSwitch) + "/0000:02:01.0/0000:04:00.0";
+const std::string kNicPath = std::string(kSwitch) + "/0000:02:02.0/0000:05:00.0";
+const std::string kRemoteNvmePath = "pci0000:80/0000:80:01.0/0000:81:00.0";
+
+// A GDS-over-NVMe-oF server as the article describes it: GPU, NVMe and ConnectX under one PCIe
+// switch, a second NVMe on the other socket, an NVMe-oF rdma controller, IOMMU pass-through,
+// nvidia-fs and MOFED loaded, cufile.json with comments. ACS is on at the GPU's downstream port.
+void build_gds_server(const Tree& t) {
+  t.pci("pci0000:00/0000:00:01.0", "0x8086", "0x2030", "0x060400", 0);
+  t.pci(kSwitch, "0x10b5", "0x9797", "0x060400", 0);
+  t.write("sys/devices/" + std::string(kSwitch) + "/config", config_space(std::nullopt));
+  for (const char* port : {"0000:02:00.0", "0000:02:01.0", "0000:02:02.0"})
+    t.pci(std::string(kSwitch) + "/" + port, "0x10b5", "0x9797", "0x060400", 0);
+  t.write("sys/devices/" + std::string(kSwitch) + "/0000:02:00.0/config", config_space(0x001d));  // SV + RR + CR + UF
+  t.write("sys/devices/" + std::string(kSwitch) + "/0000:02:01.0/config", config_space(0x0000));
+  t.write("sys/devices/" + std::string(kSwitch) + "/0000:02:02.0/config", std::string(64, '\0'));  // as a non-root user sees it
+
+  t.pci(kGpuPath, "0x10de", "0x2335", "0x030200", 0);
+  t.link_attributes(kGpuPath, "32.0 GT/s PCIe", 16);
+  t.write("sys/devices/" + kGpuPath + "/resource",
+          "0x00000000fa000000 0x00000000faffffff 0x0000000000040200\n"
+          "0x0000038000000000 0x00000387ffffffff 0x000000000014220c\n");
+  t.mkdir("sys/bus/pci/drivers/nvidia");
+  t.link("sys/devices/" + kGpuPath + "/driver", "../../../../../../bus/pci/drivers/nvidia");
+  t.write("proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05\n");
+
+  t.pci(kNvmePath, "0x144d", "0xa824", "0x010802", 0);
+  t.link_attributes(kNvmePath, "16.0 GT/s PCIe", 4);
+  t.pci(kNicPath, "0x15b3", "0x101d", "0x020700", 0);
+  t.pci("pci0000:80/0000:80:01.0", "0x8086", "0x2030", "0x060400", 1);
+  t.pci(kRemoteNvmePath, "0x144d", "0xa824", "0x010802", 1);
+
+  const auto controller = [&](const std::string& name, const std::string& dir, const std::string& transport, const std::string& address) {
+    t.write(dir + "/transport", transport + "\n");
+    t.write(dir + "/address", address + "\n");
+    t.write(dir + "/state", "live\n");
+    t.write(dir + "/model", "Test Drive\n");
+    t.write(dir + "/subsysnqn", "nqn.2024-01.test:" + name + "\n");
+    t.mkdir(dir + "/" + name + "n1");
+    t.link("sys/class/nvme/" + name, "../../" + dir.substr(4));
+  };
+  controller("nvme0", "sys/devices/" + kNvmePath + "/nvme/nvme0", "pcie", "0000:04:00.0");
+  controller("nvme1", "sys/devices/" + kRemoteNvmePath + "/nvme/nvme1", "pcie", "0000:81:00.0");
+  controller("nvme2", "sys/devices/virtual/nvme-fabrics/ctl/nvme2", "rdma", "traddr=192.168.10.5,trsvcid=4420,src_addr=192.168.10.2");
+  t.mkdir("sys/class/nvme-fabrics/ctl");
+  // /data lives on partition 1 of nvme0n1.
+  t.write("sys/devices/" + kNvmePath + "/nvme/nvme0/nvme0n1/nvme0n1p1/partition", "1\n");
+  t.link("sys/dev/block/259:1", "../../devices/" + kNvmePath + "/nvme/nvme0/nvme0n1/nvme0n1p1");
+  t.write("proc/self/mountinfo",
+          "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+          "25 22 259:1 / /data rw,noatime shared:2 - ext4 /dev/nvme0n1p1 rw,data=ordered\n");
+
+  const std::string ib = "sys/devices/" + kNicPath + "/infiniband/mlx5_0";
+  t.write(ib + "/ports/1/state", "4: ACTIVE\n");
+  t.write(ib + "/ports/1/rate", "200 Gb/sec (4X HDR)\n");
+  t.write(ib + "/ports/1/link_layer", "InfiniBand\n");
+  t.link("sys/class/infiniband/mlx5_0", "../../devices/" + kNicPath + "/infiniband/mlx5_0");
+
+  t.write("proc/cmdline", "BOOT_IMAGE=/vmlinuz root=/dev/vda intel_iommu=on iommu=pt quiet\n");
+  t.mkdir("sys/kernel/iommu_groups/0");
+  t.mkdir("sys/kernel/iommu_groups/1");
+  t.write("proc/driver/nvidia-fs/version", "version: 2.26\n");
+  t.write("proc/kallsyms", "ffffffff81000000 T _text\nffffffff82345678 d p2pdma_pgmap_ops\n");
+  t.mkdir("run/udev/data");
+  t.write("sys/module/nvidia_fs/version", "2.26.6\n");
+  t.mkdir("sys/module/nvidia_peermem");
+  t.mkdir("sys/module/nvme_rdma");
+  t.mkdir("sys/module/nvme_fabrics");
+  t.mkdir("sys/module/ib_core");
+  t.mkdir("sys/module/mlx5_ib");
+  t.mkdir("sys/module/mlx_compat");
+  t.write("sys/module/mlx5_core/version", "24.10-1.1.4\n");
+  t.write("etc/cufile.json",
+          "// cufile.json as nvidia-gds ships it: comments allowed\n"
+          "{\n"
+          "  \"logging\": { \"dir\": \"http://not-a-comment//here\" }, // trailing comment\n"
+          "  \"properties\": {\n"
+          "    // \"allow_compat_mode\": false,\n"
+          "    \"allow_compat_mode\": true,\n"
+          "    \"use_pci_p2pdma\": false,\n"
+          "    \"rdma_dev_addr_list\": [\"192.168.10.2\"]\n"
+          "  }\n"
+          "}\n");
+}
+
+PciDevice device_at(const std::string& path, std::optional<int> numa = 0) {
+  return PciDevice{.address = fs::path(path).filename().string(), .sysfs_path = "sys/devices/" + path, .numa_node = numa};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Classification, like nvidia-smi topo
+// ---------------------------------------------------------------------------------------------
+
+TEST(DoctorTopology, ClassifiesPathsLikeNvidiaSmiTopo) {
+  const auto gpu = device_at(kGpuPath);
+  EXPECT_EQ(classify_pci_path(gpu, gpu), PciPathType::same);
+  EXPECT_EQ(classify_pci_path(gpu, device_at(kNvmePath)), PciPathType::pix);  // one switch
+  EXPECT_EQ(classify_pci_path(gpu, device_at(kNicPath)), PciPathType::pix);
+  // A switch below the switch: two switches, no host bridge crossed.
+  EXPECT_EQ(classify_pci_path(gpu, device_at(std::string(kSwitch) + "/0000:02:03.0/0000:06:00.0/0000:07:00.0/0000:08:00.0")),
+            PciPathType::pxb);
+  // Another root port of the same host bridge.
+  EXPECT_EQ(classify_pci_path(gpu, device_at("pci0000:00/0000:00:02.0/0000:09:00.0")), PciPathType::phb);
+  // Another host bridge, same socket; then the other socket.
+  EXPECT_EQ(classify_pci_path(gpu, device_at("pci0000:40/0000:40:01.0/0000:41:00.0", 0)), PciPathType::node);
+  EXPECT_EQ(classify_pci_path(gpu, device_at(kRemoteNvmePath, 1)), PciPathType::sys);
+  // numa_node -1 everywhere (single-socket machines and VMs): not "across sockets".
+  EXPECT_EQ(classify_pci_path(device_at(kGpuPath, std::nullopt), device_at(kRemoteNvmePath, std::nullopt)), PciPathType::node);
+  // A tree without /sys/devices positions (plain directories under /sys/bus/pci/devices).
+  EXPECT_EQ(classify_pci_path(PciDevice{.address = "0004:05:00.0", .sysfs_path = "sys/bus/pci/devices/0004:05:00.0"}, gpu),
+            PciPathType::unknown);
+  EXPECT_EQ(bridges_between(gpu, device_at(kNvmePath)), (std::vector<std::string>{"0000:01:00.0", "0000:02:00.0", "0000:02:01.0"}));
+}
+
+TEST(DoctorTopology, ParsesPciAddressesAndLinkRates) {
+  EXPECT_TRUE(is_pci_address("0000:06:00.0"));
+  EXPECT_TRUE(is_pci_address("10000:00:04.0"));  // 32-bit domain
+  EXPECT_FALSE(is_pci_address("0000:06:00.8"));
+  EXPECT_FALSE(is_pci_address("virtio1"));
+  EXPECT_EQ(host_bridge_of("sys/devices/pci10000:00/10000:00:04.0/virtio2/block/vda"), "pci10000:00");
+  EXPECT_EQ(pci_chain_of("sys/devices/pci0000:00/0000:00:02.0/virtio1/block/vda"), std::vector<std::string>{"0000:00:02.0"});
+  EXPECT_NEAR(*pcie_gigabytes_per_second("16.0 GT/s PCIe", 4), 7.88, 0.01);
+  EXPECT_NEAR(*pcie_gigabytes_per_second("2.5 GT/s", 1), 0.25, 0.001);
+  EXPECT_FALSE(pcie_gigabytes_per_second("Unknown", 16));
+  EXPECT_FALSE(pcie_gigabytes_per_second("8 GT/s", 0));
+}
+
+TEST(DoctorTopology, AcsFromConfigSpace) {
+  EXPECT_EQ(parse_acs(config_space(0x001d)).kind, AcsState::Kind::enabled);
+  EXPECT_EQ(parse_acs(config_space(0x001d)).control, 0x001du);
+  EXPECT_EQ(parse_acs(config_space(0x0011)).kind, AcsState::Kind::disabled);  // SV + UF: no P2P redirect
+  EXPECT_EQ(parse_acs(config_space(std::nullopt)).kind, AcsState::Kind::not_capable);
+  EXPECT_EQ(parse_acs(std::string(64, '\0')).kind, AcsState::Kind::unreadable);
+  EXPECT_EQ(parse_acs("").kind, AcsState::Kind::unreadable);
+  // Garbage: a next pointer that loops back, and all ones.
+  std::string looping(4096, '\0');
+  looping[0x100] = 0x01;
+  looping[0x102] = 0x00;
+  looping[0x103] = 0x10;  // next = 0x100
+  EXPECT_EQ(parse_acs(looping).kind, AcsState::Kind::not_capable);
+  EXPECT_EQ(parse_acs(std::string(4096, '\xff')).kind, AcsState::Kind::not_capable);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A constructed GDS server
+// ---------------------------------------------------------------------------------------------
+
+TEST(DoctorConstructed, GdsServerWithNvmeOfAndOneSwitch) {
+  Tree tree;
+  build_gds_server(tree);
+  const auto checks = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data"}});
+  SCOPED_TRACE(dump(checks));
+  const auto expect = [&](const std::string& id, CheckStatus status, const std::string& needle) {
+    const Check* c = find_check(checks, id);
+    ASSERT_NE(c, nullptr) << id;
+    EXPECT_EQ(c->status, status) << id << ": " << c->found;
+    EXPECT_NE(c->found.find(needle), std::string::npos) << id << ": " << c->found;
+  };
+  expect("gpu.device:0000:03:00.0", CheckStatus::pass, "BAR1 32 GiB");
+  expect("gpu.device:0000:03:00.0", CheckStatus::pass, "driver nvidia");
+  expect("gpu.link:0000:03:00.0", CheckStatus::pass, "32.0 GT/s PCIe x16");
+  expect("gpu.driver", CheckStatus::pass, "580.95.05");
+  expect("gpu.cuda", CheckStatus::info, "skipped: --root given");
+  expect("storage.nvme:nvme0", CheckStatus::pass, "transport pcie");
+  expect("storage.nvme:nvme2", CheckStatus::pass, "transport rdma, address traddr=192.168.10.5,trsvcid=4420");
+  expect("storage.filesystem:/data", CheckStatus::pass, "ext4 on /data");
+  expect("storage.block_device:/data", CheckStatus::pass, "nvme0n1 (NVMe, controller nvme0 (pcie))");
+  expect("storage.o_direct:/data", CheckStatus::info, "skipped");
+  expect("fabric.rdma:mlx5_0", CheckStatus::pass, "at 0000:05:00.0, NUMA node 0");
+  expect("fabric.module:nvidia_fs", CheckStatus::pass, "version 2.26.6");
+  expect("fabric.module:mlx5_core", CheckStatus::pass, "MOFED");
+  expect("fabric.module:nvme_tcp", CheckStatus::info, "not loaded");
+  expect("topology.path:0000:03:00.0-nvme0", CheckStatus::pass, ": PIX");
+  expect("topology.path:0000:03:00.0-mlx5_0", CheckStatus::pass, ": PIX");
+  expect("topology.path:0000:03:00.0-nvme1", CheckStatus::warn, ": SYS");
+  expect("topology.acs:0000:02:00.0", CheckStatus::warn, "P2P request redirect");
+  expect("topology.acs:0000:02:01.0", CheckStatus::pass, "no P2P redirect");
+  expect("topology.acs:0000:01:00.0", CheckStatus::pass, "no ACS capability");
+  expect("topology.acs:0000:02:02.0", CheckStatus::info, "only 64 bytes");
+  expect("topology.iommu", CheckStatus::pass, "pass-through");
+  expect("gds.libcufile", CheckStatus::info, "skipped");
+  expect("gds.cufile_json", CheckStatus::pass, "allow_compat_mode true");
+  expect("gds.cufile_json", CheckStatus::pass, "rdma_dev_addr_list [\"192.168.10.2\"]");
+  expect("gds.nvidia_fs", CheckStatus::pass, "2.26");
+  expect("gds.p2pdma", CheckStatus::pass, "p2pdma_pgmap_ops");
+  expect("gds.udev", CheckStatus::pass, "/run/udev/data");
+  expect("gds.verdict:/data", CheckStatus::info, "skipped");
+  expect("summary.auto:/data", CheckStatus::info, "recorded tree");
+  expect("summary.auto:/data", CheckStatus::info, "ceiling: 7.9 GB/s, the storage link nvme0 PCIe 16.0 GT/s PCIe x4");
+  EXPECT_FALSE(hbmio::any_failed(checks));
+  // Groups come out in checklist order.
+  std::vector<std::string> groups;
+  for (const auto& c : checks)
+    if (groups.empty() || groups.back() != c.group) groups.push_back(c.group);
+  EXPECT_EQ(groups, (std::vector<std::string>{"GPUs", "Storage", "Fabric", "Topology", "GDS", "Summary"}));
+}
+
+TEST(DoctorConstructed, WhatGoesWrong) {
+  Tree tree;
+  build_gds_server(tree);
+  // IOMMU translating, nvidia-fs gone, a cufile.json that forces compatibility mode, a tcp controller.
+  tree.write("proc/cmdline", "root=/dev/vda intel_iommu=on\n");
+  fs::remove_all(tree.path() / "proc/driver/nvidia-fs");
+  fs::remove_all(tree.path() / "sys/module/nvidia_fs");
+  tree.write("proc/kallsyms", "ffffffff81000000 T _text\n");
+  tree.write("etc/cufile.json", "{ \"properties\": { \"force_compat_mode\": true } }");
+  tree.write("sys/devices/virtual/nvme-fabrics/ctl/nvme2/transport", "tcp\n");
+  fs::remove_all(tree.path() / "run");
+  const auto checks = hbmio::run_doctor({.root = tree.path().string()});
+  SCOPED_TRACE(dump(checks));
+  const auto status_of = [&](const std::string& id) {
+    const Check* c = find_check(checks, id);
+    return c ? c->status : CheckStatus::info;
+  };
+  EXPECT_EQ(status_of("topology.iommu"), CheckStatus::warn);
+  EXPECT_NE(find_check(checks, "topology.iommu")->fix.find("iommu=pt"), std::string::npos);
+  EXPECT_EQ(status_of("gds.nvidia_fs"), CheckStatus::warn);
+  EXPECT_EQ(status_of("fabric.module:nvidia_fs"), CheckStatus::warn);
+  EXPECT_EQ(status_of("gds.p2pdma"), CheckStatus::warn);
+  EXPECT_EQ(status_of("gds.cufile_json"), CheckStatus::warn);
+  EXPECT_EQ(status_of("storage.nvme:nvme2"), CheckStatus::warn);
+  EXPECT_EQ(status_of("gds.udev"), CheckStatus::info);  // no /run in a recorded tree: unknown, not wrong
+  EXPECT_NE(find_check(checks, "summary.paths"), nullptr);
+  EXPECT_FALSE(hbmio::any_failed(checks));
+
+  tree.write("etc/cufile.json", "{ \"properties\": { \"allow_compat_mode\": tru } }");
+  const auto broken = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_EQ(find_check(broken, "gds.cufile_json")->status, CheckStatus::fail);
+  EXPECT_TRUE(hbmio::any_failed(broken));
+}
+
+TEST(DoctorConstructed, MalformedTreeGivesWarningsNotCrashes) {
+  Tree tree;
+  build_gds_server(tree);
+  tree.write("sys/devices/" + kGpuPath + "/numa_node", "garbage\n");
+  tree.write("sys/devices/" + kGpuPath + "/class", "\0\0\0\0");
+  tree.write("sys/devices/" + kNvmePath + "/current_link_width", "x\n");
+  tree.write("sys/devices/" + kGpuPath + "/resource", "nonsense");
+  tree.write("sys/devices/" + std::string(kSwitch) + "/0000:02:00.0/config", "\x01\x02");
+  tree.write("proc/self/mountinfo", "garbage line\n\n1 2 3\n");
+  tree.write("etc/cufile.json", std::string("\0\xff\xfe{", 4));
+  tree.link("sys/class/nvme/nvme9", "../../devices/does/not/exist");
+  tree.link("sys/class/infiniband/absolute", "/nonexistent/elsewhere");
+  tree.write("sys/class/nvme/nvme0/state", "");
+  const auto checks = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data", "/missing"}});
+  SCOPED_TRACE(dump(checks));
+  for (const auto& c : checks) EXPECT_FALSE(c.id.starts_with("doctor.error")) << c.found;
+  EXPECT_EQ(find_check(checks, "gds.cufile_json")->status, CheckStatus::fail);
+  EXPECT_EQ(find_check(checks, "storage.path:/data")->status, CheckStatus::info);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pieces
+// ---------------------------------------------------------------------------------------------
+
+TEST(DoctorPieces, StripsCufileJsonComments) {
+  const std::string text = "{ // a comment\n \"a\": \"x//y\", /* block\n */ \"b\": \"q\\\"//\" }\n";
+  const std::string stripped = strip_json_comments(text);
+  EXPECT_EQ(stripped, "{ \n \"a\": \"x//y\", \n \"b\": \"q\\\"//\" }\n");
+}
+
+TEST(DoctorPieces, FindsTheMountHoldingAPath) {
+  const std::string mountinfo =
+      "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+      "30 22 0:31 / /my\\040data rw - tmpfs tmpfs rw,size=10g\n"
+      "31 22 259:3 / /data rw,noatime - xfs /dev/nvme0n1 rw,attr2\n"
+      "32 31 259:4 / /data/fast rw - ext4 /dev/nvme1n1 rw,data=ordered\n";
+  EXPECT_EQ(find_mount(mountinfo, "/data/fast/x")->fs_type, "ext4");
+  EXPECT_EQ(find_mount(mountinfo, "/data/fastx")->fs_type, "xfs");
+  EXPECT_EQ(find_mount(mountinfo, "/my data/f")->fs_type, "tmpfs");
+  EXPECT_EQ(find_mount(mountinfo, "/etc")->major, 254u);
+  EXPECT_EQ(find_mount(mountinfo, "/data")->super_options, "rw,attr2");
+  EXPECT_FALSE(find_mount("", "/"));
+}
+
+TEST(DoctorPieces, RootReadsPaddedAttributes) {
+  Tree tree;
+  tree.write("a", std::string("QEMU NVMe Ctrl  \n") + std::string(100, '\0'));
+  tree.write("n", "0x10de\n");
+  tree.write("neg", "-1\n");
+  tree.write("bad", "12abc\n");
+  const Root root(tree.path());
+  EXPECT_FALSE(root.is_live());
+  EXPECT_EQ(root.read_attribute("/a"), "QEMU NVMe Ctrl");
+  EXPECT_EQ(root.read_integer("n"), 0x10de);
+  EXPECT_EQ(root.read_integer("neg"), -1);
+  EXPECT_FALSE(root.read_integer("bad"));
+  EXPECT_FALSE(root.read_attribute("missing"));
+  EXPECT_TRUE(root.list("missing").empty());
+  EXPECT_TRUE(Root("/").is_live());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Recorded trees (../shared/fixtures/sysfs)
+// ---------------------------------------------------------------------------------------------
+
+TEST(DoctorFixtures, GhwQemuVmWithPassedThroughP100) {
+  FIXTURE_ROOT(root, "ghw/linux-amd64-accel-nvidia.tar.gz");
+  const Root tree(root);
+  const auto gpus = find_gpus(tree, list_pci_devices(tree));
+  ASSERT_EQ(gpus.size(), 1u);
+  EXPECT_EQ(gpus[0].pci.address, "0000:06:00.0");
+  EXPECT_EQ(gpus[0].pci.device, 0x15f8u);
+  EXPECT_EQ(gpus[0].pci.driver, "nvidia");
+  EXPECT_FALSE(gpus[0].pci.numa_node);  // -1 in the capture
+  EXPECT_EQ(pci_chain_of(gpus[0].pci.sysfs_path), (std::vector<std::string>{"0000:00:01.5", "0000:06:00.0"}));
+  const auto checks = hbmio::run_doctor({.root = root.string()});
+  EXPECT_EQ(find_check(checks, "gpu.device:0000:06:00.0")->status, CheckStatus::pass);
+  EXPECT_EQ(find_check(checks, "gpu.link:0000:06:00.0")->status, CheckStatus::info);  // no link attributes in the VM
+}
+
+TEST(DoctorFixtures, HwlocPower9SixV100sWithMemoryNumaNodes) {
+  FIXTURE_ROOT(root, "hwloc/nvidiagpunumanodes.tar.bz2");
+  const Root tree(root);
+  const auto gpus = find_gpus(tree, list_pci_devices(tree));
+  ASSERT_EQ(gpus.size(), 6u);
+  EXPECT_EQ(gpus[0].pci.address, "0004:05:00.0");
+  EXPECT_EQ(gpus[0].memory_numa_node, 255);
+  const auto checks = hbmio::run_doctor({.root = root.string()});
+  EXPECT_NE(find_check(checks, "gpu.device:0035:05:00.0"), nullptr);
+}
+
+TEST(DoctorFixtures, HwlocPlxSwitchesWithConnectX4) {
+  FIXTURE_ROOT(root, "hwloc/32intel64-2p8co2t+8ve.tar.bz2");
+  const Root tree(root);
+  const auto pci = list_pci_devices(tree);
+  const auto at = [&](const std::string& address) {
+    const auto it = std::find_if(pci.begin(), pci.end(), [&](const PciDevice& d) { return d.address == address; });
+    EXPECT_NE(it, pci.end()) << address;
+    return it == pci.end() ? PciDevice{} : *it;
+  };
+  const PciDevice nic = at("0000:1a:00.0");
+  EXPECT_EQ(nic.vendor, 0x15b3u);
+  EXPECT_EQ(nic.link.current_width, 16);
+  // The ConnectX-4 and a VectorEngine card share the PEX9797 switch; the other ConnectX-4 sits
+  // behind the second root complex of the same socket (numa_node 0 everywhere).
+  EXPECT_EQ(classify_pci_path(nic, at("0000:1b:00.0")), PciPathType::pix);
+  EXPECT_EQ(classify_pci_path(nic, at("0000:3e:00.0")), PciPathType::node);
+  EXPECT_TRUE(find_rdma_devices(tree).empty());  // the IB stack was not loaded
+  const auto checks = hbmio::run_doctor({.root = root.string()});
+  for (const auto& c : checks) EXPECT_FALSE(c.id.starts_with("doctor.error")) << c.found;
+  EXPECT_EQ(find_check(checks, "gpu.count")->status, CheckStatus::info);
+}
+
+TEST(DoctorFixtures, HwlocOldKernelNvmeAndConnectX3) {
+  FIXTURE_ROOT(root, "hwloc/32em64t-2n8c+dax+nvme+mic+dimms.tar.bz2");
+  const Root tree(root);
+  const auto pci = list_pci_devices(tree);
+  const auto nvme = find_nvme_controllers(tree, pci);
+  ASSERT_EQ(nvme.size(), 1u);
+  EXPECT_EQ(nvme[0].address, "0000:00:02.0");  // no /sys/class/nvme: found by PCI class 0x0108
+  EXPECT_EQ(nvme[0].name, "nvme0");
+  const auto rdma = find_rdma_devices(tree);
+  ASSERT_EQ(rdma.size(), 2u);
+  EXPECT_EQ(rdma[0].name, "mlx4_0");
+  ASSERT_TRUE(rdma[0].pci);
+  EXPECT_EQ(rdma[0].pci->address, "0000:82:00.0");
+  EXPECT_EQ(rdma[0].pci->numa_node, 1);
+  EXPECT_TRUE(rdma[0].active());
+  EXPECT_FALSE(rdma[1].pci);  // scif0 is not a PCI device
+  const auto checks = hbmio::run_doctor({.root = root.string()});
+  EXPECT_EQ(find_check(checks, "fabric.rdma:mlx4_0")->status, CheckStatus::pass);
+}
+
+TEST(DoctorFixtures, LibnvmePowerLparThreePcieControllers) {
+  FIXTURE_ROOT(root, "libnvme/tree-pcie.tar.xz");
+  const Root tree(root);
+  const auto nvme = find_nvme_controllers(tree, list_pci_devices(tree));
+  ASSERT_EQ(nvme.size(), 3u);
+  for (const auto& c : nvme) {
+    EXPECT_EQ(c.transport, "pcie") << c.name;
+    EXPECT_EQ(c.state, "live") << c.name;
+    ASSERT_TRUE(c.pci) << c.name;
+    EXPECT_EQ(c.pci->address, c.address);
+  }
+  EXPECT_EQ(nvme[0].model, "3.2TB NVMe Gen4 U.2 SSD V");
+  EXPECT_EQ(nvme[1].address, "052e:78:00.0");
+  EXPECT_EQ(nvme[1].subsysnqn, nvme[2].subsysnqn);  // two ports of one dual-port drive
+  const auto checks = hbmio::run_doctor({.root = root.string()});
+  EXPECT_EQ(find_check(checks, "storage.nvme:nvme2")->status, CheckStatus::pass);
+  EXPECT_NE(find_check(checks, "storage.nvme_fabrics"), nullptr);
+}
+
+TEST(DoctorFixtures, LibnvmeQemuNulPaddedAttributes) {
+  FIXTURE_ROOT(root, "libnvme/config-pcie.tar.xz");
+  const Root tree(root);
+  const auto nvme = find_nvme_controllers(tree, list_pci_devices(tree));
+  ASSERT_EQ(nvme.size(), 2u);
+  EXPECT_EQ(nvme[1].model, "QEMU NVMe Ctrl");
+  EXPECT_EQ(nvme[1].transport, "pcie");
+  ASSERT_TRUE(nvme[0].pci);
+  EXPECT_EQ(pci_chain_of(nvme[0].pci->sysfs_path).size(), 2u);  // behind a bridge
+}
+
+TEST(DoctorFixtures, LibnvmeAppleNvmeIsNotPcie) {
+  FIXTURE_ROOT(root, "libnvme/tree-apple-nvme.tar.xz");
+  const Root tree(root);
+  const auto nvme = find_nvme_controllers(tree, list_pci_devices(tree));
+  ASSERT_EQ(nvme.size(), 1u);
+  EXPECT_EQ(nvme[0].transport, "apple-nvme");
+  EXPECT_FALSE(nvme[0].pci);
+  EXPECT_EQ(nvme[0].namespaces.size(), 3u);
+  const auto checks = hbmio::run_doctor({.root = root.string()});
+  EXPECT_EQ(find_check(checks, "storage.nvme:nvme0")->status, CheckStatus::info);
+}
+
+TEST(DoctorFixtures, EveryCaptureRunsWithoutProbeErrors) {
+  for (const char* archive : {"ghw/linux-amd64-415ee03b8c4d1c4f07ae2e9d8b3d3d6d.tar.gz", "ghw/linux-arm64-c288e0776090cd558ef793b2a4e61939.tar.gz",
+                              "hwloc/2pa-pcidomain32bits.tar.bz2", "hwloc/40intel64-2g2n4c+pcilocality.tar.bz2",
+                              "hwloc/nvidia-dgx-gb10.tar.bz2", "libnvme/config-pcie-with-tcp-config.tar.xz"}) {
+    FIXTURE_ROOT(root, archive);
+    const auto checks = hbmio::run_doctor({.root = root.string(), .paths = {"/"}});
+    EXPECT_FALSE(checks.empty()) << archive;
+    for (const auto& c : checks) EXPECT_FALSE(c.id.starts_with("doctor.error")) << archive << ": " << c.found;
+  }
+  // The DGX Spark's command line asks for translated DMA.
+  std::string why;
+  const fs::path spark = unpack_fixture("hwloc/nvidia-dgx-gb10.tar.bz2", why);
+  const auto checks = hbmio::run_doctor({.root = spark.string()});
+  EXPECT_EQ(find_check(checks, "topology.iommu")->status, CheckStatus::warn);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The live machine
+// ---------------------------------------------------------------------------------------------
+
+TEST(DoctorLive, RunsOnThisMachine) {
+  const std::string dir = test_dir().string();
+  const auto checks = hbmio::run_doctor({.root = "/", .paths = {dir, "/nonexistent/hbmio-doctor"}});
+  SCOPED_TRACE(dump(checks));
+  for (const auto& c : checks) EXPECT_FALSE(c.id.starts_with("doctor.error")) << c.found;
+  ASSERT_NE(find_check(checks, "storage.o_direct:" + dir), nullptr);
+  ASSERT_NE(find_check(checks, "gds.verdict:" + dir), nullptr);
+  const Check* summary = find_check(checks, "summary.auto:" + dir);
+  ASSERT_NE(summary, nullptr);
+  EXPECT_NE(summary->found.find("auto: "), std::string::npos);
+  EXPECT_EQ(find_check(checks, "storage.path:/nonexistent/hbmio-doctor")->status, CheckStatus::fail);
+  // The probe file is gone again.
+  for (const auto& entry : fs::directory_iterator(dir)) EXPECT_FALSE(entry.path().filename().string().starts_with(".hbmio-doctor-"));
+}

@@ -1,0 +1,94 @@
+#include "doctor.hpp"
+
+#include <algorithm>
+#include <map>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "cli_common.hpp"
+#include "hbmio/doctor.hpp"
+#include "hbmio/version.hpp"
+
+namespace hbmio::cli {
+namespace {
+
+struct DoctorFlags {
+  std::vector<std::string> paths;
+  std::string root = "/";
+  std::string json;
+};
+
+nlohmann::json to_json(const std::vector<Check>& checks, const DoctorFlags& flags) {
+  nlohmann::json list = nlohmann::json::array();
+  std::map<std::string, int> counts{{"PASS", 0}, {"WARN", 0}, {"FAIL", 0}, {"INFO", 0}};
+  for (const auto& c : checks) {
+    const std::string status(to_string(c.status));
+    ++counts[status];
+    list.push_back({{"id", c.id}, {"group", c.group}, {"status", status}, {"found", c.found}, {"expected", c.expected}, {"fix", c.fix}});
+  }
+  return {{"command", "doctor"}, {"version", version()}, {"root", flags.root}, {"paths", flags.paths},
+          {"checks", list}, {"counts", counts}, {"failed", any_failed(checks)}};
+}
+
+// Grouped checklist: "  STATUS  id  found", and for anything but PASS the expectation and the
+// fix on indented lines below.
+void print_checklist(const std::vector<Check>& checks, const DoctorFlags& flags) {
+  std::size_t id_width = 0;
+  for (const auto& c : checks) id_width = std::max(id_width, c.id.size());
+  id_width = std::min<std::size_t>(id_width, 40);
+  const std::string indent(2 + 4 + 2 + id_width + 2, ' ');
+  fmt::print("hbmio doctor (root {}{}{})\n", flags.root, flags.paths.empty() ? "" : ", paths: ",
+             fmt::format("{}", fmt::join(flags.paths, " ")));
+  std::string group;
+  for (const auto& c : checks) {
+    if (c.group != group) {
+      group = c.group;
+      fmt::print("\n{}\n", group);
+    }
+    if (c.id.size() > id_width)
+      fmt::print("  {}  {}\n{}{}\n", to_string(c.status), c.id, indent, c.found);
+    else
+      fmt::print("  {}  {:<{}}  {}\n", to_string(c.status), c.id, id_width, c.found);
+    if (c.status == CheckStatus::pass) continue;
+    if (!c.expected.empty()) fmt::print("{}expected: {}\n", indent, c.expected);
+    if (!c.fix.empty()) fmt::print("{}fix: {}\n", indent, c.fix);
+  }
+  int pass = 0, warn = 0, fail = 0, info = 0;
+  for (const auto& c : checks) {
+    pass += c.status == CheckStatus::pass;
+    warn += c.status == CheckStatus::warn;
+    fail += c.status == CheckStatus::fail;
+    info += c.status == CheckStatus::info;
+  }
+  fmt::print("\n{} PASS, {} WARN, {} FAIL, {} INFO\n", pass, warn, fail, info);
+}
+
+}  // namespace
+
+void add_doctor_command(CLI::App& app, int& exit_status) {
+  auto flags = std::make_shared<DoctorFlags>();
+  auto* doctor = app.add_subcommand(
+      "doctor",
+      "Check this machine for GPUDirect Storage: GPUs, NVMe (local and NVMe-oF), RDMA and modules, PCIe topology "
+      "(nvidia-smi topo classes), ACS, IOMMU, cufile.json, nvidia-fs, P2PDMA; and for each PATH the file system, "
+      "O_DIRECT (tried: a directory gets a 4 KiB probe file, removed again), cuFile's verdict, the path `auto` takes "
+      "and the slowest link bounding it. Lines are PASS / WARN / FAIL / INFO, with the fix below anything not PASS. "
+      "Exit status 1 when any check FAILs.");
+  doctor->add_option("paths", flags->paths, "Files or directories to judge (data you will load)");
+  doctor->add_option("--root", flags->root,
+                     "Read sysfs, procfs and /etc under DIR instead of / (a recorded tree); live-only probes are then skipped")
+      ->capture_default_str();
+  doctor->add_option("--json", flags->json, "Write every check {id, group, status, found, expected, fix} as JSON to FILE ('-' for stdout)");
+  doctor->callback([flags, &exit_status] {
+    const std::vector<Check> checks = run_doctor({.root = flags->root, .paths = flags->paths});
+    if (!flags->json.empty()) write_json(to_json(checks, *flags), flags->json);
+    if (flags->json != "-") print_checklist(checks, *flags);
+    for (const auto& c : checks)
+      if (c.status == CheckStatus::fail && c.id.starts_with("storage.path:")) fmt::print(stderr, "hbmio doctor: {}\n", c.found);
+    exit_status = any_failed(checks) ? 1 : 0;
+  });
+}
+
+}  // namespace hbmio::cli
