@@ -166,17 +166,6 @@ void require_free_space(const std::string& dir, std::uint64_t needed) {
                             format_size(needed), format_size(available)));
 }
 
-// Fast incompressible bytes (splitmix64).
-void fill_random(std::byte* data, std::size_t size, std::uint64_t seed) {
-  std::uint64_t state = seed;
-  for (std::size_t i = 0; i + 8 <= size; i += 8) {
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    std::memcpy(data + i, &z, 8);
-  }
-}
-
 // Writes `size` random bytes with hbmio's own write path and fsyncs them. One 64 MiB random block
 // is generated and reused, with each 4 KiB page stamped with its file offset: every page is
 // unique (a chunk landing in the wrong place fails verification) without generating gigabytes
@@ -198,29 +187,6 @@ void create_sample_file(const std::string& path, std::uint64_t size, const Optio
                     .progress = progress.counter()});
   }
   file.sync();
-}
-
-// Compares `memory` (any kind) with the file, 64 MiB at a time so that checking a 4 GiB shard
-// needs no 8 GiB of host memory. Returns "" when identical, else where they first differ.
-std::string compare_with_file(MemorySpan memory, const std::string& path) {
-  File file = File::open(path, OpenMode::read, /*with_direct_io=*/false);
-  const std::size_t piece = std::min<std::size_t>(memory.size, std::size_t{64} << 20);
-  std::vector<std::byte> expected(piece), actual(piece);
-  for (std::size_t offset = 0; offset < memory.size; offset += piece) {
-    const std::size_t length = std::min(piece, memory.size - offset);
-    for (std::size_t done = 0; done < length;) {
-      const ssize_t r = ::pread(file.fd(), expected.data() + done, length - done, static_cast<off_t>(offset + done));
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) throw Error(errno_code(errno), {.op = "verify read", .path = path, .offset = offset + done});
-      if (r == 0) return fmt::format("the file ends at byte {}, before the {} bytes in memory", offset + done, memory.size);
-      done += static_cast<std::size_t>(r);
-    }
-    copy_memory({actual.data(), length, {}}, memory.subspan(offset, length));
-    const auto [a, e] = std::mismatch(actual.begin(), actual.begin() + static_cast<std::ptrdiff_t>(length), expected.begin());
-    if (a != actual.begin() + static_cast<std::ptrdiff_t>(length))
-      return fmt::format("data differs from a plain pread of the file at byte {}", offset + static_cast<std::size_t>(a - actual.begin()));
-  }
-  return "";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -478,11 +444,11 @@ Row measure_row(Row row, const RowPlan& plan) {
         row.note += (row.note.empty() ? "" : "; ") + run.note;
       row.runs.push_back(std::move(run));
       if (i == 1 && plan.verify) {
-        const std::string mismatch = compare_with_file(plan.memory, plan.path);
-        row.verified = mismatch.empty();
-        if (!mismatch.empty()) {
+        const auto mismatch = first_difference(plan.memory, plan.path);
+        row.verified = !mismatch;
+        if (mismatch) {
           row.status = "failed";
-          row.reason = mismatch;
+          row.reason = fmt::format("data differs from a plain pread of the file at byte {}", *mismatch);
         }
       }
     }

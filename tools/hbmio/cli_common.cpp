@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <vector>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -57,6 +60,41 @@ Progress::Progress(std::string label, std::uint64_t total) : label_(std::move(la
 Progress::~Progress() {
   stop_ = true;
   if (thread_.joinable()) thread_.join();
+}
+
+void fill_random(std::byte* data, std::size_t size, std::uint64_t seed) {
+  std::uint64_t state = seed;
+  std::size_t i = 0;
+  for (; i + 8 <= size; i += 8) {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    std::memcpy(data + i, &z, 8);
+  }
+  for (; i < size; ++i) data[i] = static_cast<std::byte>(i * 131 + seed);
+}
+
+std::optional<std::uint64_t> first_difference(MemorySpan memory, const std::string& path, std::uint64_t offset) {
+  File file = File::open(path, OpenMode::read, /*with_direct_io=*/false);
+  const std::size_t piece = std::min<std::size_t>(memory.size, std::size_t{64} << 20);
+  std::vector<std::byte> expected(piece), actual(piece);
+  for (std::size_t at = 0; at < memory.size; at += piece) {
+    const std::size_t length = std::min(piece, memory.size - at);
+    for (std::size_t done = 0; done < length;) {
+      const ssize_t r = ::pread(file.fd(), expected.data() + done, length - done, static_cast<off_t>(offset + at + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0)
+        throw Error(errno_code(r < 0 ? errno : EIO), {.op = "verify read", .path = path, .offset = offset + at + done},
+                    r == 0 ? "the file ends before the range in memory" : "");
+      done += static_cast<std::size_t>(r);
+    }
+    copy_memory({actual.data(), length, {}}, memory.subspan(at, length));
+    const auto end = actual.begin() + static_cast<std::ptrdiff_t>(length);
+    const auto [a, e] = std::mismatch(actual.begin(), end, expected.begin());
+    if (a != end) return offset + at + static_cast<std::uint64_t>(a - actual.begin());
+  }
+  return std::nullopt;
 }
 
 nlohmann::json to_json(const Stats& s) {

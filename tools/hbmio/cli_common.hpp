@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -40,6 +41,16 @@ class Progress {
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };
+
+// Deterministic fast pseudo-random bytes (splitmix64): data that does not compress and that the
+// same seed reproduces.
+void fill_random(std::byte* data, std::size_t size, std::uint64_t seed);
+
+// Compares `memory` (any kind) with bytes [offset, offset + memory.size) of the file, read with
+// plain pread: the independent source every --verify uses. 64 MiB at a time, so checking a 4 GiB
+// shard needs no 8 GiB of host memory. Returns the file offset of the first differing byte, or
+// nothing when identical; throws Error when the file is shorter.
+std::optional<std::uint64_t> first_difference(MemorySpan memory, const std::string& path, std::uint64_t offset = 0);
 
 nlohmann::json to_json(const Stats& stats);
 std::string summary_line(const Stats& stats);

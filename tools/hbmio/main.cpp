@@ -9,49 +9,13 @@
 #include <fmt/format.h>
 
 #include "bench.hpp"
+#include "ckpt.hpp"
 #include "cli_common.hpp"
+#include "doctor.hpp"
 #include "hbmio/hbmio.hpp"
 
 namespace hbmio::cli {
 namespace {
-
-// Deterministic fast pseudo-random bytes (splitmix64): test data that does not compress and
-// that a re-run with the same seed reproduces.
-void fill_random(std::byte* data, std::size_t size, std::uint64_t seed) {
-  std::uint64_t state = seed;
-  std::size_t i = 0;
-  for (; i + 8 <= size; i += 8) {
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    z ^= z >> 31;
-    std::memcpy(data + i, &z, 8);
-  }
-  for (; i < size; ++i) data[i] = static_cast<std::byte>(i * 131 + seed);
-}
-
-// Reads [offset, offset + length) with plain pread: the independent source --verify compares with.
-std::vector<std::byte> pread_all(const std::string& path, std::uint64_t offset, std::size_t length) {
-  File file = File::open(path, OpenMode::read);
-  std::vector<std::byte> data(length);
-  for (std::size_t done = 0; done < length;) {
-    const ssize_t r = ::pread(file.fd(), data.data() + done, length - done, static_cast<off_t>(offset + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) throw Error(errno_code(r < 0 ? errno : EIO), {.op = "verify read", .path = path, .offset = offset + done});
-    done += static_cast<std::size_t>(r);
-  }
-  return data;
-}
-
-// Compares `memory` (any kind) with the file's bytes; returns the first mismatching offset or -1.
-long long first_difference(MemorySpan memory, const std::string& path, std::uint64_t offset) {
-  const auto expected = pread_all(path, offset, memory.size);
-  std::vector<std::byte> actual(memory.size);
-  copy_memory({actual.data(), actual.size(), {}}, memory);
-  for (std::size_t i = 0; i < actual.size(); ++i)
-    if (actual[i] != expected[i]) return static_cast<long long>(i);
-  return -1;
-}
 
 int run_read(const std::string& path, const std::string& into, const std::string& backend, const std::string& offset_text,
              const std::string& length_text, bool verify, const std::string& json, const TuningFlags& tuning) {
@@ -71,19 +35,18 @@ int run_read(const std::string& path, const std::string& into, const std::string
   Progress progress(fmt::format("read {} -> {}", path, where.to_string()), length);
   IoRequest request{.op = IoOp::read, .file = &file, .offset = offset, .memory = buffer.span(), .progress = progress.counter()};
   Stats stats = engine->submit(request);
-  long long mismatch = -1;
+  std::optional<std::uint64_t> mismatch;
   if (verify) mismatch = first_difference(buffer.span(), path, offset);
   if (!json.empty()) {
     nlohmann::json j = {{"command", "read"}, {"file", path}, {"into", where.to_string()}, {"offset", offset},
                         {"length", length}, {"stats", to_json(stats)}};
-    if (verify) j["verified"] = mismatch < 0;
-    if (mismatch >= 0) j["first_mismatch_offset"] = offset + static_cast<std::uint64_t>(mismatch);
+    if (verify) j["verified"] = !mismatch;
+    if (mismatch) j["first_mismatch_offset"] = *mismatch;
     write_json(j, json);
   }
   if (json != "-") fmt::print("{}\n", summary_line(stats));
-  if (mismatch >= 0) {
-    fmt::print(stderr, "hbmio: verify FAILED: {} differs from a plain read at byte {}\n", path,
-               offset + static_cast<std::uint64_t>(mismatch));
+  if (mismatch) {
+    fmt::print(stderr, "hbmio: verify FAILED: {} differs from a plain read at byte {}\n", path, *mismatch);
     return 1;
   }
   if (verify && json != "-") fmt::print("verified: {} bytes identical to a plain read\n", length);
@@ -115,18 +78,17 @@ int run_write(const std::string& path, const std::string& from, const std::strin
     file.sync();
     stats.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
-  long long mismatch = -1;
+  std::optional<std::uint64_t> mismatch;
   if (verify) mismatch = first_difference(buffer.span(), path, offset);
   if (!json.empty()) {
     nlohmann::json j = {{"command", "write"}, {"file", path}, {"from", where.to_string()}, {"offset", offset},
                         {"length", length}, {"fsync", sync}, {"stats", to_json(stats)}};
-    if (verify) j["verified"] = mismatch < 0;
+    if (verify) j["verified"] = !mismatch;
     write_json(j, json);
   }
   if (json != "-") fmt::print("{}\n", summary_line(stats));
-  if (mismatch >= 0) {
-    fmt::print(stderr, "hbmio: verify FAILED: {} differs from the written data at byte {}\n", path,
-               offset + static_cast<std::uint64_t>(mismatch));
+  if (mismatch) {
+    fmt::print(stderr, "hbmio: verify FAILED: {} differs from the written data at byte {}\n", path, *mismatch);
     return 1;
   }
   return 0;
@@ -196,6 +158,10 @@ int main(int argc, char** argv) {
 
   int bench_status = 0;  // set by the bench callback, which runs inside app.parse()
   hbmio::cli::add_bench_command(app, bench_status);
+  int doctor_status = 0;  // set by the doctor callback, which runs inside app.parse()
+  hbmio::cli::add_doctor_command(app, doctor_status);
+  int ckpt_status = 0;
+  hbmio::cli::add_ckpt_command(app, ckpt_status);
 
   app.footer(
       "Environment overrides (defaults in brackets): HBMIO_BACKEND [auto], HBMIO_CHUNK_SIZE [16MiB],\n"
@@ -209,6 +175,8 @@ int main(int argc, char** argv) {
     if (*write) return run_write(path, from, backend, size, offset, seed, sync, verify, json, tuning);
     if (*backends) return run_backends(json, tuning);
     if (app.got_subcommand("bench")) return bench_status;
+    if (app.got_subcommand("doctor")) return doctor_status;
+    if (app.got_subcommand("ckpt")) return ckpt_status;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const hbmio::Error& e) {
