@@ -325,3 +325,51 @@ TEST(Checkpoints, BadPathsAreClearErrors) {
 
 }  // namespace
 }  // namespace hbmio::test
+
+namespace hbmio::test {
+namespace {
+
+// Sharded saves: shards + index into a directory, swapped in whole; other files stay.
+TEST(ShardedSave, RoundTripsAndReplacesTheWholeDirectory) {
+  TempDir dir;
+  const std::string target = dir.file("model");
+  fs::create_directory(target);
+  std::ofstream(target + "/config.json") << "{\"hidden_size\": 8}";
+  const Sample first = make_sample({MemoryKind::host});
+  save_checkpoint(target, first.tensors, {.max_shard_size = 600000});
+  const auto shards_of = [&] {
+    std::size_t n = 0;
+    for (const auto& e : fs::directory_iterator(target)) n += e.path().extension() == ".safetensors";
+    return n;
+  };
+  EXPECT_GE(shards_of(), 2u);
+  EXPECT_TRUE(fs::exists(target + "/config.json"));
+  EXPECT_TRUE(fs::exists(target + "/model.safetensors.index.json"));
+  const LoadedCheckpoint loaded = load_checkpoint(target, {.verify = true});
+  ASSERT_EQ(loaded.tensors().size(), first.tensors.size());
+  for (std::size_t i = 0; i < first.tensors.size(); ++i)
+    EXPECT_EQ(first_mismatch(to_host(loaded.find(first.tensors[i].name)->data), first.bytes[i]), -1);
+
+  // A second save with one big shard: the old shards do not linger beside the new ones.
+  save_checkpoint(target, first.tensors, {.max_shard_size = std::uint64_t{1} << 30});
+  EXPECT_EQ(shards_of(), 1u);
+  EXPECT_TRUE(fs::exists(target + "/config.json"));
+  EXPECT_EQ(temporaries_in(dir.path()), 0u);
+  EXPECT_FALSE(verify_checkpoint(target).first_bad.has_value());
+}
+
+TEST(ShardedSave, AFailureLeavesTheOldDirectoryIntact) {
+  TempDir dir;
+  const std::string target = dir.file("model");
+  const Sample sample = make_sample({MemoryKind::host});
+  save_checkpoint(target, sample.tensors, {.max_shard_size = 600000});
+  const auto before = read_all(target + "/model.safetensors.index.json");
+  auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = 5, .fail_errno = ENOSPC});
+  EXPECT_THROW(save_checkpoint(target, sample.tensors, {.backend = "uring", .faults = faults, .max_shard_size = 300000}), Error);
+  EXPECT_EQ(first_mismatch(read_all(target + "/model.safetensors.index.json"), before), -1);
+  EXPECT_FALSE(verify_checkpoint(target).first_bad.has_value());
+  EXPECT_EQ(temporaries_in(dir.path()), 0u);
+}
+
+}  // namespace
+}  // namespace hbmio::test

@@ -79,4 +79,15 @@ for i in $(seq 1 20); do
 done
 "$hbmio" ckpt save "$dir/c.safetensors" --count 2 --tensor-size 4KiB >/dev/null
 [ -z "$(ls -A "$dir" | grep hbmio-tmp || true)" ] || fail "temporary files left after the next save"
+# The same for a sharded save into a directory: every kill leaves a complete old or new set.
+"$hbmio" ckpt save "$dir/sharded" --count 12 --tensor-size 2MiB --max-shard-size 5MiB >/dev/null
+[ "$(ls "$dir/sharded" | grep -c 'of-00006.safetensors')" = 6 ] || fail "sharded save: expected 6 shards (2 tensors of 2 MiB each), got: $(ls "$dir/sharded")"
+for i in $(seq 1 8); do
+  "$hbmio" ckpt save "$dir/sharded" --count 12 --tensor-size 2MiB --max-shard-size $(( (i % 3 + 1) * 3 ))MiB --seed $i >/dev/null 2>&1 &
+  pid=$!
+  sleep "0.0$(( (i * 3) % 10 ))"
+  kill -9 $pid 2>/dev/null || true
+  wait $pid 2>/dev/null || true
+  "$hbmio" ckpt verify "$dir/sharded" >/dev/null || fail "after SIGKILL $i the sharded checkpoint does not verify"
+done
 echo "ckpt cli: all checks passed"

@@ -94,6 +94,10 @@ struct SaveOptions {
   std::string backend = "auto";
   std::optional<Options> engine_options;
   std::shared_ptr<FaultInjector> faults;  // test support: injected write and fsync failures
+  // 0: one file at `path`. Otherwise `path` is a directory that receives a Hugging Face sharded
+  // checkpoint: model-0000K-of-0000N.safetensors of at most this many tensor bytes each (a larger
+  // tensor gets a shard of its own) and model.safetensors.index.json.
+  std::uint64_t max_shard_size = 0;
 };
 
 // Writes a safetensors file that the reference reader accepts, crash-safe: a temporary file in the
@@ -101,6 +105,9 @@ struct SaveOptions {
 // `path`, fsync of the directory. On any error the previous file at `path` is untouched, the
 // temporary file is removed, and the error (never retried: an fsync failure is final) is thrown.
 // Temporary files left by a crashed earlier save of the same name are removed first.
+// Sharded (options.max_shard_size > 0): the whole directory is built beside the target and
+// swapped in with one renameat2(RENAME_EXCHANGE), so readers see all old or all new shards, never
+// a mix; other files in the directory (config.json, tokenizer files) are carried over as hard links.
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options = {});
 
 // The outcome of checking the stored checksums of a checkpoint against its bytes on disk.

@@ -2,6 +2,7 @@
 // fsync of the directory. A crash at any point leaves either the old file or the new one under
 // the final name, never a mix (rename is atomic; the data is durable before it).
 #include <fcntl.h>
+#include <stdio.h>  // renameat2
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "checkpoint/integrity.hpp"
 #include "hbmio/checkpoint.hpp"
@@ -32,7 +34,7 @@ void remove_stale_temporaries(const fs::path& target) {
   const std::string prefix = temp_prefix(target);
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(target.parent_path(), ec))
-    if (entry.path().filename().string().starts_with(prefix)) fs::remove(entry.path(), ec);
+    if (entry.path().filename().string().starts_with(prefix)) fs::remove_all(entry.path(), ec);
 }
 
 // The directory entry made by rename is durable only once the directory itself is fsynced
@@ -59,7 +61,12 @@ std::uint64_t expected_size(const TensorToSave& t) {
 
 }  // namespace
 
+namespace {
+Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
+}
+
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  if (options.max_shard_size > 0) return save_sharded(path, tensors, options);
   detail::TransferTimer timer;
   const fs::path target = fs::absolute(path);
   const ErrorContext context{.op = "save", .path = path};
@@ -125,6 +132,96 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   timer.finish(total);
   return total;
 }
+
+namespace {
+
+bool is_checkpoint_file(const std::string& name) {
+  return name == "model.safetensors" || name == "model.safetensors.index.json" ||
+         (name.starts_with("model-") && name.ends_with(".safetensors"));
+}
+
+// Writes small bytes (the index) to a new file and makes them durable.
+void write_durably(const fs::path& file, const std::string& bytes) {
+  File out = File::open(file.string(), OpenMode::create_new);
+  for (std::size_t done = 0; done < bytes.size();) {
+    const ssize_t r = ::pwrite(out.fd(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) throw Error(errno_code(r < 0 ? errno : ENOSPC), {.op = "save", .path = file.string(), .offset = done});
+    done += static_cast<std::size_t>(r);
+  }
+  out.sync();
+}
+
+Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  detail::TransferTimer timer;
+  const fs::path target = fs::absolute(path);
+  const ErrorContext context{.op = "save sharded checkpoint", .path = path};
+  if (fs::exists(target) && !fs::is_directory(target))
+    throw Error(errno_code(ENOTDIR), context, "a sharded checkpoint is saved into a directory, and this is a file");
+
+  // Greedy shards in the reference writer's tensor order.
+  std::vector<st::TensorInfo> order;
+  for (const auto& t : tensors) order.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
+  st::order_like_reference(order);
+  std::vector<std::vector<TensorToSave>> shards(1);
+  std::uint64_t shard_bytes = 0, total_bytes = 0;
+  for (const auto& info : order) {
+    if (shard_bytes > 0 && shard_bytes + info.size() > options.max_shard_size) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(*std::find_if(tensors.begin(), tensors.end(), [&](const TensorToSave& t) { return t.name == info.name; }));
+    shard_bytes += info.size();
+    total_bytes += info.size();
+  }
+
+  remove_stale_temporaries(target);  // directories too: fs::remove_all below
+  std::random_device random;
+  const fs::path temp = target.parent_path() / fmt::format("{}{:08x}{:08x}", temp_prefix(target), random(), random());
+  Stats total;
+  try {
+    fs::create_directory(temp);
+    nlohmann::json weight_map = nlohmann::json::object();
+    SaveOptions single = options;
+    single.max_shard_size = 0;
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      const std::string name = fmt::format("model-{:05}-of-{:05}.safetensors", k + 1, shards.size());
+      const Stats s = save_checkpoint((temp / name).string(), shards[k], single);
+      total.backend = s.backend;
+      total.bytes += s.bytes;
+      total.bytes_direct += s.bytes_direct;
+      total.bytes_buffered += s.bytes_buffered;
+      for (const auto& t : shards[k]) weight_map[t.name] = name;
+    }
+    const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+    write_durably(temp / "model.safetensors.index.json", index.dump(2) + "\n");
+    // Whatever else the directory holds (config.json, tokenizer files) comes along.
+    if (fs::exists(target))
+      for (const auto& entry : fs::directory_iterator(target))
+        if (!is_checkpoint_file(entry.path().filename().string()))
+          fs::copy(entry.path(), temp / entry.path().filename(), fs::copy_options::recursive | fs::copy_options::create_hard_links);
+    sync_directory(temp, path);
+    if (fs::exists(target)) {
+      // One atomic step: the new directory takes the name, the old one takes the temporary name.
+      if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0)
+        throw Error(errno_code(errno), context, "renameat2(RENAME_EXCHANGE) of the new directory");
+    } else if (::rename(temp.c_str(), target.c_str()) != 0) {
+      throw Error(errno_code(errno), context, "rename of the new directory");
+    }
+  } catch (...) {
+    std::error_code ec;
+    fs::remove_all(temp, ec);
+    throw;
+  }
+  sync_directory(target.parent_path(), path);
+  std::error_code ec;
+  fs::remove_all(temp, ec);  // the old checkpoint, after the exchange
+  total.note = fmt::format("{} tensors in {} shard(s) + index, swapped in atomically", tensors.size(), shards.size());
+  timer.finish(total);
+  return total;
+}
+
+}  // namespace
 
 void add_checksums(const std::string& path) {
   const std::vector<CheckpointFile> files = open_checkpoint(path);

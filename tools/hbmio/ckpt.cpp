@@ -22,7 +22,7 @@ struct CkptFlags {
   unsigned runs = 1;
   // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each
   unsigned count = 8;
-  std::string tensor_size = "16MiB", dtype = "BF16", from = "host";
+  std::string tensor_size = "16MiB", dtype = "BF16", from = "host", max_shard_size;
   std::uint64_t seed = 1;
   TuningFlags tuning;
 };
@@ -137,7 +137,8 @@ int run_save(const CkptFlags& f) {
   }
   const Stats s = save_checkpoint(f.path, tensors,
                                   {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt save"}},
-                                   .checksums = !f.no_checksums, .backend = f.backend, .engine_options = f.tuning.resolve()});
+                                   .checksums = !f.no_checksums, .backend = f.backend, .engine_options = f.tuning.resolve(),
+                                   .max_shard_size = f.max_shard_size.empty() ? 0 : parse_size(f.max_shard_size)});
   if (!f.json.empty()) {
     write_json({{"path", f.path}, {"from", f.from}, {"tensors", f.count}, {"stats", to_json(s)}}, f.json);
     if (f.json == "-") return 0;
@@ -190,7 +191,9 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   load->callback([flags, &exit_status] { exit_status = run_load(*flags); });
 
   auto* save = ckpt->add_subcommand("save", "Save generated random tensors (for tests and benchmarks), crash-safe");
-  save->add_option("path", flags->path, "The .safetensors file to write")->required();
+  save->add_option("path", flags->path, "The .safetensors file to write (a directory with --max-shard-size)")->required();
+  save->add_option("--max-shard-size", flags->max_shard_size,
+                   "Write a sharded checkpoint into the directory PATH: shards of at most this size (e.g. 2GiB) + index");
   save->add_option("--count", flags->count, "Number of tensors")->capture_default_str();
   save->add_option("--tensor-size", flags->tensor_size, "Bytes per tensor (e.g. 128MiB)")->capture_default_str();
   save->add_option("--dtype", flags->dtype, "Element type (BF16, F32, U8, ...)")->capture_default_str();
