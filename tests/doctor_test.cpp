@@ -1,4 +1,5 @@
-// hbmio doctor: recorded sysfs trees from real machines (../shared/fixtures/sysfs), trees built
+// hbmio doctor: recorded sysfs trees from real machines (../shared/fixtures/sysfs, and the
+// project's own in tests/data/doctor, made by scripts/capture-sysfs.sh), trees built
 // here for what no capture has (NVMe-oF rdma, GPU + NVMe + NIC under one switch, ACS, IOMMU,
 // nvidia-fs, cufile.json), malformed trees, and the live machine.
 #include <gtest/gtest.h>
@@ -39,20 +40,19 @@ std::string dump(const std::vector<Check>& checks) {
   return text;
 }
 
-// The recorded tree of `archive` (relative to fixtures/sysfs), unpacked once per test run into
-// the build directory. Returns the directory holding sys/ and proc/ (hwloc archives add a top
-// directory), or an empty path with `why` set when the fixture is missing.
-fs::path unpack_fixture(const std::string& archive, std::string& why) {
+// The recorded tree in the archive `source`, unpacked once per test run into the build
+// directory under `name`. Returns the directory holding sys/ and proc/ (hwloc archives add a top
+// directory), or an empty path with `why` set when it cannot be unpacked.
+fs::path unpack_archive(const fs::path& source, const std::string& name, std::string& why) {
   static std::mutex mutex;
   static std::map<std::string, fs::path> unpacked;
   std::lock_guard lock(mutex);
-  if (auto it = unpacked.find(archive); it != unpacked.end()) return it->second;
-  const fs::path source = fs::path(HBMIO_FIXTURES) / "sysfs" / archive;
+  if (auto it = unpacked.find(source.string()); it != unpacked.end()) return it->second;
   if (!fs::exists(source)) {
-    why = "fixture " + source.string() + " not found (set -DHBMIO_FIXTURES)";
+    why = source.string() + " not found";
     return {};
   }
-  fs::path into = test_dir() / "doctor-fixtures" / fs::path(archive).stem().stem();
+  fs::path into = test_dir() / "doctor-fixtures" / name;
   fs::remove_all(into);
   fs::create_directories(into);
   const std::string command = fmt::format("tar -xf '{}' -C '{}' 2>/dev/null", source.string(), into.string());
@@ -70,8 +70,18 @@ fs::path unpack_fixture(const std::string& archive, std::string& why) {
     for (const auto& entry : fs::directory_iterator(into))
       if (entry.is_directory() && fs::exists(entry.path() / "sys")) root = entry.path();
   }
-  unpacked[archive] = root;
+  unpacked[source.string()] = root;
   return root;
+}
+
+// A capture from ../shared/fixtures/sysfs (`archive` relative to it); missing: `why` says so.
+fs::path unpack_fixture(const std::string& archive, std::string& why) {
+  const fs::path source = fs::path(HBMIO_FIXTURES) / "sysfs" / archive;
+  if (!fs::exists(source)) {
+    why = "fixture " + source.string() + " not found (set -DHBMIO_FIXTURES)";
+    return {};
+  }
+  return unpack_archive(source, fs::path(archive).stem().stem().string(), why);
 }
 
 #define FIXTURE_ROOT(var, archive)                   \
@@ -564,6 +574,85 @@ TEST(DoctorFixtures, EveryCaptureRunsWithoutProbeErrors) {
   const fs::path spark = unpack_fixture("hwloc/nvidia-dgx-gb10.tar.bz2", why);
   const auto checks = hbmio::run_doctor({.root = spark.string()});
   EXPECT_EQ(find_check(checks, "topology.iommu")->status, CheckStatus::warn);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Captures of the project's own machines (tests/data/doctor, made by scripts/capture-sysfs.sh)
+// ---------------------------------------------------------------------------------------------
+
+// The development VM: a 2-core Firecracker guest, six virtio PCI functions, root file system ext4
+// on the virtio-blk disk vda (254:0), no GPU, no NVMe, no RDMA, no IOMMU groups, no udev, a
+// kernel without PCI P2PDMA. Captured as root (full 256-byte config space of the virtio functions).
+TEST(DoctorCaptures, DevVmVirtioDiskNoGpu) {
+  std::string why;
+  const fs::path root = unpack_archive(fs::path(HBMIO_TEST_DATA) / "doctor" / "dev-vm.tar.xz", "local-dev-vm", why);
+  ASSERT_FALSE(root.empty()) << why;
+  const Root tree(root);
+
+  const auto pci = list_pci_devices(tree);
+  ASSERT_EQ(pci.size(), 6u);
+  EXPECT_EQ(pci[0].address, "0000:00:00.0");
+  EXPECT_EQ(pci[0].vendor, 0x8086u);  // the host bridge, no driver
+  EXPECT_TRUE(pci[0].driver.empty());
+  for (std::size_t i = 1; i < pci.size(); ++i) {
+    EXPECT_EQ(pci[i].vendor, 0x1af4u) << pci[i].address;  // virtio
+    EXPECT_EQ(pci[i].driver, "virtio-pci") << pci[i].address;
+    EXPECT_FALSE(pci[i].numa_node) << pci[i].address;  // -1
+    EXPECT_EQ(pci_chain_of(pci[i].sysfs_path), std::vector<std::string>{pci[i].address});
+  }
+  // The disk's link leads, inside the tree, to the virtio-blk function (modern id 0x1042).
+  const auto disk = tree.resolve("sys/dev/block/254:0");
+  ASSERT_TRUE(disk);
+  EXPECT_EQ(*disk, "sys/devices/pci0000:00/0000:00:02.0/virtio1/block/vda");
+  const auto function = pci_device_above(tree, *disk);
+  ASSERT_TRUE(function);
+  EXPECT_EQ(function->address, "0000:00:02.0");
+  EXPECT_EQ(function->device, 0x1042u);
+  EXPECT_TRUE(find_gpus(tree, pci).empty());
+  EXPECT_TRUE(find_nvme_controllers(tree, pci).empty());
+  EXPECT_TRUE(find_rdma_devices(tree).empty());
+
+  const auto checks = hbmio::run_doctor({.root = root.string(), .paths = {"/", "/var/tmp"}});
+  SCOPED_TRACE(dump(checks));
+  EXPECT_FALSE(hbmio::any_failed(checks));
+  for (const auto& c : checks) {
+    EXPECT_FALSE(c.id.starts_with("doctor.error")) << c.found;
+    EXPECT_FALSE(c.id.starts_with("gpu.device:")) << c.id;
+    EXPECT_NE(c.status, CheckStatus::warn) << c.id << ": " << c.found;  // nothing GDS needs is missing without a GPU
+  }
+  const auto status_of = [&](const std::string& id) {
+    const Check* c = find_check(checks, id);
+    EXPECT_NE(c, nullptr) << id;
+    return c ? c->status : CheckStatus::fail;
+  };
+  const auto found_of = [&](const std::string& id) {
+    const Check* c = find_check(checks, id);
+    return c ? c->found : std::string("(no check " + id + ")");
+  };
+  EXPECT_EQ(status_of("gpu.count"), CheckStatus::info);
+  EXPECT_EQ(found_of("gpu.count"), "no NVIDIA GPU among 6 PCI devices");
+  EXPECT_EQ(find_check(checks, "gpu.driver"), nullptr);  // no /proc/driver/nvidia
+  EXPECT_EQ(status_of("storage.nvme"), CheckStatus::info);
+  for (const std::string path : {"/", "/var/tmp"}) {
+    EXPECT_EQ(status_of("storage.filesystem:" + path), CheckStatus::pass);
+    EXPECT_TRUE(found_of("storage.filesystem:" + path).starts_with("ext4 on / (")) << found_of("storage.filesystem:" + path);
+    EXPECT_NE(found_of("storage.filesystem:" + path).find("source /dev/vda"), std::string::npos);
+    EXPECT_EQ(status_of("storage.block_device:" + path), CheckStatus::info);
+    EXPECT_EQ(found_of("storage.block_device:" + path), "vda (virtio-blk)");
+    EXPECT_EQ(found_of("storage.o_direct:" + path), kSkippedForRoot);
+    EXPECT_NE(found_of("summary.auto:" + path).find("the storage rate (virtio-blk: not in sysfs)"), std::string::npos);
+  }
+  EXPECT_EQ(status_of("fabric.rdma"), CheckStatus::info);
+  for (const char* module : {"nvidia_fs", "nvidia_peermem", "nvme_fabrics", "nvme_rdma", "nvme_tcp", "ib_core", "mlx5_core", "mlx5_ib"})
+    EXPECT_TRUE(found_of(std::string("fabric.module:") + module).starts_with("not loaded")) << module;
+  EXPECT_EQ(found_of("topology.paths"), "nothing to pair: 0 NVIDIA GPU(s), 0 NVMe/RDMA device(s) with a PCI position");
+  EXPECT_EQ(status_of("topology.iommu"), CheckStatus::pass);
+  EXPECT_EQ(found_of("topology.iommu"), "IOMMU off (no IOMMU groups); no iommu options on /proc/cmdline");
+  EXPECT_EQ(status_of("gds.nvidia_fs"), CheckStatus::info);
+  EXPECT_EQ(found_of("gds.nvidia_fs"), "nvidia-fs not loaded (no /proc/driver/nvidia-fs/version)");
+  EXPECT_EQ(found_of("gds.cufile_json"), "no /etc/cufile.json: libcufile uses its built-in defaults");
+  EXPECT_EQ(found_of("gds.p2pdma"), "kernel without PCI P2PDMA (no p2pdma_pgmap_ops in /proc/kallsyms)");
+  EXPECT_EQ(found_of("gds.udev"), "no /run/udev/data (a container or micro-VM without udevd)");
 }
 
 // ---------------------------------------------------------------------------------------------
