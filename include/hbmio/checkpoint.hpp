@@ -45,7 +45,7 @@ struct LoadedTensor {
   std::vector<std::uint64_t> shape;
   MemorySpan data;            // where the tensor's bytes are now
   std::string file;           // the file it came from
-  std::uint64_t file_offset;  // where its bytes start in that file
+  std::uint64_t file_offset = 0;  // where its bytes start in that file
 };
 
 class LoadedCheckpoint {
