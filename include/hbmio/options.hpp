@@ -64,6 +64,10 @@ struct Stats {
   std::string note;                    // e.g. why auto picked this backend, a fallback made
 
   double gib_per_second() const noexcept;
+  // Adds the counts of a part of a larger transfer (one of several requests): bytes, direct and
+  // buffered bytes, bounce copies; keeps the largest worker count and the part's backend. Time
+  // and CPU are the caller's to measure over the whole.
+  void add_part(const Stats& part) noexcept;
   bool used_direct_io() const noexcept { return bytes_direct > 0; }
 };
 

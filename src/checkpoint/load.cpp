@@ -177,12 +177,7 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
     }
     const Stats s = engine->submit(
         {.op = IoOp::read, .file = &*open_file, .offset = read.file_offset, .memory = read.memory, .progress = options.progress});
-    total.backend = s.backend;
-    total.bytes += s.bytes;
-    total.bytes_direct += s.bytes_direct;
-    total.bytes_buffered += s.bytes_buffered;
-    total.bounce_copies += s.bounce_copies;
-    total.workers = std::max(total.workers, s.workers);
+    total.add_part(s);
     if (total.note.empty()) total.note = s.note;
   }
   total.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}", result.tensors_.size(), files.size(), reads.size(),

@@ -105,16 +105,10 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
       File file = File::open(temp.string(), OpenMode::create_new);
       Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
       std::memcpy(header_buffer.data(), header.data(), header.size());
-      total.bytes += engine->write(file, 0, header_buffer.span()).bytes;
+      total.add_part(engine->write(file, 0, header_buffer.span()));
       for (const auto& info : infos) {
         const auto source = std::find_if(tensors.begin(), tensors.end(), [&](const TensorToSave& t) { return t.name == info.name; });
-        const Stats s = engine->write(file, header.size() + info.begin, source->data);
-        total.backend = s.backend;
-        total.bytes += s.bytes;
-        total.bytes_direct += s.bytes_direct;
-        total.bytes_buffered += s.bytes_buffered;
-        total.bounce_copies += s.bounce_copies;
-        total.workers = std::max(total.workers, s.workers);
+        total.add_part(engine->write(file, header.size() + info.begin, source->data));
       }
       if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
         throw Error(errno_code(err), context, "fsync (injected)");
@@ -186,11 +180,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
     single.max_shard_size = 0;
     for (std::size_t k = 0; k < shards.size(); ++k) {
       const std::string name = fmt::format("model-{:05}-of-{:05}.safetensors", k + 1, shards.size());
-      const Stats s = save_checkpoint((temp / name).string(), shards[k], single);
-      total.backend = s.backend;
-      total.bytes += s.bytes;
-      total.bytes_direct += s.bytes_direct;
-      total.bytes_buffered += s.bytes_buffered;
+      total.add_part(save_checkpoint((temp / name).string(), shards[k], single));
       for (const auto& t : shards[k]) weight_map[t.name] = name;
     }
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};

@@ -83,4 +83,13 @@ double Stats::gib_per_second() const noexcept {
   return seconds > 0 ? static_cast<double>(bytes) / seconds / (1024.0 * 1024.0 * 1024.0) : 0.0;
 }
 
+void Stats::add_part(const Stats& part) noexcept {
+  if (!part.backend.empty()) backend = part.backend;
+  bytes += part.bytes;
+  bytes_direct += part.bytes_direct;
+  bytes_buffered += part.bytes_buffered;
+  bounce_copies += part.bounce_copies;
+  workers = std::max(workers, part.workers);
+}
+
 }  // namespace hbmio
