@@ -14,6 +14,7 @@ debian_packages=(
   libgtest-dev          # tests
   fio                   # the storage ceiling the benchmarks compare against
   python3-pip
+  python3-dev python3-venv  # the Python package (nanobind extension, tested in a venv)
 )
 
 missing=()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, then builds and tests hbmio three ways
-# (with CUDA, without CUDA, under ASan+UBSan) and builds the example against the installed
-# package. GPU tests (ctest label "gpu") skip with the reason where there is no GPU.
+# (with CUDA, without CUDA, under ASan+UBSan), builds the example against the installed
+# package, and builds and tests the Python package (python/). GPU tests (ctest label "gpu",
+# pytest's cuda marks) skip with the reason where there is no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -24,4 +25,16 @@ run cmake -S examples/read_file -B "$prefix/example" -G Ninja -DCMAKE_PREFIX_PAT
 run cmake --build "$prefix/example"
 head -c 5000000 /dev/urandom > "$prefix/sample.bin"
 run "$prefix/example/read_file" "$prefix/sample.bin"
+echo "=== python package ==="
+# A venv (PEP 668: Debian's own Python refuses pip installs) that sees the system's numpy and
+# safetensors; pip builds the extension in an isolated environment (scikit-build-core and
+# nanobind from PyPI) into build-python/. Tests run from outside the tree, on the installed package;
+# an error, a failure or no tests collected (exit 5) all end the script.
+venv=build-python/venv
+python_start=$SECONDS
+[ -x "$venv/bin/python" ] || run python3 -m venv --system-site-packages "$venv"
+run "$venv/bin/python" -m pip install -q --disable-pip-version-check pytest numpy safetensors
+CMAKE_BUILD_PARALLEL_LEVEL=2 run "$venv/bin/python" -m pip install -q --disable-pip-version-check .
+(cd "$prefix" && run "$OLDPWD/$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests")
+echo "python package stage: $((SECONDS - python_start)) s"
 echo "all test stages passed"
