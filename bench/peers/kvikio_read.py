@@ -10,29 +10,12 @@ usage: kvikio_read.py FILE [--runs 5] [--cold] [--threads 16] [--task-size 16MiB
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
 
-def cpu_seconds():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def drop_cache(path):
-    subprocess.run(["sync"], check=True)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        return "fadvise"
+from measure import cpu_seconds, drop_cache  # shared with safetensors_peers.py
 
 
 def main():

@@ -8,13 +8,11 @@ CPU seconds/GiB (getrusage RUSAGE_SELF: all threads of this process, not child p
 bit-exact comparison of the first run's tensors against safetensors.torch.load_file on the CPU.
 Peers: safetensors, fastsafetensors, runai; opt-in fastsafetensors_buffered (FASTSAFETENSORS_ODIRECT=0).
 """
-import argparse, gc, glob, importlib, json, os, resource, statistics, subprocess, sys, time, traceback
+import argparse, gc, glob, importlib, json, os, resource, statistics, sys, time, traceback
+
+from measure import cpu_seconds, drop_cache  # shared with kvikio_read.py
 
 GIB = 1 << 30
-
-def cpu_seconds(who=resource.RUSAGE_SELF):
-    r = resource.getrusage(who)
-    return r.ru_utime + r.ru_stime
 
 def live_children():
     # Worker processes a library keeps alive would escape RUSAGE_SELF; count them to say so.
@@ -26,17 +24,6 @@ def live_children():
         except OSError:
             pass
     return n
-
-def drop_cache(path):
-    subprocess.run(["sync"], check=True)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return "drop_caches"
-    except OSError:  # not root: evict this file's pages only
-        with open(path, "rb") as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        return "fadvise_dontneed"
 
 def fill_cache(path):
     # Plain buffered reads, like cat: afterwards the whole file sits in the page cache.

@@ -71,6 +71,10 @@ struct Stats {
   bool used_direct_io() const noexcept { return bytes_direct > 0; }
 };
 
+// User + system CPU seconds of this process so far (getrusage: every thread, io_uring's workers
+// included): what Stats::cpu_seconds is a difference of.
+double process_cpu_seconds() noexcept;
+
 // Parses "4096", "64K", "4MiB", "1.5G" (binary multiples); throws Error(EINVAL).
 std::uint64_t parse_size(const std::string& text);
 std::string format_size(std::uint64_t bytes);  // "1.50 GiB"

@@ -43,13 +43,6 @@ void validate_request(const IoRequest& request, std::string_view backend) {
     cuda::check_device_pointer(request.memory.data, request.memory.location.device, context);
 }
 
-double process_cpu_seconds() noexcept {
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
-  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
-}
-
 TransferTimer::TransferTimer() : start_(std::chrono::steady_clock::now()), cpu_start_(process_cpu_seconds()) {}
 
 void TransferTimer::finish(Stats& stats) const {
@@ -58,6 +51,13 @@ void TransferTimer::finish(Stats& stats) const {
 }
 
 }  // namespace detail
+
+double process_cpu_seconds() noexcept {
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
 
 Stats Engine::read(const File& file, std::uint64_t offset, MemorySpan destination) {
   return submit({.op = IoOp::read, .file = &file, .offset = offset, .memory = destination});

@@ -33,7 +33,6 @@ class TransferTimer {
   std::chrono::steady_clock::time_point start_;
   double cpu_start_;
 };
-double process_cpu_seconds() noexcept;
 
 // Injector helpers that tolerate a null injector.
 inline int inject(FaultInjector* faults, FaultSite site, const char* what) {

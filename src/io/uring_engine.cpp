@@ -92,7 +92,6 @@ struct Op {
 struct Job {
   const IoRequest* request = nullptr;
   ErrorContext context;         // built once: hot paths pass it by reference
-  Options options;
   std::uint64_t grid_base = 0;  // round_down(offset, 4 KiB): chunk and piece boundaries lie on it
   std::uint64_t chunks = 0;
   std::size_t alignment = 0;    // O_DIRECT alignment of this file; 0 when O_DIRECT is off
@@ -546,7 +545,6 @@ class UringEngine final : public Engine {
     Job job;
     job.request = &request;
     job.context = context_of(request, name());
-    job.options = options_;
     job.device = request.memory.kind() == MemoryKind::device;
     job.grid_base = round_down(request.offset, kSlotAlignment);
     job.chunks = (request.offset + request.memory.size - job.grid_base + options_.chunk_size - 1) / options_.chunk_size;

@@ -95,13 +95,6 @@ std::string iso8601_now() {
   return text;
 }
 
-double process_cpu_seconds() {
-  rusage usage{};
-  ::getrusage(RUSAGE_SELF, &usage);
-  auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) * 1e-6; };
-  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
-}
-
 bool stderr_is_terminal() { return ::isatty(STDERR_FILENO) == 1; }
 
 // ---------------------------------------------------------------------------------------------
