@@ -145,6 +145,35 @@ void round_trip(MemoryLocation where, const std::string& backend) {
   const LoadedCheckpoint two = load_checkpoint(path, {.into = where, .backend = backend, .names = {"norm", "q8"}});
   EXPECT_EQ(two.tensors().size(), 2u);
   EXPECT_THROW(load_checkpoint(path, {.names = {"nope"}}), Error);
+
+  // Into the caller's memory, twice (the second load overwrites the first in place): byte for
+  // byte the same, every tensor inside the given span, nothing past load_size() touched.
+  const LoadOptions into_mine{.into = where, .backend = backend};
+  const std::uint64_t need = load_size(path, into_mine);
+  Buffer mine = Buffer::allocate(where, need + 1);
+  fill_memory(mine.span(), std::byte{0x5A});
+  LoadOptions reuse = into_mine;
+  reuse.destination = mine.span();
+  for (int run = 0; run < 2; ++run) {
+    const LoadedCheckpoint again = load_checkpoint(path, reuse);
+    for (std::size_t i = 0; i < sample.tensors.size(); ++i) {
+      const LoadedTensor* t = again.find(sample.tensors[i].name);
+      ASSERT_NE(t, nullptr);
+      EXPECT_TRUE(t->data.size == 0 || (t->data.data >= mine.data() && t->data.data + t->data.size <= mine.data() + need)) << t->name;
+      EXPECT_EQ(first_mismatch(to_host(t->data), sample.bytes[i]), -1) << t->name;
+    }
+  }
+  EXPECT_EQ(to_host(mine.span()).back(), std::byte{0x5A});
+  reuse.destination = mine.span().subspan(0, need - 1);
+  try {
+    load_checkpoint(path, reuse);
+    ADD_FAILURE() << "a destination one byte short was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), std::errc::no_space_on_device) << e.what();
+  }
+  reuse.destination = mine.span();
+  reuse.layout = TensorLayout::per_tensor;
+  EXPECT_THROW(load_checkpoint(path, reuse), Error);
 }
 
 class RoundTrip : public testing::TestWithParam<std::tuple<std::string, std::string>> {};

@@ -20,6 +20,9 @@ for b in posix uring auto; do
 import json,sys; j=json.load(sys.stdin); assert j['verified'] and len(j['tensors'])==5 and j['stats']['bytes']==5<<20, j" \
     || fail "load --backend $b"
 done
+"$hbmio" ckpt load "$dir/a.safetensors" --into pinned --runs 3 --reuse-memory --verify --json - | python3 -c "
+import json,sys; j=json.load(sys.stdin); assert j['verified'] and j['reuse_memory'] and len(j['run_seconds'])==3, j" \
+  || fail "load --runs 3 --reuse-memory"
 
 # Interop with the reference implementation, where it is installed.
 if python3 -c 'import safetensors, numpy' 2>/dev/null; then

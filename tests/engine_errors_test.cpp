@@ -170,6 +170,53 @@ TEST_P(Errors, EveryCallFailingInTurnLeavesNoLeak) {
   }
 }
 
+// A batch is checked whole before any I/O: one bad request fails it, naming that request.
+TEST_P(Errors, BatchIsCheckedBeforeAnyIo) {
+  auto engine = make_engine(GetParam(), small_options(DirectIo::on));
+  const std::string other = dir_.file("other.bin");
+  write_file(other, random_bytes(4096, 3));
+  File a = File::open(path_, OpenMode::read), b = File::open(other, OpenMode::read);
+  Buffer buffer = Buffer::allocate({MemoryKind::host}, 8192);
+  fill_memory(buffer.span(), std::byte{0x5A});
+  const std::vector<IoRequest> past_end{{.op = IoOp::read, .file = &a, .offset = 0, .memory = buffer.span().subspan(0, 4096)},
+                                        {.op = IoOp::read, .file = &b, .offset = 1, .memory = buffer.span().subspan(4096, 4096)}};
+  Error e = expect_error([&] { engine->submit_batch(past_end); });
+  EXPECT_EQ(e.code(), std::errc::invalid_argument);
+  EXPECT_EQ(e.context().path, other);
+  EXPECT_EQ(to_host(buffer.span())[0], std::byte{0x5A}) << "the valid request ran before the batch was checked";
+  const std::vector<IoRequest> mixed{{.op = IoOp::read, .file = &a, .offset = 0, .memory = buffer.span().subspan(0, 4096)},
+                                     {.op = IoOp::write, .file = &a, .offset = 0, .memory = buffer.span().subspan(0, 4096)}};
+  e = expect_error([&] { engine->submit_batch(mixed); });
+  EXPECT_NE(std::string(e.what()).find("mixes reads and writes"), std::string::npos) << e.what();
+  EXPECT_EQ(engine->submit_batch({}).bytes, 0u);
+}
+
+// A failure in the middle of a batch names the file of the request that failed, and the engine
+// serves the next batch exactly.
+TEST_P(Errors, BatchFailureNamesItsRequest) {
+  const std::string other = dir_.file("other.bin");
+  write_file(other, random_bytes(1 << 20, 3));
+  for (std::uint64_t n = 1; n < 200; ++n) {
+    SCOPED_TRACE(fmt::format("failing call {}", n));
+    auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = n, .fail_errno = EIO});
+    auto engine = make_engine(GetParam(), small_options(DirectIo::on), faults);
+    File a = File::open(path_, OpenMode::read), b = File::open(other, OpenMode::read);
+    Buffer buffer = Buffer::allocate({MemoryKind::pinned}, 2 << 20);
+    const std::vector<IoRequest> batch{{.op = IoOp::read, .file = &a, .offset = 3, .memory = buffer.span().subspan(0, (1 << 20) - 3)},
+                                       {.op = IoOp::read, .file = &b, .offset = 0, .memory = buffer.span().subspan(1 << 20, 1 << 20)}};
+    try {
+      engine->submit_batch(batch);
+      EXPECT_FALSE(faults->fired());
+      EXPECT_EQ(first_mismatch(to_host(buffer.span().subspan(1 << 20, 1 << 20)), pread_range(other, 0, 1 << 20)), -1);
+      return;
+    } catch (const Error& e) {
+      EXPECT_TRUE(e.context().path == path_ || e.context().path == other) << e.what();
+      EXPECT_NE(std::string(e.what()).find("Input/output error"), std::string::npos) << e.what();
+    }
+  }
+  ADD_FAILURE() << "the batch never succeeded";
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, Errors, testing::Values("posix", "uring", "auto"));
 
 TEST(Engines, UnknownBackendIsAClearError) {

@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstring>
 #include <tuple>
 
 #include "test_support.hpp"
@@ -88,15 +90,92 @@ void write_matrix(const Case& param) {
   }
 }
 
+// A batch (Engine::submit_batch) of reads over three files, at offsets and lengths around every
+// boundary, into sub-spans of one buffer separated by poisoned gaps; then a batch of writes of
+// adjacent unaligned ranges, as a checkpoint save issues them. Both compared with pread.
+void batch_matrix(const Case& param) {
+  const auto& [backend, memory, direct] = param;
+  TempDir dir;
+  std::vector<std::string> paths;
+  std::vector<std::size_t> sizes = {3 * kChunk + 999, kBounce + 5, 2 * kChunk};
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    paths.push_back(dir.file(fmt::format("data{}.bin", i)));
+    write_file(paths.back(), random_bytes(sizes[i], 100 + i));
+  }
+  auto engine = make_engine(backend, small_options(direct));
+  std::vector<File> files;
+  for (const auto& path : paths) files.push_back(File::open(path, OpenMode::read));
+  struct Range {
+    std::size_t file;
+    std::uint64_t offset;
+    std::size_t length, at;
+  };
+  std::vector<Range> ranges;
+  std::size_t total = 1;
+  for (std::size_t f = 0; f < files.size(); ++f)
+    for (std::uint64_t offset : offsets())
+      for (std::size_t length : {std::size_t{0}, std::size_t{1}, std::size_t{4097}, kBounce + 1, kChunk + 1}) {
+        if (offset + length > sizes[f]) continue;
+        ranges.push_back({f, offset, length, total});
+        total += length + 1;  // one poisoned byte after each range
+      }
+  const MemoryLocation where = MemoryLocation::parse(memory);
+  Buffer buffer = Buffer::allocate(where, total);
+  fill_memory(buffer.span(), std::byte{0xA5});
+  std::vector<IoRequest> requests;
+  std::size_t bytes = 0;
+  for (const Range& r : ranges) {
+    requests.push_back({.op = IoOp::read, .file = &files[r.file], .offset = r.offset, .memory = buffer.span().subspan(r.at, r.length)});
+    bytes += r.length;
+  }
+  const Stats stats = engine->submit_batch(requests);
+  EXPECT_EQ(stats.bytes, bytes);
+  EXPECT_EQ(stats.bytes_direct + stats.bytes_buffered, bytes);
+  const auto got = to_host(buffer.span());
+  ASSERT_EQ(got[0], std::byte{0xA5});
+  for (const Range& r : ranges) {
+    SCOPED_TRACE(fmt::format("file {} offset {} length {}", r.file, r.offset, r.length));
+    const auto expected = pread_range(paths[r.file], r.offset, r.length);
+    ASSERT_EQ(std::memcmp(got.data() + r.at, expected.data(), r.length), 0);
+    ASSERT_EQ(got[r.at + r.length], std::byte{0xA5}) << "a read wrote past its span";
+  }
+
+  // Writes: a 9-byte "header" and then ranges packed back to back from an unaligned offset.
+  const std::string out = dir.file("out.bin");
+  std::vector<std::byte> expected = random_bytes(9, 7);
+  std::vector<std::size_t> lengths_out = {kBounce + 3, 1, 4096, kChunk + 17, 0, 5000};
+  for (std::size_t i = 0; i < lengths_out.size(); ++i) {
+    const auto more = random_bytes(lengths_out[i], 200 + i);
+    expected.insert(expected.end(), more.begin(), more.end());
+  }
+  Buffer source = Buffer::allocate(where, expected.size());
+  copy_memory(source.span(), {expected.data(), expected.size(), {}});
+  {
+    File file = File::open(out, OpenMode::create_new);
+    std::vector<IoRequest> writes{{.op = IoOp::write, .file = &file, .offset = 0, .memory = source.span().subspan(0, 9)}};
+    std::size_t at = 9;
+    for (std::size_t length : lengths_out) {
+      writes.push_back({.op = IoOp::write, .file = &file, .offset = at, .memory = source.span().subspan(at, length)});
+      at += length;
+    }
+    std::reverse(writes.begin(), writes.end());  // order within a batch does not matter
+    EXPECT_EQ(engine->submit_batch(writes).bytes, expected.size());
+  }
+  ASSERT_EQ(first_mismatch(pread_range(out, 0, expected.size()), expected), -1);
+}
+
 class HostReadMatrix : public testing::TestWithParam<Case> {};
 TEST_P(HostReadMatrix, MatchesPread) { read_matrix(GetParam()); }
 class HostWriteMatrix : public testing::TestWithParam<Case> {};
 TEST_P(HostWriteMatrix, ReadsBackIdentical) { write_matrix(GetParam()); }
+class HostBatchMatrix : public testing::TestWithParam<Case> {};
+TEST_P(HostBatchMatrix, ReadsAndWritesMatchPread) { batch_matrix(GetParam()); }
 
 const auto kHostCases = testing::Combine(testing::Values("posix", "uring", "auto"), testing::Values("host", "pinned"),
                                          testing::Values(DirectIo::off, DirectIo::on, DirectIo::automatic));
 INSTANTIATE_TEST_SUITE_P(Backends, HostReadMatrix, kHostCases, case_name);
 INSTANTIATE_TEST_SUITE_P(Backends, HostWriteMatrix, kHostCases, case_name);
+INSTANTIATE_TEST_SUITE_P(Backends, HostBatchMatrix, kHostCases, case_name);
 
 // The same on GPU memory (ctest label "gpu"); skipped with the reason where there is no GPU.
 class GpuReadMatrix : public testing::TestWithParam<Case> {
@@ -108,11 +187,14 @@ class GpuReadMatrix : public testing::TestWithParam<Case> {
 TEST_P(GpuReadMatrix, MatchesPread) { read_matrix(GetParam()); }
 class GpuWriteMatrix : public GpuReadMatrix {};
 TEST_P(GpuWriteMatrix, ReadsBackIdentical) { write_matrix(GetParam()); }
+class GpuBatchMatrix : public GpuReadMatrix {};
+TEST_P(GpuBatchMatrix, ReadsAndWritesMatchPread) { batch_matrix(GetParam()); }
 
 const auto kGpuCases = testing::Combine(testing::Values("posix", "uring", "auto"), testing::Values("cuda:0"),
                                         testing::Values(DirectIo::off, DirectIo::on, DirectIo::automatic));
 INSTANTIATE_TEST_SUITE_P(Backends, GpuReadMatrix, kGpuCases, case_name);
 INSTANTIATE_TEST_SUITE_P(Backends, GpuWriteMatrix, kGpuCases, case_name);
+INSTANTIATE_TEST_SUITE_P(Backends, GpuBatchMatrix, kGpuCases, case_name);
 
 // Past 2 GiB and 4 GiB offsets: a sparse file with random data at the places that matter.
 class LargeFile : public testing::TestWithParam<std::string> {};

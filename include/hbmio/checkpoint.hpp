@@ -37,6 +37,11 @@ struct LoadOptions {
   // An engine to reuse (its rings and pinned buffers stay set up across loads); when null, the
   // load makes one from `backend` and `engine_options`.
   Engine* engine = nullptr;
+  // Memory of the caller's to load into, instead of a new allocation per load (single_allocation
+  // layout only): repeated loads then reuse it, as PyTorch's caching allocator does for its
+  // loaders. It must lie in `into`'s location and hold at least load_size(path, options) bytes;
+  // the result's spans point into it, so it must outlive their use.
+  MemorySpan destination{};
 };
 
 struct LoadedTensor {
@@ -80,6 +85,10 @@ std::vector<CheckpointFile> open_checkpoint(const std::string& path);
 // memory become one request, so a file of many small tensors loads like one of few big ones.
 // Throws Error naming the file (and tensor) on any failure; nothing is leaked.
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
+
+// Bytes of the single allocation that load_checkpoint(path, options) makes (or needs in
+// LoadOptions::destination): the chosen tensors, each aligned to options.alignment.
+std::uint64_t load_size(const std::string& path, const LoadOptions& options = {});
 
 struct TensorToSave {
   std::string name;

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -51,6 +52,12 @@ class Engine {
   // Blocking transfer. Throws Error with op, path, offset, length and backend on failure; the
   // span's contents are then unspecified, and nothing is leaked or left in flight.
   virtual Stats submit(const IoRequest& request) = 0;
+
+  // Several transfers as one: all reads or all writes, in any order, possibly overlapped (uring
+  // spreads the chunks of every request over all its workers, so a checkpoint of many tensors or
+  // files keeps the whole queue busy). Every request is checked before any I/O starts. Returns
+  // the summed Stats. The default runs the requests one after another.
+  virtual Stats submit_batch(std::span<const IoRequest> requests);
 
   Stats read(const File& file, std::uint64_t offset, MemorySpan destination);
   Stats write(const File& file, std::uint64_t offset, MemorySpan source);

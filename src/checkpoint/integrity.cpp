@@ -4,6 +4,10 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <thread>
 #include <memory>
 #include <vector>
 
@@ -19,20 +23,57 @@ bool has_checksums(const std::map<std::string, std::string>& metadata) {
   return metadata.contains(kChecksumAlgorithmKey);
 }
 
-std::uint64_t xxh3_of(MemorySpan data) {
+namespace {
+
+constexpr std::size_t kHashPiece = std::size_t{16} << 20;  // device memory is hashed through this much pinned memory
+
+// `staging` (pinned, kHashPiece bytes) is allocated on first use, for device memory only.
+std::uint64_t hash_span(MemorySpan data, Buffer& staging) {
   if (data.kind() != MemoryKind::device) return XXH3_64bits(data.data, data.size);
-  // Streaming over 64 MiB host pieces: checking a multi-GiB tensor needs no copy of its size.
+  // Streaming over host pieces: checking a multi-GiB tensor needs no copy of its size.
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
   if (!state) throw Error(errno_code(ENOMEM), {.op = "checksum"}, "XXH3_createState");
   XXH3_64bits_reset(state.get());
-  const std::size_t piece = std::min<std::size_t>(data.size, std::size_t{64} << 20);
-  Buffer host = Buffer::allocate({MemoryKind::pinned}, piece);
-  for (std::size_t at = 0; at < data.size; at += piece) {
-    const std::size_t n = std::min(piece, data.size - at);
-    copy_memory(host.span().subspan(0, n), data.subspan(at, n));
-    XXH3_64bits_update(state.get(), host.data(), n);
+  if (staging.data() == nullptr) staging = Buffer::allocate({MemoryKind::pinned}, kHashPiece);
+  for (std::size_t at = 0; at < data.size; at += kHashPiece) {
+    const std::size_t n = std::min(kHashPiece, data.size - at);
+    copy_memory(staging.span().subspan(0, n), data.subspan(at, n));
+    XXH3_64bits_update(state.get(), staging.data(), n);
   }
   return XXH3_64bits_digest(state.get());
+}
+
+}  // namespace
+
+std::uint64_t xxh3_of(MemorySpan data) {
+  Buffer staging;
+  return hash_span(data, staging);
+}
+
+std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans) {
+  std::vector<std::uint64_t> result(spans.size());
+  std::atomic<std::size_t> next{0};
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  auto work = [&] {
+    Buffer staging;
+    try {
+      for (std::size_t i = next++; i < spans.size(); i = next++) result[i] = hash_span(spans[i], staging);
+    } catch (...) {
+      std::lock_guard lock(error_mutex);
+      if (!error) error = std::current_exception();
+      next = spans.size();
+    }
+  };
+  const unsigned threads = static_cast<unsigned>(
+      std::min<std::size_t>({spans.size(), std::max(1u, std::thread::hardware_concurrency()), 16}));
+  {
+    std::vector<std::jthread> pool;
+    for (unsigned i = 1; i < threads; ++i) pool.emplace_back(work);
+    work();
+  }
+  if (error) std::rethrow_exception(error);
+  return result;
 }
 
 std::string to_hex(std::uint64_t value) { return fmt::format("{:016x}", value); }

@@ -95,17 +95,19 @@ const LoadedTensor* LoadedCheckpoint::find(const std::string& name) const noexce
   return nullptr;
 }
 
-LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
-  detail::TransferTimer timer;
-  const std::vector<CheckpointFile> files = open_checkpoint(path);
+namespace {
 
-  // Which tensors, in file order (the order that makes reads sequential).
+// The tensors a load picks, in file order (the order that makes reads sequential), and where each
+// lands in a single allocation.
+struct Pick {
+  std::size_t file;
+  const st::TensorInfo* info;
+  std::uint64_t memory_offset = 0;
+};
+
+std::vector<Pick> pick_tensors(const std::string& path, const std::vector<CheckpointFile>& files, const LoadOptions& options,
+                               std::uint64_t& allocation_size) {
   const std::set<std::string> wanted(options.names.begin(), options.names.end());
-  struct Pick {
-    std::size_t file;
-    const st::TensorInfo* info;
-    std::uint64_t memory_offset = 0;
-  };
   std::vector<Pick> picks;
   std::set<std::string> found;
   for (std::size_t f = 0; f < files.size(); ++f) {
@@ -117,13 +119,35 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
   }
   for (const auto& name : wanted)
     if (!found.contains(name)) throw checkpoint_error(ENOENT, path, fmt::format("no tensor named '{}'", name));
+  // In one allocation a tensor starts at a multiple of `alignment`; one whose predecessor ends
+  // aligned follows it directly, so runs of such tensors stay contiguous in memory as they are in
+  // the file, and are read with one request.
+  std::uint64_t cursor = 0;
+  for (auto& pick : picks) {
+    pick.memory_offset = align_up(cursor, options.alignment);
+    cursor = pick.memory_offset + pick.info->size();
+  }
+  allocation_size = cursor;
+  return picks;
+}
+
+}  // namespace
+
+std::uint64_t load_size(const std::string& path, const LoadOptions& options) {
+  std::uint64_t size = 0;
+  pick_tensors(path, open_checkpoint(path), options, size);
+  return size;
+}
+
+LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
+  detail::TransferTimer timer;
+  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  std::uint64_t allocation_size = 0;
+  const std::vector<Pick> picks = pick_tensors(path, files, options, allocation_size);
 
   LoadedCheckpoint result;
   result.metadata_ = files.front().header.metadata;
 
-  // Where each tensor lands. In one allocation a tensor starts at a multiple of `alignment`; one
-  // whose predecessor ends aligned follows it directly, so runs of such tensors stay contiguous
-  // in memory as they are in the file, and are read with one request.
   std::vector<PlannedRead> reads;
   auto plan_read = [&](const Pick& pick, MemorySpan memory) {
     const std::uint64_t file_offset = files[pick.file].header.data_offset + pick.info->begin;
@@ -137,26 +161,28 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
     }
     if (memory.size > 0) reads.push_back({pick.file, file_offset, memory});
   };
-  if (options.layout == TensorLayout::single_allocation) {
-    std::uint64_t cursor = 0;
-    for (auto& pick : picks) {
-      pick.memory_offset = align_up(cursor, options.alignment);
-      cursor = pick.memory_offset + pick.info->size();
-    }
-    result.buffers_.push_back(Buffer::allocate(options.into, cursor));
-    for (const auto& pick : picks) {
-      const MemorySpan memory = result.buffers_.front().span().subspan(pick.memory_offset, pick.info->size());
-      plan_read(pick, memory);
-      result.tensors_.push_back({pick.info->name, pick.info->dtype, pick.info->shape, memory, files[pick.file].path,
-                                 files[pick.file].header.data_offset + pick.info->begin});
-    }
+  auto add_tensor = [&](const Pick& pick, MemorySpan memory) {
+    plan_read(pick, memory);
+    result.tensors_.push_back({pick.info->name, pick.info->dtype, pick.info->shape, memory, files[pick.file].path,
+                               files[pick.file].header.data_offset + pick.info->begin});
+  };
+  if (options.destination.data != nullptr) {
+    const MemorySpan& to = options.destination;
+    if (options.layout != TensorLayout::single_allocation)
+      throw checkpoint_error(EINVAL, path, "a caller's destination takes the single_allocation layout only");
+    if (to.kind() != options.into.kind || (to.kind() == MemoryKind::device && to.location.device != options.into.device))
+      throw checkpoint_error(EINVAL, path, "the destination memory is not in the location the load is into");
+    if (to.size < allocation_size)
+      throw checkpoint_error(ENOSPC, path,
+                             fmt::format("the destination holds {} bytes; the load needs {}", to.size, allocation_size));
+    for (const auto& pick : picks) add_tensor(pick, to.subspan(pick.memory_offset, pick.info->size()));
+  } else if (options.layout == TensorLayout::single_allocation) {
+    result.buffers_.push_back(Buffer::allocate(options.into, allocation_size));
+    for (const auto& pick : picks) add_tensor(pick, result.buffers_.front().span().subspan(pick.memory_offset, pick.info->size()));
   } else {
     for (const auto& pick : picks) {
       result.buffers_.push_back(Buffer::allocate(options.into, pick.info->size()));
-      const MemorySpan memory = result.buffers_.back().span();
-      plan_read(pick, memory);
-      result.tensors_.push_back({pick.info->name, pick.info->dtype, pick.info->shape, memory, files[pick.file].path,
-                                 files[pick.file].header.data_offset + pick.info->begin});
+      add_tensor(pick, result.buffers_.back().span());
     }
   }
 
@@ -167,19 +193,18 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
     own_engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()));
     engine = own_engine.get();
   }
+  // Every read of every file in one batch: the engine keeps its whole queue busy across tensor
+  // and file boundaries.
+  std::vector<File> open_files;
+  open_files.reserve(files.size());
+  for (const auto& file : files) open_files.push_back(File::open(file.path, OpenMode::read));
+  std::vector<IoRequest> requests;
+  requests.reserve(reads.size());
+  for (const PlannedRead& read : reads)
+    requests.push_back({.op = IoOp::read, .file = &open_files[read.file], .offset = read.file_offset, .memory = read.memory,
+                        .progress = options.progress});
   Stats& total = result.stats_;
-  std::optional<File> open_file;
-  std::size_t open_index = files.size();
-  for (const PlannedRead& read : reads) {
-    if (open_index != read.file) {
-      open_file.emplace(File::open(files[read.file].path, OpenMode::read));
-      open_index = read.file;
-    }
-    const Stats s = engine->submit(
-        {.op = IoOp::read, .file = &*open_file, .offset = read.file_offset, .memory = read.memory, .progress = options.progress});
-    total.add_part(s);
-    if (total.note.empty()) total.note = s.note;
-  }
+  total = engine->submit_batch(requests);
   total.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}", result.tensors_.size(), files.size(), reads.size(),
                            total.note.empty() ? "" : "; ", total.note);
 
@@ -189,10 +214,13 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
         throw Error(errno_code(ENODATA), {.op = "verify", .path = file.path},
                     "the file holds no hbmio checksums (add them with `hbmio ckpt checksum`)");
     }
-    for (const auto& tensor : result.tensors_) {
+    std::vector<MemorySpan> spans;
+    for (const auto& tensor : result.tensors_) spans.push_back(tensor.data);
+    const std::vector<std::uint64_t> sums = detail::xxh3_of_each(spans);
+    for (std::size_t i = 0; i < result.tensors_.size(); ++i) {
+      const LoadedTensor& tensor = result.tensors_[i];
       const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) { return f.path == tensor.file; });
-      if (auto bad = detail::check_tensor(file->header.metadata, tensor.name, tensor.file, tensor.file_offset,
-                                          detail::xxh3_of(tensor.data)))
+      if (auto bad = detail::check_tensor(file->header.metadata, tensor.name, tensor.file, tensor.file_offset, sums[i]))
         throw Error(errno_code(EIO), {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size},
                     *bad);
     }

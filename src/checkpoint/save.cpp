@@ -9,7 +9,9 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <map>
 #include <set>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -91,7 +93,10 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
     it = it->first.starts_with(kChecksumPrefix) || it->first == detail::kChecksumAlgorithmKey ? metadata.erase(it) : std::next(it);
   if (options.checksums) {
     metadata[detail::kChecksumAlgorithmKey] = "xxh3-64";
-    for (const auto& t : tensors) metadata[kChecksumPrefix + t.name] = detail::to_hex(detail::xxh3_of(t.data));
+    std::vector<MemorySpan> spans;
+    for (const auto& t : tensors) spans.push_back(t.data);
+    const std::vector<std::uint64_t> sums = detail::xxh3_of_each(spans);
+    for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(sums[i]);
   }
   const std::string header = st::serialize_header(infos, metadata);
 
@@ -105,11 +110,13 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
       File file = File::open(temp.string(), OpenMode::create_new);
       Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
       std::memcpy(header_buffer.data(), header.data(), header.size());
-      total.add_part(engine->write(file, 0, header_buffer.span()));
-      for (const auto& info : infos) {
-        const auto source = std::find_if(tensors.begin(), tensors.end(), [&](const TensorToSave& t) { return t.name == info.name; });
-        total.add_part(engine->write(file, header.size() + info.begin, source->data));
-      }
+      // The header and every tensor in one batch, so the engine's workers write them all at once.
+      std::vector<IoRequest> writes{{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()}};
+      std::map<std::string_view, MemorySpan> data_of;
+      for (const auto& t : tensors) data_of.emplace(t.name, t.data);
+      for (const auto& info : infos)
+        writes.push_back({.op = IoOp::write, .file = &file, .offset = header.size() + info.begin, .memory = data_of.at(info.name)});
+      total.add_part(engine->submit_batch(writes));
       if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
         throw Error(errno_code(err), context, "fsync (injected)");
       file.sync();  // throws on failure: never retried, the old checkpoint stays
@@ -157,6 +164,8 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
   std::vector<st::TensorInfo> order;
   for (const auto& t : tensors) order.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
   st::order_like_reference(order);
+  std::map<std::string_view, const TensorToSave*> by_name;
+  for (const auto& t : tensors) by_name.emplace(t.name, &t);
   std::vector<std::vector<TensorToSave>> shards(1);
   std::uint64_t shard_bytes = 0, total_bytes = 0;
   for (const auto& info : order) {
@@ -164,7 +173,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
       shards.emplace_back();
       shard_bytes = 0;
     }
-    shards.back().push_back(*std::find_if(tensors.begin(), tensors.end(), [&](const TensorToSave& t) { return t.name == info.name; }));
+    shards.back().push_back(*by_name.at(info.name));
     shard_bytes += info.size();
     total_bytes += info.size();
   }

@@ -44,15 +44,34 @@ class AutoEngine final : public Engine {
     } else {
       reasons += "cufile: moves device memory only; ";
     }
+    return fallback({&request, 1}, reasons);
+  }
+
+  // A batch goes whole to uring (or posix) unless one of its requests would go to cufile by DMA;
+  // then each request takes its own path.
+  Stats submit_batch(std::span<const IoRequest> requests) override {
+    bool device = false;
+    const File* checked = nullptr;  // requests of one file come in runs: ask cuFile once per run
+    for (const IoRequest& request : requests) {
+      if (request.memory.kind() != MemoryKind::device || request.memory.size == 0 || request.file == checked) continue;
+      device = true;
+      checked = request.file;
+      const CufileVerdict verdict = cufile_verdict(*request.file);
+      if (verdict.usable && verdict.direct && cufile_engine() != nullptr) return Engine::submit_batch(requests);
+    }
+    return fallback(requests, device ? "cufile: not by DMA for these files; " : "cufile: moves device memory only; ");
+  }
+
+ private:
+  Stats fallback(std::span<const IoRequest> requests, std::string reasons) {
     Engine& engine = uring_ ? *uring_ : *posix_;
     if (!uring_) reasons += "uring: " + uring_reason_ + "; ";
-    Stats stats = engine.submit(request);
+    Stats stats = engine.submit_batch(requests);
     stats.note = fmt::format("auto picked {} (passed over {}){}{}", engine.name(), reasons.substr(0, reasons.size() - 2),
                              stats.note.empty() ? "" : "; ", stats.note);
     return stats;
   }
 
- private:
   Engine* cufile_engine() {
     std::lock_guard lock(mutex_);
     if (!cufile_ && cufile_reason_.empty()) {

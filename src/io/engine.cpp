@@ -43,6 +43,14 @@ void validate_request(const IoRequest& request, std::string_view backend) {
     cuda::check_device_pointer(request.memory.data, request.memory.location.device, context);
 }
 
+void validate_batch(std::span<const IoRequest> requests, std::string_view backend) {
+  for (const IoRequest& request : requests) {
+    if (request.op != requests.front().op)
+      throw Error(errno_code(EINVAL), context_of(request, backend), "a batch mixes reads and writes");
+    validate_request(request, backend);
+  }
+}
+
 TransferTimer::TransferTimer() : start_(std::chrono::steady_clock::now()), cpu_start_(process_cpu_seconds()) {}
 
 void TransferTimer::finish(Stats& stats) const {
@@ -65,6 +73,20 @@ Stats Engine::read(const File& file, std::uint64_t offset, MemorySpan destinatio
 
 Stats Engine::write(const File& file, std::uint64_t offset, MemorySpan source) {
   return submit({.op = IoOp::write, .file = &file, .offset = offset, .memory = source});
+}
+
+Stats Engine::submit_batch(std::span<const IoRequest> requests) {
+  detail::validate_batch(requests, name());
+  detail::TransferTimer timer;
+  Stats total;
+  for (const IoRequest& request : requests) {
+    const Stats s = submit(request);
+    total.add_part(s);
+    if (total.note.empty()) total.note = s.note;
+  }
+  if (total.backend.empty()) total.backend = std::string(name());
+  timer.finish(total);
+  return total;
 }
 
 std::future<Stats> Engine::submit_async(IoRequest request) {

@@ -23,6 +23,9 @@ const char* op_name(IoOp op) noexcept;
 // null span, device memory without CUDA or not on the named device.
 void validate_request(const IoRequest& request, std::string_view backend);
 
+// validate_request() for each, and one op (all reads or all writes) across the batch.
+void validate_batch(std::span<const IoRequest> requests, std::string_view backend);
+
 // Wall and process CPU time over a transfer, written into Stats by finish().
 class TransferTimer {
  public:

@@ -19,8 +19,12 @@
 //      end of the file before the range is complete is an error (the file shrank).
 // Writes mirror this: GPU -> slot (copy), slot -> file (O_DIRECT where aligned, else buffered).
 //
+// A batch (Engine::submit_batch) is one job: the chunks of all its requests are numbered in one
+// sequence, so the workers stay busy across request boundaries (a checkpoint of 3,000 tensors
+// is read at the speed of one large file).
+//
 // Each worker owns one ring, its slots and its CUDA stream for the engine's life (rings are not
-// thread-safe; one owner each). The engine serves one request at a time.
+// thread-safe; one owner each). The engine serves one job at a time.
 #include <liburing.h>
 #include <sys/uio.h>
 
@@ -30,6 +34,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -72,8 +77,22 @@ struct Slot {
   cuda::Event copied;  // device jobs only: fires when the slot's copy to the GPU is done
 };
 
+// One request of a job, with what its chunks need to know.
+struct Part {
+  const IoRequest* request = nullptr;
+  ErrorContext context;         // built once: hot paths pass it by reference
+  std::uint64_t grid_base = 0;  // round_down(offset, 4 KiB): chunk and piece boundaries lie on it
+  std::uint64_t first_chunk = 0;  // this part's chunks are job chunks [first_chunk, first_chunk + chunks)
+  std::uint64_t chunks = 0;
+  std::size_t alignment = 0;    // O_DIRECT alignment of this file; 0 when O_DIRECT is off
+  bool device = false;
+
+  std::uint64_t end() const { return request->offset + request->memory.size; }
+};
+
 // One in-flight storage I/O.
 struct Op {
+  const Part* part = nullptr;
   std::uint64_t file_pos = 0;   // where the I/O starts in the file
   std::size_t length = 0;       // bytes to transfer from file_pos (block-rounded for O_DIRECT)
   std::size_t needed = 0;       // bytes that must arrive for the piece to be complete
@@ -88,14 +107,12 @@ struct Op {
   unsigned retries = 0;
 };
 
-// State of one request, shared by its workers.
+// State of one job (a request, or a batch of them), shared by its workers.
 struct Job {
-  const IoRequest* request = nullptr;
-  ErrorContext context;         // built once: hot paths pass it by reference
-  std::uint64_t grid_base = 0;  // round_down(offset, 4 KiB): chunk and piece boundaries lie on it
-  std::uint64_t chunks = 0;
-  std::size_t alignment = 0;    // O_DIRECT alignment of this file; 0 when O_DIRECT is off
-  bool device = false;
+  std::vector<Part> parts;
+  IoOp op = IoOp::read;
+  std::uint64_t chunks = 0;  // over all parts
+  int device = -1;           // the CUDA device of the parts in device memory, -1 when none is
   std::atomic<std::uint64_t> next_chunk{0};
   std::atomic<bool> failed{false};
   std::atomic<std::uint64_t> bytes_direct{0}, bytes_buffered{0}, bounce_copies{0};
@@ -105,7 +122,6 @@ struct Job {
   std::mutex error_mutex;
   std::exception_ptr error;
 
-  std::uint64_t end() const { return request->offset + request->memory.size; }
   void fail(std::exception_ptr e) {
     std::lock_guard lock(error_mutex);
     if (!error) error = std::move(e);
@@ -125,6 +141,7 @@ class Worker {
     // this worker's chunk half done).
     cursor_ = chunk_end_ = 0;
     chunk_direct_ = false;
+    part_ = &job.parts.front();
     retry_.clear();
     reset_ops();
     try {
@@ -138,16 +155,19 @@ class Worker {
     for (auto& slot : slots_) slot.state = SlotState::free;
     copying_.clear();
     job_ = nullptr;
+    part_ = nullptr;
   }
 
  private:
-  ErrorContext context(std::uint64_t offset, std::uint64_t length) const {
-    ErrorContext c = job_->context;
+  // Errors name the request of the chunk at hand.
+  ErrorContext context(std::uint64_t offset, std::uint64_t length) const { return context(*part_, offset, length); }
+  static ErrorContext context(const Part& part, std::uint64_t offset, std::uint64_t length) {
+    ErrorContext c = part.context;
     c.offset = offset;
     c.length = length;
     return c;
   }
-  const ErrorContext& context() const { return job_->context; }
+  const ErrorContext& context() const { return part_->context; }
 
   void fault_point(FaultSite site, const char* what) {
     if (const int err = inject(faults_, site, what)) throw Error(errno_code(err), context(), fmt::format("{} (injected)", what));
@@ -162,7 +182,7 @@ class Worker {
       ops_.resize(options_.queue_depth);
       reset_ops();
     }
-    const bool need_cuda_pinned = job.device;
+    const bool need_cuda_pinned = job.device >= 0;
     if (pool_.data() == nullptr || (need_cuda_pinned && !pool_.cuda_registered())) {
       if (fixed_buffers_) io_uring_unregister_buffers(ring_->get());
       fixed_buffers_ = false;
@@ -195,8 +215,8 @@ class Worker {
       }
     }
     if (!fixed_buffers_) job_->fixed_buffer_errno.store(fixed_buffer_errno_);
-    if (job.device) {
-      const int device = job.request->memory.location.device;
+    if (job.device >= 0) {
+      const int device = job.device;
       cuda::set_device(device, ctx);
       if (!stream_.valid() || stream_.device() != device) {
         fault_point(FaultSite::setup, "cudaStreamCreate");
@@ -284,12 +304,17 @@ class Worker {
   bool next_chunk() {
     const std::uint64_t index = job_->next_chunk.fetch_add(1);
     if (index >= job_->chunks) return false;
-    const IoRequest& request = *job_->request;
-    const std::uint64_t begin = std::max<std::uint64_t>(request.offset, job_->grid_base + index * options_.chunk_size);
-    const std::uint64_t end = std::min<std::uint64_t>(job_->end(), job_->grid_base + (index + 1) * options_.chunk_size);
+    // The part holding chunk `index`: the last one that starts at or before it.
+    const auto next = std::upper_bound(job_->parts.begin(), job_->parts.end(), index,
+                                       [](std::uint64_t i, const Part& p) { return i < p.first_chunk; });
+    part_ = &*std::prev(next);
+    const IoRequest& request = *part_->request;
+    const std::uint64_t k = index - part_->first_chunk;
+    const std::uint64_t begin = std::max<std::uint64_t>(request.offset, part_->grid_base + k * options_.chunk_size);
+    const std::uint64_t end = std::min<std::uint64_t>(part_->end(), part_->grid_base + (k + 1) * options_.chunk_size);
     cursor_ = begin;
     chunk_end_ = end;
-    chunk_direct_ = job_->alignment != 0;
+    chunk_direct_ = part_->alignment != 0;
     if (chunk_direct_ && options_.direct_io == DirectIo::automatic && request.op == IoOp::read) {
       const Residency residency = page_cache_residency(request.file->fd(), begin, end - begin);
       job_->residency_method.store(residency.method, std::memory_order_relaxed);
@@ -303,19 +328,20 @@ class Worker {
   // is no piece left or no slot to put it in.
   bool start_next_piece() {
     if (cursor_ >= chunk_end_ && !next_chunk()) return false;
-    const IoRequest& request = *job_->request;
+    const IoRequest& request = *part_->request;
     const std::uint64_t p = cursor_;
     const std::uint64_t q = piece_end(p);
     std::byte* user = request.memory.data + (p - request.offset);
-    const std::size_t a = chunk_direct_ ? job_->alignment : 1;
+    const std::size_t a = chunk_direct_ ? part_->alignment : 1;
     const bool aligned = p % a == 0 && (q % a == 0) && reinterpret_cast<std::uintptr_t>(user) % a == 0;
     const bool read = request.op == IoOp::read;
 
     Op op;
+    op.part = part_;
     op.wanted = q - p;
     op.direct = chunk_direct_;
     op.fd = chunk_direct_ ? request.file->direct_fd() : request.file->fd();
-    if (!job_->device && aligned) {
+    if (!part_->device && aligned) {
       // Straight between the file and the user's host memory.
       op.file_pos = p;
       op.length = op.needed = q - p;
@@ -326,7 +352,7 @@ class Worker {
       // pieces' blocks, so buffered and direct writes never touch the same block.
       op.direct = false;
       op.fd = request.file->fd();
-      if (!job_->device) {
+      if (!part_->device) {
         op.file_pos = p;
         op.length = op.needed = q - p;
         op.buffer = user;
@@ -351,15 +377,15 @@ class Worker {
   // Next piece boundary after p: pieces lie on the grid grid_base + k * bounce_buffer_size.
   std::uint64_t piece_end(std::uint64_t p) const {
     const std::uint64_t size = options_.bounce_buffer_size;
-    const std::uint64_t k = (p - job_->grid_base) / size + 1;
-    return std::min<std::uint64_t>(chunk_end_, job_->grid_base + k * size);
+    const std::uint64_t k = (p - part_->grid_base) / size + 1;
+    return std::min<std::uint64_t>(chunk_end_, part_->grid_base + k * size);
   }
 
   // Sets `op` up to move [p, q) through a slot, reading/writing the `a`-aligned superset.
   bool bounce_into_slot(Op& op, std::uint64_t p, std::uint64_t q, std::size_t a, std::byte* user) {
     const int slot = acquire_slot();
     if (slot < 0) return false;
-    const IoRequest& request = *job_->request;
+    const IoRequest& request = *part_->request;
     op.slot = slot;
     op.buffer = slots_[slot].data;
     op.user = user;
@@ -372,7 +398,7 @@ class Worker {
       op.file_pos = p;
       op.length = op.needed = q - p;
       const ErrorContext ctx = context(p, q - p);
-      if (job_->device) {
+      if (part_->device) {
         fault_point(FaultSite::device_copy, "cudaMemcpyAsync (device to host)");
         stream_.copy_to_host_async(op.buffer, user, q - p, ctx);
         stream_.synchronize(ctx);
@@ -432,7 +458,7 @@ class Worker {
     std::byte* buf = op.buffer + op.done;
     const auto len = static_cast<unsigned>(op.length - op.done);
     const auto pos = op.file_pos + op.done;
-    const bool read = job_->request->op == IoOp::read;
+    const bool read = job_->op == IoOp::read;
     if (op.slot >= 0 && fixed_buffers_) {
       if (read) io_uring_prep_read_fixed(sqe, op.fd, buf, len, pos, op.slot);
       else io_uring_prep_write_fixed(sqe, op.fd, buf, len, pos, op.slot);
@@ -447,30 +473,31 @@ class Worker {
 
   void complete(std::size_t index, int kernel_result) {
     Op& op = ops_[index];
-    const bool read = job_->request->op == IoOp::read;
+    const Part& part = *op.part;
+    const bool read = job_->op == IoOp::read;
     const std::uint64_t pos = op.file_pos + op.done;
     const long long result = inject_io(faults_, kernel_result, op.length - op.done, read ? "io_uring read" : "io_uring write");
     if (result == -EAGAIN || result == -EINTR) {
       if (++op.retries > kMaxRetries)
-        throw Error(errno_code(static_cast<int>(-result)), context(pos, op.length - op.done), "retried too often");
+        throw Error(errno_code(static_cast<int>(-result)), context(part, pos, op.length - op.done), "retried too often");
       retry_.push_back(static_cast<int>(index));
       return;
     }
-    if (result < 0) throw Error(errno_code(static_cast<int>(-result)), context(pos, op.length - op.done));
+    if (result < 0) throw Error(errno_code(static_cast<int>(-result)), context(part, pos, op.length - op.done));
     if (result == 0) {
       if (read)
-        throw Error(errno_code(EIO), context(pos, op.needed - op.done),
+        throw Error(errno_code(EIO), context(part, pos, op.needed - op.done),
                     fmt::format("file ended at byte {} (did it shrink during the read?)", pos));
-      throw Error(errno_code(ENOSPC), context(pos, op.length - op.done), "write made no progress");
+      throw Error(errno_code(ENOSPC), context(part, pos, op.length - op.done), "write made no progress");
     }
     op.retries = 0;
     op.done += static_cast<std::size_t>(result);
     if (op.done < op.needed) {
       // Short transfer: go on from where it stopped. O_DIRECT cannot resume at an unaligned
       // position, so such a remainder continues through the page cache.
-      if (op.direct && op.done % std::max<std::size_t>(job_->alignment, 1) != 0) {
+      if (op.direct && op.done % std::max<std::size_t>(part.alignment, 1) != 0) {
         op.direct = false;
-        op.fd = job_->request->file->fd();
+        op.fd = part.request->file->fd();
       }
       retry_.push_back(static_cast<int>(index));
       return;
@@ -480,13 +507,14 @@ class Worker {
   }
 
   void finish_piece(Op& op) {
+    const Part& part = *op.part;
     (op.direct ? job_->bytes_direct : job_->bytes_buffered) += op.wanted;
     if (op.slot >= 0) {
       Slot& slot = slots_[op.slot];
-      if (job_->request->op == IoOp::read) {
+      if (job_->op == IoOp::read) {
         ++job_->bounce_copies;
-        if (job_->device) {
-          const ErrorContext ctx = context(op.file_pos + op.wanted_offset, op.wanted);
+        if (part.device) {
+          const ErrorContext ctx = context(part, op.file_pos + op.wanted_offset, op.wanted);
           fault_point(FaultSite::device_copy, "cudaMemcpyAsync (host to device)");
           stream_.copy_to_device_async(op.user, slot.data + op.wanted_offset, op.wanted, ctx);
           slot.copied.record(stream_, ctx);
@@ -500,12 +528,13 @@ class Worker {
         slot.state = SlotState::free;
       }
     }
-    if (job_->request->progress) *job_->request->progress += op.wanted;
+    if (part.request->progress) *part.request->progress += op.wanted;
   }
 
   Options options_;
   FaultInjector* faults_;
   Job* job_ = nullptr;
+  const Part* part_ = nullptr;  // the part of the chunk at hand
   std::unique_ptr<Ring> ring_;
   Buffer pool_;
   std::vector<Slot> slots_;
@@ -532,30 +561,47 @@ class UringEngine final : public Engine {
 
   std::string_view name() const noexcept override { return "uring"; }
 
-  Stats submit(const IoRequest& request) override {
+  Stats submit(const IoRequest& request) override { return submit_batch({&request, 1}); }
+
+  Stats submit_batch(std::span<const IoRequest> requests) override {
     std::lock_guard lock(mutex_);
-    validate_request(request, name());
+    validate_batch(requests, name());
     TransferTimer timer;
     Stats stats{.backend = "uring"};
-    if (request.memory.size == 0) {
+
+    Job job;
+    std::string note;
+    for (const IoRequest& request : requests) {
+      if (request.memory.size == 0) continue;
+      Part part{.request = &request, .context = context_of(request, name())};
+      part.grid_base = round_down(request.offset, kSlotAlignment);
+      part.first_chunk = job.chunks;
+      part.chunks = (part.end() - part.grid_base + options_.chunk_size - 1) / options_.chunk_size;
+      job.chunks += part.chunks;
+      if (request.memory.kind() == MemoryKind::device) {
+        // One stream per worker, on one device: a batch across GPUs is several batches.
+        if (job.device >= 0 && job.device != request.memory.location.device)
+          throw Error(errno_code(EINVAL), part.context, "a uring batch moves memory of one GPU only");
+        job.device = request.memory.location.device;
+        part.device = true;
+      }
+      const DirectIoInfo& dio = request.file->direct_io();
+      const std::size_t alignment = std::max(dio.memory_alignment, dio.offset_alignment);
+      if (options_.direct_io != DirectIo::off) {
+        std::string why;
+        if (!dio.supported) why = fmt::format("O_DIRECT unavailable ({}): page cache used", dio.reason);
+        else if (alignment > kSlotAlignment) why = fmt::format("O_DIRECT needs {}-byte alignment: page cache used", alignment);
+        else part.alignment = alignment;
+        if (!why.empty() && note.find(why) == std::string::npos) note += (note.empty() ? "" : "; ") + why;
+      }
+      job.parts.push_back(std::move(part));
+      stats.bytes += request.memory.size;
+    }
+    if (job.parts.empty()) {
       timer.finish(stats);
       return stats;
     }
-
-    Job job;
-    job.request = &request;
-    job.context = context_of(request, name());
-    job.device = request.memory.kind() == MemoryKind::device;
-    job.grid_base = round_down(request.offset, kSlotAlignment);
-    job.chunks = (request.offset + request.memory.size - job.grid_base + options_.chunk_size - 1) / options_.chunk_size;
-    const DirectIoInfo& dio = request.file->direct_io();
-    const std::size_t alignment = std::max(dio.memory_alignment, dio.offset_alignment);
-    std::string note;
-    if (options_.direct_io != DirectIo::off) {
-      if (!dio.supported) note = fmt::format("O_DIRECT unavailable ({}): page cache used", dio.reason);
-      else if (alignment > kSlotAlignment) note = fmt::format("O_DIRECT needs {}-byte alignment: page cache used", alignment);
-      else job.alignment = alignment;
-    }
+    job.op = requests.front().op;
 
     const auto count = static_cast<unsigned>(std::min<std::uint64_t>(workers_.size(), job.chunks));
     for (unsigned i = 0; i < count; ++i)
@@ -567,7 +613,6 @@ class UringEngine final : public Engine {
     }  // joins
     if (job.error) std::rethrow_exception(job.error);
 
-    stats.bytes = request.memory.size;
     stats.bytes_direct = job.bytes_direct;
     stats.bytes_buffered = job.bytes_buffered;
     stats.bounce_copies = job.bounce_copies;
