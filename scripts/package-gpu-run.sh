@@ -1,10 +1,28 @@
 #!/usr/bin/env bash
-# Copies the binaries a GPU run needs into .gpu/ (stripped; git-ignored): the GPU machine has no
-# liburing, so hbmio is built here, with liburing and the CUDA runtime linked statically.
+# Copies what a GPU run needs into .gpu/ (git-ignored; carry it with the device tool):
+#   - the binaries, stripped: the GPU machine has no liburing, so hbmio is built here, with
+#     liburing and the CUDA runtime linked statically;
+#   - deps/: a prefix with the headers and static libraries the Python extension needs to build
+#     there (liburing, xxhash, fmt, nlohmann-json; found through CMAKE_PREFIX_PATH);
+#   - fixtures/: ../shared/fixtures/safetensors (../shared does not travel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --build --preset default -j "$(nproc)"
-rm -rf .gpu && mkdir -p .gpu
-cp build/hbmio build/tests/hbmio_tests build/tests/cufile_tests build/libhbmio.a .gpu/
-strip --strip-debug .gpu/hbmio .gpu/hbmio_tests .gpu/cufile_tests .gpu/libhbmio.a
+rm -rf .gpu && mkdir -p .gpu/deps/include
+cp build/hbmio build/tests/hbmio_tests build/tests/cufile_tests build/tests/checkpoint_tests build/libhbmio.a .gpu/
+strip --strip-debug .gpu/hbmio .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/libhbmio.a
+
+# The same layout as /usr, so the copied CMake package files find their files relative to the prefix.
+multiarch=lib/x86_64-linux-gnu
+mkdir -p .gpu/deps/$multiarch/cmake .gpu/deps/share/cmake
+cp -r /usr/include/liburing.h /usr/include/liburing /usr/include/xxhash.h /usr/include/fmt /usr/include/nlohmann .gpu/deps/include/
+cp -L /usr/$multiarch/liburing.a /usr/$multiarch/libxxhash.a .gpu/deps/$multiarch/
+# fmt's CMake package checks that its shared library exists, although hbmio uses fmt header-only.
+cp -a /usr/$multiarch/libfmt.so* .gpu/deps/$multiarch/
+cp -r /usr/$multiarch/cmake/fmt .gpu/deps/$multiarch/cmake/
+cp -r /usr/share/cmake/nlohmann_json .gpu/deps/share/cmake/
+
+if [ -d ../shared/fixtures/safetensors ]; then
+  mkdir -p .gpu/fixtures && cp -r ../shared/fixtures/safetensors .gpu/fixtures/
+fi
 du -sh .gpu

@@ -655,6 +655,57 @@ TEST(DoctorCaptures, DevVmVirtioDiskNoGpu) {
   EXPECT_EQ(found_of("gds.udev"), "no /run/udev/data (a container or micro-VM without udevd)");
 }
 
+// The lent GPU machine (scripts/capture-sysfs.sh there, 2026-11-30): a Firecracker VM with one
+// H200 behind no switch (its function sits on the root bus, as in the live `hbmio doctor`), two
+// virtio disks, mlx5 modules loaded without any RDMA device, no nvidia-fs, no P2PDMA, no udev.
+TEST(DoctorCaptures, GpuMachineH200VirtioNoGds) {
+  std::string why;
+  const fs::path root = unpack_archive(fs::path(HBMIO_TEST_DATA) / "doctor" / "gpu-h200.tar.xz", "local-gpu-h200", why);
+  ASSERT_FALSE(root.empty()) << why;
+  const Root tree(root);
+  const auto pci = list_pci_devices(tree);
+  ASSERT_EQ(pci.size(), 7u);
+  const auto gpus = find_gpus(tree, pci);
+  ASSERT_EQ(gpus.size(), 1u);
+  EXPECT_EQ(gpus[0].pci.address, "0000:00:06.0");
+  EXPECT_EQ(gpus[0].pci.vendor, 0x10deu);
+  EXPECT_EQ(gpus[0].pci.device, 0x2335u);  // H200
+  EXPECT_EQ(gpus[0].pci.driver, "nvidia");
+  EXPECT_TRUE(find_nvme_controllers(tree, pci).empty());
+  EXPECT_TRUE(find_rdma_devices(tree).empty());
+
+  const auto checks = hbmio::run_doctor({.root = root.string(), .paths = {"/tmp", "/var/tmp"}});
+  SCOPED_TRACE(dump(checks));
+  EXPECT_FALSE(hbmio::any_failed(checks));
+  const auto check = [&](const std::string& id) {
+    const Check* c = find_check(checks, id);
+    EXPECT_NE(c, nullptr) << id;
+    return c ? *c : Check{};
+  };
+  EXPECT_EQ(check("gpu.device:0000:00:06.0").status, CheckStatus::pass);
+  EXPECT_EQ(check("gpu.link:0000:00:06.0").found, "32.0 GT/s PCIe x16 (max 32.0 GT/s PCIe x16)");
+  EXPECT_NE(check("gpu.driver").found.find("580.159.04"), std::string::npos);
+  EXPECT_EQ(check("storage.nvme").status, CheckStatus::info);
+  for (const std::string path : {"/tmp", "/var/tmp"}) {
+    EXPECT_EQ(check("storage.block_device:" + path).found, "vda (virtio-blk)");
+    EXPECT_NE(check("storage.filesystem:" + path).found.find("source /dev/vda"), std::string::npos);
+    EXPECT_NE(check("summary.auto:" + path).found.find("ceiling: 63.0 GB/s, the GPU 0000:00:06.0"), std::string::npos)
+        << check("summary.auto:" + path).found;
+  }
+  // With a GPU present, what keeps GDS off is a WARN with its fix.
+  EXPECT_EQ(check("fabric.module:nvidia_fs").status, CheckStatus::warn);
+  EXPECT_EQ(check("gds.nvidia_fs").status, CheckStatus::warn);
+  EXPECT_EQ(check("gds.p2pdma").status, CheckStatus::warn);
+  EXPECT_EQ(check("gds.udev").status, CheckStatus::warn);
+  EXPECT_NE(check("gds.udev").fix.find("CUFILE_EXPERIMENTAL_FS=1"), std::string::npos);
+  EXPECT_EQ(check("gds.cufile_json").found,
+            "/etc/cufile.json: allow_compat_mode true, force_compat_mode unset, use_pci_p2pdma false, rdma_dev_addr_list []");
+  for (const char* module : {"ib_core", "mlx5_core", "mlx5_ib"})
+    EXPECT_EQ(check(std::string("fabric.module:") + module).found, "loaded (in-kernel: no mlx_compat)") << module;
+  EXPECT_EQ(check("fabric.rdma").status, CheckStatus::info);
+  EXPECT_EQ(check("topology.paths").found, "nothing to pair: 1 NVIDIA GPU(s), 0 NVMe/RDMA device(s) with a PCI position");
+}
+
 // ---------------------------------------------------------------------------------------------
 // The live machine
 // ---------------------------------------------------------------------------------------------

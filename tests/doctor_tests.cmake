@@ -15,3 +15,9 @@ if(TARGET hbmio_cli)
   add_test(NAME doctor_cli COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/doctor_cli_test.sh $<TARGET_FILE:hbmio_cli> ${HBMIO_FIXTURES})
   set_tests_properties(doctor_cli PROPERTIES ENVIRONMENT "HBMIO_TEST_DIR=${CMAKE_CURRENT_BINARY_DIR}")
 endif()
+
+if(TARGET hbmio_cli)
+  # The doctor's cuFile verdict against the cufile backend's behaviour, live.
+  add_test(NAME doctor_live COMMAND ${CMAKE_CURRENT_SOURCE_DIR}/doctor_live_test.sh $<TARGET_FILE:hbmio_cli>)
+  set_tests_properties(doctor_live PROPERTIES ENVIRONMENT "HBMIO_TEST_DIR=${CMAKE_CURRENT_BINARY_DIR}")
+endif()
