@@ -136,7 +136,7 @@ void batch_matrix(const Case& param) {
   for (const Range& r : ranges) {
     SCOPED_TRACE(fmt::format("file {} offset {} length {}", r.file, r.offset, r.length));
     const auto expected = pread_range(paths[r.file], r.offset, r.length);
-    ASSERT_EQ(std::memcmp(got.data() + r.at, expected.data(), r.length), 0);
+    if (r.length > 0) ASSERT_EQ(std::memcmp(got.data() + r.at, expected.data(), r.length), 0);
     ASSERT_EQ(got[r.at + r.length], std::byte{0xA5}) << "a read wrote past its span";
   }
 

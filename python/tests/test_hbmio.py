@@ -1,6 +1,6 @@
 """Tests of the Python package against the shared fixtures and the reference implementation.
 
-Fixtures: $HBMIO_FIXTURES, else ../shared/fixtures/safetensors beside the repository. A missing
+Fixtures: $HBMIO_FIXTURES/safetensors, else ../shared/fixtures/safetensors beside the repository. A missing
 fixture directory fails the run (it never silently skips). GPU tests skip with the reason.
 
 Bytes are compared through hbmio._inspect(array), which imports the array through its __dlpack__
@@ -24,7 +24,8 @@ import pytest
 import hbmio
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-FIXTURES = pathlib.Path(os.environ.get("HBMIO_FIXTURES", REPO.parent / "shared" / "fixtures" / "safetensors"))
+# $HBMIO_FIXTURES names the fixtures root (as for the C++ tests); the safetensors files are below it.
+FIXTURES = pathlib.Path(os.environ.get("HBMIO_FIXTURES", REPO.parent / "shared" / "fixtures")) / "safetensors"
 
 # safetensors dtype -> (DLPack type code, bits, NumPy dtype or None where NumPy has none)
 DTYPES = {
