@@ -82,7 +82,8 @@ load)
     peers=safetensors,fastsafetensors,runai
     [ $f = small ] && peers=safetensors
     log "load $f.safetensors into cuda:0: interleaved cold rounds, then warm"
-    python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" --rounds 3 --peers $peers \
+    rounds=3; [ $f = small ] && rounds=2
+    python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" --rounds $rounds --peers $peers \
       --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-400
   done
   ;;

@@ -23,6 +23,9 @@ done
 "$hbmio" ckpt load "$dir/a.safetensors" --into pinned --runs 3 --reuse-memory --verify --json - | python3 -c "
 import json,sys; j=json.load(sys.stdin); assert j['verified'] and j['reuse_memory'] and len(j['run_seconds'])==3, j" \
   || fail "load --runs 3 --reuse-memory"
+"$hbmio" ckpt load "$dir/a.safetensors" --into pinned --runs 2 --drop-cache --json - | python3 -c "
+import json,sys; j=json.load(sys.stdin); assert j['page_cache'] in ('drop_caches', 'posix_fadvise(DONTNEED)') and len(j['run_seconds'])==2, j" \
+  || fail "load --drop-cache"
 
 # Interop with the reference implementation, where it is installed.
 if python3 -c 'import safetensors, numpy' 2>/dev/null; then

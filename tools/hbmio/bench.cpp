@@ -270,29 +270,6 @@ Machine describe_machine(const std::string& file_path, const MemoryLocation& int
 // ---------------------------------------------------------------------------------------------
 // Page cache
 
-// Empties the page cache of `path` so that the next read comes from storage, and says how. As
-// root the whole cache is dropped (after sync, so dirty pages can go too); otherwise, or where
-// /proc/sys is read-only (containers), the file's own pages are evicted with
-// posix_fadvise(DONTNEED), which skips dirty pages: hence the fdatasync first.
-std::string drop_page_cache(const std::string& path) {
-  if (::geteuid() == 0) {
-    ::sync();
-    const int fd = ::open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
-    if (fd >= 0) {
-      const bool dropped = ::write(fd, "1", 1) == 1;
-      ::close(fd);
-      if (dropped) return "drop_caches";
-    }
-  }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(errno_code(errno), {.op = "open", .path = path}, "to drop its pages from the page cache");
-  ::fdatasync(fd);
-  const int err = ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-  ::close(fd);
-  if (err != 0) throw Error(errno_code(err), {.op = "posix_fadvise(DONTNEED)", .path = path});
-  return "posix_fadvise(DONTNEED)";
-}
-
 // Puts the whole file in the page cache with plain buffered reads. A warm-up through the
 // backend itself would not do: O_DIRECT "auto" reads a cold file past the cache and leaves it
 // cold, so every "warm" run would again come from storage.

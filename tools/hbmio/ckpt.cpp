@@ -18,7 +18,7 @@ namespace st = safetensors;
 
 struct CkptFlags {
   std::string path, into = "host", backend = "auto", json, names, layout = "single";
-  bool verify = false, no_checksums = false, reuse_memory = false;
+  bool verify = false, no_checksums = false, reuse_memory = false, drop_cache = false;
   unsigned runs = 1;
   // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each
   unsigned count = 8;
@@ -94,8 +94,11 @@ int run_load(const CkptFlags& f) {
   }
   std::vector<double> seconds;
   std::optional<LoadedCheckpoint> loaded;
+  std::string cache;
   for (unsigned run = 1; run <= f.runs; ++run) {
     loaded.reset();  // frees the previous run's memory first
+    if (f.drop_cache)
+      for (const auto& file : open_checkpoint(f.path)) cache = drop_page_cache(file.path);
     Progress progress(fmt::format("load {} -> {}", f.path, f.into), total);
     options.progress = progress.counter();
     loaded = load_checkpoint(f.path, options);
@@ -109,7 +112,8 @@ int run_load(const CkptFlags& f) {
   if (!f.json.empty()) {
     nlohmann::json tensors = nlohmann::json::array();
     for (const auto& t : loaded->tensors()) tensors.push_back(tensor_json(t.name, t.dtype, t.shape, t.data.size, t.file, t.file_offset));
-    write_json({{"path", f.path}, {"into", f.into}, {"verified", loaded->verified()}, {"reuse_memory", f.reuse_memory}, {"stats", to_json(s)},
+    write_json({{"path", f.path}, {"into", f.into}, {"verified", loaded->verified()}, {"reuse_memory", f.reuse_memory},
+                {"page_cache", f.drop_cache ? cache : std::string("as found")}, {"stats", to_json(s)},
                 {"run_seconds", seconds}, {"median_seconds", median},
                 {"median_gib_per_second", static_cast<double>(s.bytes) / median / (1 << 30)}, {"tensors", tensors}},
                f.json);
@@ -198,6 +202,9 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   load->add_flag("--reuse-memory", flags->reuse_memory,
                  "Allocate the destination once, before timing, and load every run into it (as a framework's caching "
                  "allocator would); without it each run allocates and frees its memory inside the timing");
+  load->add_flag("--drop-cache", flags->drop_cache,
+                 "Empty the page cache of the checkpoint's files before every run, so each load comes from storage "
+                 "(drop_caches as root, else posix_fadvise(DONTNEED))");
   load->add_option("--json", flags->json, "Write the result as JSON to FILE ('-' for stdout)");
   flags->tuning.add_to(load);
   load->callback([flags, &exit_status] { exit_status = run_load(*flags); });

@@ -57,4 +57,8 @@ std::string summary_line(const Stats& stats);
 // Writes `j` to `path` ("-" for stdout), pretty-printed.
 void write_json(const nlohmann::json& j, const std::string& path);
 
+// Empties the page cache of `path` (drop_caches as root, else posix_fadvise(DONTNEED) of the
+// file) so that the next read comes from storage; returns which of the two it did.
+std::string drop_page_cache(const std::string& path);
+
 }  // namespace hbmio::cli
