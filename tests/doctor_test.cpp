@@ -304,6 +304,10 @@ TEST(DoctorTopology, AcsFromConfigSpace) {
 TEST(DoctorConstructed, GdsServerWithNvmeOfAndOneSwitch) {
   Tree tree;
   build_gds_server(tree);
+  // HBMIO_DOCTOR_KEEP_TREE=DIR keeps a copy, for `hbmio doctor --root DIR` by hand (the README's
+  // NVMe-oF example is this tree).
+  if (const char* keep = std::getenv("HBMIO_DOCTOR_KEEP_TREE"); keep && *keep)
+    fs::copy(tree.path(), keep, fs::copy_options::recursive | fs::copy_options::copy_symlinks | fs::copy_options::overwrite_existing);
   const auto checks = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data"}});
   SCOPED_TRACE(dump(checks));
   const auto expect = [&](const std::string& id, CheckStatus status, const std::string& needle) {
