@@ -1,53 +1,310 @@
 """hbmio: safetensors checkpoints between storage and host/GPU memory.
 
-    import hbmio, numpy as np
-    tensors = hbmio.load_file("model.safetensors")            # {name: DLPack array}, host memory
-    w = np.from_dlpack(tensors["weight"])                        # no copy; torch.from_dlpack works too
-    hbmio.save_file({"weight": w}, "out.safetensors", {"format": "np"})
+A drop-in for safetensors' loaders:
 
-Every returned array keeps the memory of its load alive; the memory is freed when the last array
-of that load (and every NumPy/PyTorch view of it) is gone. There is no close().
+    from hbmio import load_file                          # was: from safetensors.torch import load_file
+    state = load_file("model.safetensors", device="cuda:0")   # {name: torch.Tensor}
+    model.load_state_dict(state)
+
+framework="auto" (the default) returns torch tensors when torch is installed, else
+framework-neutral DLPack arrays (NumPy, PyTorch, CuPy and JAX import them with from_dlpack, no
+copy); "numpy" and "dlpack" choose explicitly.
+
+Lifetime: every returned tensor or array keeps the memory of its load alive; the memory is freed
+when the last tensor of that load (and every view of it) is gone. There is no close(). Torch
+tensors on a CUDA device live in memory from PyTorch's caching allocator, like safetensors'.
+
+Engines: loads and raw reads/writes reuse I/O engines (io_uring rings, worker threads, pinned
+bounce buffers) kept in a small pool, since setting one up costs tens of milliseconds. Idle
+engines keep their pinned buffers until hbmio._release_engines() or interpreter exit.
 """
 from __future__ import annotations
 
+import atexit as _atexit
 import os as _os
+import re as _re
+import sys as _sys
+import threading as _threading
+import time as _time
 
 from . import _hbmio
-from ._hbmio import (  # noqa: F401
-    Error, SafeOpen, backends, cuda_device_count, cuda_unavailable_reason, _inspect, _memory_counters)
+from ._hbmio import Error, backends, cuda_device_count, cuda_unavailable_reason, _release_engines
+
+# Test and diagnostic support, not public API.
+_inspect = _hbmio._inspect
+_memory_counters = _hbmio._memory_counters
+_idle_engines = _hbmio._idle_engines
 
 __version__ = _hbmio.__version__
-__all__ = ["Error", "load_file", "save_file", "open", "backends", "SafeOpen", "cuda_device_count",
-           "cuda_unavailable_reason"]
+__all__ = ["Error", "load_file", "save_file", "open", "read_into", "write_from", "backends", "SafeOpen",
+           "cuda_device_count", "cuda_unavailable_reason"]
+
+# Free the pooled engines while the CUDA runtime is still alive (a static destructor would run
+# after its teardown).
+_atexit.register(_release_engines)
+
+_FRAMEWORKS = {"auto": "auto", "torch": "torch", "pt": "torch", "numpy": "numpy", "np": "numpy",
+               "dlpack": "dlpack"}
+_torch_module = None  # torch once imported; False when it cannot be
+
+
+def _torch():
+    global _torch_module
+    if _torch_module is None:
+        try:
+            import torch
+            _torch_module = torch
+        except (ImportError, OSError):  # not installed, or its native libraries fail to load
+            _torch_module = False
+    return _torch_module or None
+
+
+def _framework(framework: str) -> str:
+    try:
+        resolved = _FRAMEWORKS[framework]
+    except (KeyError, TypeError):
+        raise ValueError(f"framework must be one of {sorted(_FRAMEWORKS)}, not {framework!r}") from None
+    if resolved == "auto":
+        return "torch" if _torch() is not None else "dlpack"
+    if resolved == "torch" and _torch() is None:
+        raise ImportError("framework='torch' needs PyTorch, which is not installed")
+    return resolved
 
 
 def _device_text(device) -> str:
     # Accepts "cpu", "cuda", "cuda:N", "pinned", an int (CUDA device index) or a torch.device.
+    if isinstance(device, bool):
+        raise TypeError("device must be a string, an int or a torch.device, not a bool")
     if isinstance(device, int):
         return f"cuda:{device}"
     return str(device)
 
 
-def load_file(path, device="cpu", *, backend="auto", verify=False, names=None):
+# safetensors dtype -> name of the torch dtype. Where the installed torch lacks one (uint16/32/64
+# before torch 2.3, some float8 kinds), such tensors take the DLPack path, which raises if torch
+# cannot represent them either.
+_TORCH_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+}
+
+
+class _ProgressBar:
+    """'\\r{done}/{total} GiB  {rate} GiB/s' on stderr every 0.2 s from a thread, while the call
+    (GIL released) fills the counter; a final line and a newline at the end."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.counter = _hbmio._Progress() if enabled else None
+        self._total = total
+        self._stop = _threading.Event()
+        self._thread = _threading.Thread(target=self._run, name="hbmio-progress", daemon=True)
+
+    def __enter__(self):
+        if self.counter is not None:
+            self._start = _time.monotonic()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.counter is not None:
+            self._stop.set()
+            self._thread.join()
+            self._draw()
+            _sys.stderr.write("\n")
+            _sys.stderr.flush()
+        return False
+
+    def _run(self):
+        while not self._stop.wait(0.2):
+            self._draw()
+
+    def _draw(self):
+        done = self.counter.done
+        unit, scale = ("GiB", 1 << 30) if self._total >= 1 << 30 else ("MiB", 1 << 20)
+        rate = done / max(_time.monotonic() - self._start, 1e-9) / (1 << 30)
+        _sys.stderr.write(f"\r{done / scale:.2f}/{self._total / scale:.2f} {unit}  {rate:.2f} GiB/s")
+        _sys.stderr.flush()
+
+
+def _torch_target(torch, device: str):
+    """The torch.device a torch load goes to; "cuda" means the current device, as in torch.
+    None for text torch does not parse ("pinned", typos): hbmio's own parser then takes it, and
+    raises hbmio.Error for what it cannot parse either."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
+    """Loads into one torch.empty(n, dtype=uint8, device=dev) and returns views of it: on CUDA
+    the memory comes from PyTorch's caching allocator, so repeated loads reuse it. None when a
+    dtype of the file has no torch equivalent here (the caller then takes the DLPack path)."""
+    size = _hbmio._load_size(path, names)
+    # max(.., 1): an all-empty checkpoint still needs a real pointer to load "into".
+    dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
+    if dev.type == "cuda":
+        # The caching allocator may hand out a block freed by work still queued on the current
+        # stream; hbmio's copies run on streams of its own, so let that work finish first.
+        torch.cuda.current_stream(dev).synchronize()
+    total = _hbmio._tensor_bytes(path, names) if progress else 0
+    with _ProgressBar(total, progress) as bar:
+        entries = _hbmio._load_into(path, dest, backend=backend, verify=verify, names=names, progress=bar.counter)
+    out = {}
+    for name, dtype, shape, offset in entries:
+        torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            return None
+        nbytes = torch_dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        # Slice, reinterpret, reshape: views of `dest`, which every tensor keeps alive. Offsets
+        # are multiples of 256, so every view(dtype) is aligned; shape [] gives a scalar.
+        out[name] = dest[offset:offset + nbytes].view(torch_dtype).view(shape)
+    return out
+
+
+def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=False, names=None, progress=False):
     """Loads a .safetensors file, a sharded checkpoint index or a directory holding either.
 
-    Returns {name: array} in file order; each array supports __dlpack__ (NumPy, PyTorch, CuPy and
-    JAX import it without a copy). The GIL is released while the data is read."""
-    return _hbmio.load_file(_os.fspath(path), _device_text(device), backend=backend, verify=verify,
-                            names=None if names is None else list(names))
+    Like safetensors.torch.load_file: returns {name: tensor} in file order.
+      device     "cpu", "cuda", "cuda:N", an int (CUDA index) or a torch.device; also "pinned"
+                 (page-locked host memory) for the "dlpack" framework.
+      framework  "torch" (torch.Tensor), "numpy" (np.ndarray; host only; bfloat16/float8 tensors
+                 raise TypeError naming the tensor), "dlpack" (arrays with __dlpack__), or "auto":
+                 "torch" when torch imports, else "dlpack".
+      backend    "auto", "posix", "uring" or "cufile".
+      verify     recompute the checksums stored in the file (hbmio.Error on a mismatch).
+      names      load only these tensors.
+      progress   draw a progress bar on stderr.
+
+    Torch on CUDA loads straight into one allocation from PyTorch's caching allocator; other
+    loads land in hbmio's own memory, which the tensors share without a copy. The GIL is
+    released while the data is read."""
+    path = _os.fspath(path)
+    framework = _framework(framework)
+    device = _device_text(device)
+    names = None if names is None else list(names)
+    if framework == "numpy" and device.lower() != "cpu":
+        raise ValueError(f"framework='numpy' loads into host memory only, not {device!r}")
+    torch = _torch() if framework == "torch" else None
+    if torch is not None:
+        dev = _torch_target(torch, device)
+        if dev is not None and dev.type == "cuda":
+            out = _load_torch_into(torch, path, dev, backend, verify, names, progress)
+            if out is not None:
+                return out
+        elif dev is not None and dev.type != "cpu":
+            raise ValueError(f"hbmio loads into cpu or cuda devices, not {device!r}")
+        if dev is not None:
+            device = "cpu" if dev.type == "cpu" else str(dev)
+    total = _hbmio._tensor_bytes(path, names) if progress else 0
+    with _ProgressBar(total, progress) as bar:
+        arrays = _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter)
+    if framework == "torch":
+        return {name: torch.from_dlpack(array) for name, array in arrays.items()}
+    if framework == "numpy":
+        import numpy as np
+        out = {}
+        for name, array in arrays.items():
+            try:
+                out[name] = np.from_dlpack(array)
+            except (TypeError, BufferError, ValueError, RuntimeError) as e:
+                raise TypeError(f"tensor {name}: {e}") from e
+        return out
+    return arrays
 
 
-def open(path):  # noqa: A001 - the safetensors.safe_open counterpart
-    """Opens a checkpoint for lazy loads: .keys(), .metadata(), .get_tensor(name, device=...)."""
-    return SafeOpen(_os.fspath(path))
+class SafeOpen(_hbmio.SafeOpen):
+    """A checkpoint opened for lazy, per-tensor loads, like safetensors.safe_open: headers are
+    read once; .keys(), .metadata(), .dtype(name), .shape(name), .get_tensor(name)."""
+
+    def __init__(self, path, framework="auto", device="cpu"):
+        super().__init__(_os.fspath(path))
+        self._framework = framework
+        self._device = device
+        _framework(framework)  # a bad name fails here, not at the first get_tensor
+
+    def get_tensor(self, name, device=None, *, framework=None, backend="auto", verify=False):
+        """One tensor, loaded now; device and framework default to those given to open()."""
+        self.dtype(name)  # KeyError for an unknown name
+        return load_file(self.path, self._device if device is None else device,
+                         framework=self._framework if framework is None else framework, backend=backend,
+                         verify=verify, names=[name])[name]
 
 
-def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto"):
+def open(path, framework="auto", device="cpu"):  # noqa: A001 - the safetensors.safe_open counterpart
+    """Opens a checkpoint for lazy loads, like safetensors.safe_open(path, framework, device):
+
+        with hbmio.open("model.safetensors", framework="pt", device="cuda:0") as f:
+            head = f.get_tensor("head")
+
+    framework: "auto", "torch"/"pt", "numpy"/"np" or "dlpack", as for load_file."""
+    return SafeOpen(path, framework, device)
+
+
+def _nbytes(array) -> int:
+    nbytes = getattr(array, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    try:
+        return memoryview(array).nbytes
+    except TypeError:
+        return 0
+
+
+def read_into(path, array, offset=0, *, backend="auto", progress=False):
+    """Reads bytes [offset, offset + array.nbytes) of a file into `array`: any writable
+    C-contiguous array with __dlpack__ or the buffer protocol, on the host or a CUDA device. A
+    range past the end of the file raises hbmio.Error. Returns {bytes, seconds, gib_per_second,
+    backend, note}. The GIL is released during the read."""
+    with _ProgressBar(_nbytes(array) if progress else 0, progress) as bar:
+        return _hbmio._read_into(_os.fspath(path), array, offset, backend=backend, progress=bar.counter)
+
+
+def write_from(path, array, offset=0, *, backend="auto", sync=True):
+    """Writes the bytes of `array` (C-contiguous, __dlpack__ or the buffer protocol, host or CUDA)
+    into a file at `offset`, creating the file if it is missing and keeping its other bytes;
+    sync=True fsyncs before returning. Not crash-safe like save_file: it writes in place. Returns
+    {bytes, seconds, gib_per_second, backend, note}."""
+    return _hbmio._write_from(_os.fspath(path), array, offset, backend=backend, sync=sync)
+
+
+_SIZE = _re.compile(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]?)(I?)B?\s*", _re.IGNORECASE)
+
+
+def _parse_size(size) -> int:
+    """An int, or text as Hugging Face writes shard sizes: "5GB" (10**9), "2GiB" (2**30), "500MB"."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 0:
+            raise ValueError(f"a size cannot be negative: {size}")
+        return size
+    match = _SIZE.fullmatch(size) if isinstance(size, str) else None
+    if not match:
+        raise ValueError(f"not a size: {size!r} (an int, or text like '5GB' or '2GiB')")
+    number, prefix, binary = match.groups()
+    power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
+    return int(float(number) * ((1024 if binary else 1000) ** power))
+
+
+def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", max_shard_size=None):
     """Writes {name: array} as a safetensors file, crash-safe (temporary file, fsync, rename,
     directory fsync): on any error the previous file at `path` is untouched.
 
     Arrays: anything supporting DLPack (__dlpack__: torch, cupy, jax, hbmio's own) or the buffer
     protocol (NumPy, memoryview), on the host or a CUDA device; non-contiguous ones are copied.
-    With checksums=True the XXH3-64 of each tensor goes into __metadata__ ("hbmio.xxh3.<name>")."""
+    With checksums=True the XXH3-64 of each tensor goes into __metadata__ ("hbmio.xxh3.<name>").
+    max_shard_size (bytes, or text like "5GB"/"2GiB"): `path` is then a directory that receives a
+    Hugging Face sharded checkpoint (model-0000K-of-0000N.safetensors and
+    model.safetensors.index.json), each shard at most that many tensor bytes."""
+    shard = 0 if max_shard_size is None else _parse_size(max_shard_size)
+    if max_shard_size is not None and shard == 0:
+        raise ValueError("max_shard_size must be at least 1 byte")
     _hbmio.save_file(dict(tensors), _os.fspath(path), None if metadata is None else dict(metadata),
-                     checksums=checksums, backend=backend)
+                     checksums=checksums, backend=backend, max_shard_size=shard)

@@ -9,17 +9,11 @@ import hbmio as _hbmio
 Error = _hbmio.Error
 
 
-def load_file(path, *, backend="auto", verify=False, names=None):
-    arrays = _hbmio.load_file(path, "cpu", backend=backend, verify=verify, names=names)
-    out = {}
-    for name, array in arrays.items():
-        try:
-            out[name] = _np.from_dlpack(array)
-        except (TypeError, BufferError, ValueError, RuntimeError) as e:
-            raise TypeError(f"tensor {name}: {e}") from e
-    return out
+def load_file(path, *, backend="auto", verify=False, names=None, progress=False):
+    return _hbmio.load_file(path, "cpu", framework="numpy", backend=backend, verify=verify, names=names,
+                            progress=progress)
 
 
-def save_file(tensors, path, metadata=None, *, checksums=True):
+def save_file(tensors, path, metadata=None, *, checksums=True, max_shard_size=None):
     _hbmio.save_file({name: _np.ascontiguousarray(a) for name, a in tensors.items()}, path, metadata,
-                     checksums=checksums)
+                     checksums=checksums, max_shard_size=max_shard_size)

@@ -5,6 +5,10 @@
 // LoadedCheckpoint, owned by one capsule; every array of that load holds a reference to the
 // capsule, so the memory is freed exactly when the last array using it is gone (no close()).
 // The GIL is released around every call that does I/O.
+//
+// Engines (io_uring rings, worker threads, pinned bounce buffers) take tens of milliseconds to set
+// up, more than a small load takes, so loads and raw reads/writes borrow one from a pool kept here
+// instead of making their own; see EnginePool.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -12,9 +16,13 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <system_error>
@@ -24,6 +32,7 @@
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"
+#include "hbmio/file.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/safetensors.hpp"
 #include "hbmio/version.hpp"
@@ -113,17 +122,114 @@ int dlpack_device_type(const hbmio::MemoryLocation& where) {
 // array_api: an object with __dlpack__, __dlpack_device__ and the buffer protocol (nanobind.nb_ndarray).
 using Array = nb::ndarray<nb::array_api>;
 
-// Loads and wraps every tensor as a DLPack array owned by one capsule.
-nb::dict load(const std::string& path, const std::string& device, const std::string& backend, bool verify,
-              std::optional<std::vector<std::string>> names) {
+// Idle engines by backend name. A call takes an idle one (or makes one) and gives it back when it
+// is done, so repeated loads skip the setup; concurrent calls (threads) each hold their own engine,
+// so they run truly at once (an Engine serves one request at a time). Idle engines keep their
+// rings and pinned buffers until _release_engines() (registered with atexit by hbmio/__init__.py).
+// Engines read Options::from_env() when they are made: HBMIO_* changes apply after a release.
+class EnginePool {
+ public:
+  // Enough for a few threads loading at once; engines returned beyond it are freed, since each
+  // idle one holds up to workers x bounce_buffers x bounce_buffer_size bytes of pinned memory.
+  static constexpr std::size_t kMaxIdlePerBackend = 4;
+
+  std::unique_ptr<hbmio::Engine> acquire(const std::string& backend) {
+    {
+      std::lock_guard lock(mutex_);
+      auto& idle = idle_[backend];
+      if (!idle.empty()) {
+        auto engine = std::move(idle.back());
+        idle.pop_back();
+        return engine;
+      }
+    }
+    return hbmio::make_engine(backend, hbmio::Options::from_env());  // outside the lock: it is slow
+  }
+
+  void give_back(const std::string& backend, std::unique_ptr<hbmio::Engine> engine) {
+    {
+      std::lock_guard lock(mutex_);
+      auto& idle = idle_[backend];
+      if (idle.size() < kMaxIdlePerBackend) {
+        idle.push_back(std::move(engine));
+        return;
+      }
+    }
+    engine.reset();  // outside the lock: freeing pinned memory can take a while
+  }
+
+  std::size_t release_all() {
+    std::map<std::string, std::vector<std::unique_ptr<hbmio::Engine>>> doomed;
+    {
+      std::lock_guard lock(mutex_);
+      doomed.swap(idle_);
+    }
+    std::size_t n = 0;
+    for (const auto& [name, engines] : doomed) n += engines.size();
+    return n;  // `doomed` frees them here, outside the lock
+  }
+
+  std::map<std::string, std::size_t> idle_counts() {
+    std::lock_guard lock(mutex_);
+    std::map<std::string, std::size_t> counts;
+    for (const auto& [name, engines] : idle_)
+      if (!engines.empty()) counts[name] = engines.size();
+    return counts;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::string, std::vector<std::unique_ptr<hbmio::Engine>>> idle_;
+};
+
+// Never destroyed: a static destructor would free CUDA memory after the CUDA runtime's own
+// teardown at exit. Python's atexit releases the engines instead, while everything is alive.
+EnginePool& engine_pool() {
+  static auto* pool = new EnginePool();
+  return *pool;
+}
+
+// An engine borrowed from the pool for one call; returned on every path, errors included (an
+// engine that threw has nothing in flight and is fit for reuse, per the Engine contract).
+class EngineLease {
+ public:
+  explicit EngineLease(std::string backend) : backend_(std::move(backend)), engine_(engine_pool().acquire(backend_)) {}
+  ~EngineLease() { engine_pool().give_back(backend_, std::move(engine_)); }
+  EngineLease(const EngineLease&) = delete;
+  EngineLease& operator=(const EngineLease&) = delete;
+  hbmio::Engine* get() const noexcept { return engine_.get(); }
+
+ private:
+  std::string backend_;
+  std::unique_ptr<hbmio::Engine> engine_;
+};
+
+// Bytes done so far, which the engine adds to while Python (another thread, holding the GIL
+// only to read it) draws a progress bar.
+struct Progress {
+  std::atomic<std::uint64_t> done{0};
+};
+
+hbmio::LoadOptions load_options(const std::string& backend, bool verify, std::optional<std::vector<std::string>> names,
+                                Progress* progress) {
   hbmio::LoadOptions options;
-  options.into = parse_device(device);
   options.backend = backend;
   options.verify = verify;
   if (names) options.names = std::move(*names);
+  if (progress) options.progress = &progress->done;
+  return options;
+}
+
+// Loads and wraps every tensor as a DLPack array owned by one capsule.
+nb::dict load(const std::string& path, const std::string& device, const std::string& backend, bool verify,
+              std::optional<std::vector<std::string>> names, Progress* progress) {
+  hbmio::LoadOptions options = load_options(backend, verify, std::move(names), progress);
+  options.into = parse_device(device);
   auto* loaded = new hbmio::LoadedCheckpoint();
   try {
     nb::gil_scoped_release release;
+    EngineLease engine(backend);
+    options.engine = engine.get();
     *loaded = hbmio::load_checkpoint(path, options);
   } catch (...) {
     delete loaded;
@@ -139,6 +245,124 @@ nb::dict load(const std::string& path, const std::string& device, const std::str
     result[nb::str(t.name.c_str(), t.name.size())] = nb::cast(array, nb::rv_policy::reference);
   }
   return result;
+}
+
+// Any array taken whole as a byte range: `what` names the call for error messages. Arrays must be
+// C-contiguous (a strided array's bytes are not one range), and on the host or a CUDA device.
+struct RawArray {
+  nb::ndarray<nb::ro> array;  // keeps the producer's memory alive while the GIL is released
+  hbmio::MemorySpan span;
+};
+
+RawArray raw_array(nb::handle value, bool writable, const char* what) {
+  RawArray out;
+  if (writable) {
+    nb::ndarray<> rw;
+    if (!nb::try_cast(value, rw, false)) {
+      nb::ndarray<nb::ro> ro;
+      if (nb::try_cast(value, ro, false))
+        throw nb::value_error((std::string(what) + ": the array is read-only; it needs a writable one").c_str());
+      throw nb::type_error((std::string(what) + ": expected an array supporting DLPack or the buffer protocol, got " +
+                            nb::type_name(value.type()).c_str()).c_str());
+    }
+    out.array = nb::ndarray<nb::ro>(rw);
+  } else if (!nb::try_cast(value, out.array, false)) {
+    throw nb::type_error((std::string(what) + ": expected an array supporting DLPack or the buffer protocol, got " +
+                          nb::type_name(value.type()).c_str()).c_str());
+  }
+  const auto& a = out.array;
+  std::int64_t expected = 1;
+  // Strides of dimensions of extent 1 do not matter, nor any stride of an empty array.
+  for (std::size_t i = a.ndim(); i-- > 0 && a.size() > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expected)
+      throw nb::value_error((std::string(what) + ": the array is not C-contiguous (its bytes are not one range); "
+                                                 "pass a contiguous array").c_str());
+    expected *= static_cast<std::int64_t>(a.shape(i));
+  }
+  if (a.dtype().bits % 8 != 0 || a.dtype().lanes != 1)
+    throw nb::type_error((std::string(what) + ": arrays of sub-byte or vector dtypes are not supported").c_str());
+  hbmio::MemoryLocation where;
+  if (a.device_type() == nb::device::cuda::value) {
+    where = {hbmio::MemoryKind::device, a.device_id()};
+  } else if (a.device_type() != nb::device::cpu::value && a.device_type() != nb::device::cuda_host::value) {
+    throw nb::type_error((std::string(what) + ": arrays on DLPack device type " + std::to_string(a.device_type()) +
+                          " are not supported").c_str());
+  }
+  out.span = {static_cast<std::byte*>(const_cast<void*>(a.data())), a.nbytes(), where};
+  return out;
+}
+
+nb::dict stats_dict(const hbmio::Stats& s) {
+  nb::dict d;
+  d["bytes"] = s.bytes;
+  d["seconds"] = s.seconds;
+  d["gib_per_second"] = s.gib_per_second();
+  d["backend"] = s.backend;
+  d["note"] = s.note;
+  return d;
+}
+
+// Loads into the caller's memory (`dest`, e.g. a torch.empty(n, dtype=uint8) from PyTorch's
+// caching allocator, so repeated loads reuse device memory as safetensors.torch does). Returns,
+// per tensor in file order, (name, dtype, shape, byte offset in dest); the caller builds views.
+nb::list load_into(const std::string& path, nb::handle dest, const std::string& backend, bool verify,
+                   std::optional<std::vector<std::string>> names, Progress* progress) {
+  RawArray to = raw_array(dest, true, "_load_into");
+  hbmio::LoadOptions options = load_options(backend, verify, std::move(names), progress);
+  // The load's location is the destination's: they cannot disagree. A host destination gets the
+  // host kind (a cuda_host array may be pinned, but the engine only needs to know it is host).
+  options.into = to.span.location;
+  options.destination = to.span;
+  // A null destination means "allocate your own" to load_checkpoint, and an empty array may have
+  // a null pointer: callers allocate at least one byte (max(load_size, 1)).
+  if (to.span.data == nullptr || to.span.size == 0) throw nb::value_error("_load_into: the destination must hold at least 1 byte");
+  hbmio::LoadedCheckpoint loaded;
+  {
+    nb::gil_scoped_release release;
+    EngineLease engine(backend);
+    options.engine = engine.get();
+    loaded = hbmio::load_checkpoint(path, options);
+  }
+  nb::list out;
+  for (const auto& t : loaded.tensors()) {
+    const auto offset = static_cast<std::size_t>(t.data.data - to.span.data);
+    nb::list shape;
+    for (auto n : t.shape) shape.append(n);
+    out.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, offset));
+  }
+  return out;
+}
+
+// Bytes [offset, offset + nbytes) of the file into the array (the whole of it).
+nb::dict read_into(const std::string& path, nb::handle array, std::uint64_t offset, const std::string& backend,
+                   Progress* progress) {
+  RawArray to = raw_array(array, true, "read_into");
+  hbmio::Stats stats;
+  {
+    nb::gil_scoped_release release;
+    hbmio::File file = hbmio::File::open(path, hbmio::OpenMode::read);
+    EngineLease engine(backend);
+    stats = engine.get()->submit({.op = hbmio::IoOp::read, .file = &file, .offset = offset, .memory = to.span,
+                                  .progress = progress ? &progress->done : nullptr});
+  }
+  return stats_dict(stats);
+}
+
+// The array's bytes into the file at `offset`. read_write mode: creates a missing file and keeps
+// the bytes outside the range (write mode would truncate).
+nb::dict write_from(const std::string& path, nb::handle array, std::uint64_t offset, const std::string& backend,
+                    bool sync, Progress* progress) {
+  RawArray from = raw_array(array, false, "write_from");
+  hbmio::Stats stats;
+  {
+    nb::gil_scoped_release release;
+    hbmio::File file = hbmio::File::open(path, hbmio::OpenMode::read_write);
+    EngineLease engine(backend);
+    stats = engine.get()->submit({.op = hbmio::IoOp::write, .file = &file, .offset = offset, .memory = from.span,
+                                  .progress = progress ? &progress->done : nullptr});
+    if (sync) file.sync();
+  }
+  return stats_dict(stats);
 }
 
 void save(nb::dict tensors, const std::string& path, std::optional<std::map<std::string, std::string>> metadata,
@@ -227,10 +451,53 @@ NB_MODULE(_hbmio, m) {
   m.attr("Error") = nb::handle(g_error_type);
   nb::register_exception_translator(translate);
 
+  nb::class_<Progress>(m, "_Progress", "Bytes done so far by the call it is passed to (progress=...).")
+      .def(nb::init<>())
+      .def_prop_ro("done", [](const Progress& p) { return p.done.load(std::memory_order_relaxed); });
+
   m.def("load_file", &load, nb::arg("path"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
-        nb::arg("verify") = false, nb::arg("names") = nb::none(),
+        nb::arg("verify") = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
         "Loads a .safetensors file, a sharded *.index.json or a directory holding either into `device` "
         "(\"cpu\", \"pinned\", \"cuda\", \"cuda:N\"). Returns {name: DLPack array} in file order.");
+
+  m.def("_load_into", &load_into, nb::arg("path"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
+        nb::arg("verify") = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
+        "Loads into `dest` (a writable C-contiguous array, host or CUDA, of at least _load_size() bytes); "
+        "returns [(name, dtype, shape, byte offset in dest)] in file order.");
+
+  m.def("_load_size", [](const std::string& path, std::optional<std::vector<std::string>> names, std::size_t alignment) {
+    hbmio::LoadOptions options = load_options("auto", false, std::move(names), nullptr);
+    options.alignment = alignment;
+    nb::gil_scoped_release release;
+    return hbmio::load_size(path, options);
+  }, nb::arg("path"), nb::arg("names") = nb::none(), nb::arg("alignment") = hbmio::LoadOptions{}.alignment,
+     "Bytes of the destination that _load_into needs for these tensors (each aligned as a load aligns it).");
+
+  m.def("_tensor_bytes", [](const std::string& path, std::optional<std::vector<std::string>> names) {
+    // The bytes a load reads (what its progress counter reaches), without alignment padding.
+    std::vector<hbmio::CheckpointFile> files;
+    {
+      nb::gil_scoped_release release;
+      files = hbmio::open_checkpoint(path);
+    }
+    std::uint64_t total = 0;
+    for (const auto& f : files)
+      for (const auto& t : f.header.tensors)
+        if (!names || std::find(names->begin(), names->end(), t.name) != names->end()) total += t.size();
+    return total;
+  }, nb::arg("path"), nb::arg("names") = nb::none());
+
+  m.def("_read_into", &read_into, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
+        nb::arg("backend") = "auto", nb::arg("progress").none() = nb::none());
+  m.def("_write_from", &write_from, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
+        nb::arg("backend") = "auto", nb::arg("sync") = true, nb::arg("progress").none() = nb::none());
+
+  m.def("_release_engines", [] {
+    nb::gil_scoped_release release;
+    return engine_pool().release_all();
+  }, "Frees the idle engines that loads keep for reuse (their rings, threads and pinned buffers); "
+     "returns how many. Engines in use by a running call go back to the pool when it ends.");
+  m.def("_idle_engines", [] { return engine_pool().idle_counts(); }, "{backend: idle engines kept for reuse}.");
 
   m.def("save_file", &save, nb::arg("tensors"), nb::arg("path"), nb::arg("metadata") = nb::none(), nb::kw_only(),
         nb::arg("checksums") = true, nb::arg("backend") = "auto", nb::arg("max_shard_size") = 0,
@@ -305,6 +572,7 @@ NB_MODULE(_hbmio, m) {
         }
         new (self) Handle{path, std::move(files)};
       }, nb::arg("path"))
+      .def_prop_ro("path", [](const Handle& h) { return h.path; })
       .def("keys", [](const Handle& h) {
         std::vector<std::string> keys;
         for (const auto& f : h.files)
@@ -326,7 +594,7 @@ NB_MODULE(_hbmio, m) {
       .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
                             const std::string& backend, bool verify) {
         h.info(name);  // KeyError for an unknown name
-        nb::dict one = load(h.path, device, backend, verify, std::vector<std::string>{name});
+        nb::dict one = load(h.path, device, backend, verify, std::vector<std::string>{name}, nullptr);
         return nb::object(one[nb::str(name.c_str(), name.size())]);
       }, nb::arg("name"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
          nb::arg("verify") = false)

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 import threading
 
 import numpy as np
@@ -75,10 +74,14 @@ def expected_tensors(file: str) -> dict:
 
 @pytest.fixture
 def counters_settle():
+    # Pooled engines hold pinned bounce buffers by design (until _release_engines): free them on
+    # both sides so that only what the test itself leaked is counted.
     gc.collect()
+    hbmio._release_engines()
     start = hbmio._memory_counters()
     yield start
     gc.collect()
+    hbmio._release_engines()
     assert hbmio._memory_counters() == start, "hbmio memory leaked by the test"
 
 
@@ -229,6 +232,7 @@ def test_last_array_keeps_memory_alive(counters_settle):
     start = counters_settle
     expected = expected_tensors("big.safetensors")
     loaded = hbmio.load_file(FIXTURES / "big.safetensors")
+    hbmio._release_engines()  # count the load's memory alone, not the pooled engine's buffers
     during = hbmio._memory_counters()
     assert during["host_bytes"] - start["host_bytes"] >= sum(e["data_offsets"][1] - e["data_offsets"][0]
                                                             for e in expected.values())
@@ -239,10 +243,12 @@ def test_last_array_keeps_memory_alive(counters_settle):
         hbmio.load_file(FIXTURES / "dtypes.safetensors")
         _ = bytearray(8 << 20)
         gc.collect()
+    hbmio._release_engines()
     assert hbmio._memory_counters() == during, "memory freed while an array still uses it"
     assert sha256(head.tobytes()) == expected["head"]["sha256"]
     del head
     gc.collect()
+    hbmio._release_engines()
     assert hbmio._memory_counters() == start
 
 
@@ -360,3 +366,318 @@ def test_load_to_gpu_and_save_from_gpu(tmp_path, counters_settle):
     del loaded
     for name, array in hbmio.load_file(path).items():
         check_tensor(name, array, expected[name])
+
+
+@cuda
+def test_torch_cuda_loads_into_the_caching_allocator(counters_settle):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from safetensors.torch import load_file as ref_load
+
+    for file in ("dtypes.safetensors", "scalars_and_empty.safetensors", "big.safetensors"):
+        ref = ref_load(str(FIXTURES / file), device="cuda:0")
+        got = hbmio.load_file(FIXTURES / file, device="cuda:0", framework="torch")
+        assert list(got) == list(ref), file
+        storages = set()
+        for name, t in got.items():
+            assert t.device == torch.device("cuda", 0) and t.dtype == ref[name].dtype, name
+            assert t.shape == ref[name].shape, name
+            assert torch_bytes(t.cpu()) == torch_bytes(ref[name].cpu()), name
+            storages.add(t.untyped_storage().data_ptr())
+        assert len(storages) == 1, "one allocation holds every tensor of the load"
+    # hbmio allocated no device memory of its own: the tensors live in PyTorch's allocator.
+    hbmio._release_engines()
+    assert hbmio._memory_counters()["device_bytes"] == counters_settle["device_bytes"]
+    del got, ref
+    reserved = torch.cuda.memory_reserved(0)
+    for _ in range(3):  # repeated loads reuse the cached blocks
+        again = hbmio.load_file(FIXTURES / "big.safetensors", device=0)
+        del again
+    assert torch.cuda.memory_reserved(0) == reserved
+    assert isinstance(hbmio.load_file(FIXTURES / "dtypes.safetensors", device=torch.device("cuda:0"))["t_int8"],
+                      torch.Tensor)
+
+
+def torch_bytes(t) -> bytes:
+    """The raw bytes of a host tensor, any dtype (NumPy lacks bfloat16/float8), scalars included."""
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+# --- drop-in semantics: frameworks, devices, safe_open ----------------------------------------
+
+def test_framework_numpy_and_dlpack(counters_settle):
+    from safetensors.numpy import load_file as ref_load
+
+    ref = ref_load(str(FIXTURES / "big.safetensors"))
+    got = hbmio.load_file(FIXTURES / "big.safetensors", framework="numpy")
+    assert list(got) == list(ref)
+    for name, a in got.items():
+        assert isinstance(a, np.ndarray) and a.dtype == ref[name].dtype and a.shape == ref[name].shape, name
+        assert a.tobytes() == ref[name].tobytes(), name
+    scalars = hbmio.load_file(FIXTURES / "scalars_and_empty.safetensors", framework="np")
+    ref = ref_load(str(FIXTURES / "scalars_and_empty.safetensors"))
+    for name, a in ref.items():
+        assert scalars[name].shape == a.shape and scalars[name].tobytes() == a.tobytes(), name
+    with pytest.raises(TypeError, match="t_bfloat16"):
+        hbmio.load_file(FIXTURES / "dtypes.safetensors", framework="numpy")
+    with pytest.raises(ValueError, match="host memory only"):
+        hbmio.load_file(FIXTURES / "big.safetensors", device="cuda:0", framework="numpy")
+    with pytest.raises(ValueError, match="framework"):
+        hbmio.load_file(FIXTURES / "big.safetensors", framework="tensorflow")
+    neutral = hbmio.load_file(FIXTURES / "dtypes.safetensors", framework="dlpack")
+    assert not isinstance(neutral["t_float32"], np.ndarray) and hasattr(neutral["t_float32"], "__dlpack__")
+    auto = hbmio.load_file(FIXTURES / "dtypes.safetensors")
+    try:
+        import torch
+    except ImportError:
+        assert type(auto["t_float32"]) is type(neutral["t_float32"]), "auto without torch is dlpack"
+    else:
+        assert isinstance(auto["t_float32"], torch.Tensor), "auto with torch is torch"
+    del got, scalars, neutral, auto
+
+
+def test_device_arguments():
+    assert hbmio._device_text(0) == "cuda:0" and hbmio._device_text(3) == "cuda:3"
+    assert hbmio._device_text("cuda:1") == "cuda:1" and hbmio._device_text("cpu") == "cpu"
+    with pytest.raises(TypeError):
+        hbmio._device_text(True)
+    if hbmio.cuda_device_count() == 0:
+        with pytest.raises(hbmio.Error):  # an int is a CUDA index, and there is no CUDA here
+            hbmio.load_file(FIXTURES / "dtypes.safetensors", device=0, framework="dlpack")
+
+
+def test_open_context_manager_with_framework(counters_settle):
+    from safetensors import safe_open
+
+    with hbmio.open(FIXTURES / "big.safetensors", framework="np") as f, \
+            safe_open(str(FIXTURES / "big.safetensors"), "np") as ref:
+        assert sorted(f.keys()) == sorted(ref.keys())
+        for name in ref.keys():
+            got = f.get_tensor(name)
+            assert isinstance(got, np.ndarray) and got.tobytes() == ref.get_tensor(name).tobytes(), name
+        neutral = f.get_tensor("head", framework="dlpack")
+        assert not isinstance(neutral, np.ndarray)
+        with pytest.raises(KeyError):
+            f.get_tensor("nope")
+    del got, neutral
+    with pytest.raises(ValueError, match="framework"):
+        hbmio.open(FIXTURES / "big.safetensors", framework="jax")
+
+
+def test_torch_matches_safetensors_torch(tmp_path, counters_settle):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from safetensors.torch import load_file as ref_load
+
+    def same(got, ref):
+        assert list(got) == list(ref)
+        for name, t in got.items():
+            assert isinstance(t, torch.Tensor) and t.dtype == ref[name].dtype and t.shape == ref[name].shape, name
+            assert t.device.type == "cpu", name
+            assert torch_bytes(t) == torch_bytes(ref[name]), name
+
+    from safetensors.numpy import save_file as ref_save
+
+    every_dtype = tmp_path / "sample.safetensors"  # complex64 and unsigned ints beside the fixtures' dtypes
+    ref_save({k: np.ascontiguousarray(v) for k, v in sample_arrays().items()}, str(every_dtype))
+    for path in [FIXTURES / f for f in ("dtypes.safetensors", "scalars_and_empty.safetensors", "big.safetensors")] + [
+            every_dtype]:
+        ref = ref_load(str(path))
+        same(hbmio.load_file(path, framework="torch"), ref)
+        same(hbmio.load_file(path, device=torch.device("cpu"), framework="pt"), ref)
+        # The CUDA fast path's view building, exercised on the host: one torch.empty, views of it.
+        same(hbmio._load_torch_into(torch, str(path), torch.device("cpu"), "auto", False, None, False), ref)
+    import hbmio.torch as ht
+    same(ht.load_file(FIXTURES / "dtypes.safetensors"), ref_load(str(FIXTURES / "dtypes.safetensors")))
+
+
+# --- the engine pool ----------------------------------------------------------------------------
+
+def test_engines_are_reused_and_released(counters_settle):
+    hbmio._release_engines()
+    assert hbmio._idle_engines() == {}
+    for _ in range(3):
+        hbmio.load_file(FIXTURES / "layers.safetensors", backend="posix")
+        hbmio.load_file(FIXTURES / "layers.safetensors", backend="uring")
+    assert hbmio._idle_engines() == {"posix": 1, "uring": 1}, "sequential loads reuse one engine"
+
+    barrier = threading.Barrier(6)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            barrier.wait()
+            for _ in range(4):
+                hbmio.load_file(FIXTURES / "big.safetensors", backend="posix")
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert 1 <= hbmio._idle_engines()["posix"] <= 4, "the pool keeps at most 4 idle engines a backend"
+    assert hbmio._release_engines() >= 2
+    assert hbmio._idle_engines() == {}
+    with pytest.raises(hbmio.Error):  # an unknown backend is refused, and nothing is pooled for it
+        hbmio.load_file(FIXTURES / "big.safetensors", backend="nonsense")
+    assert hbmio._idle_engines() == {}
+
+
+# --- raw ranges: read_into / write_from ---------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["posix", "uring", "auto"])
+def test_read_into_matches_fromfile(tmp_path, backend, counters_settle):
+    path = tmp_path / "raw.bin"
+    data = np.random.default_rng(1).integers(0, 256, 3 * 4096 + 123, dtype=np.uint8)
+    data.tofile(path)
+    for offset, count in [(0, data.size), (1, 4095), (4096, 4097), (777, 1000), (data.size - 5, 5), (10, 0)]:
+        out = np.full(count, 0xAB, dtype=np.uint8)
+        stats = hbmio.read_into(path, out, offset, backend=backend)
+        np.testing.assert_array_equal(out, np.fromfile(path, dtype=np.uint8, count=count, offset=offset))
+        assert stats["bytes"] == count and set(stats) == {"bytes", "seconds", "gib_per_second", "backend", "note"}
+    floats = np.zeros((7, 3), dtype=np.float32)  # any dtype: its nbytes bytes
+    hbmio.read_into(path, floats, 8, backend=backend)
+    assert floats.tobytes() == data[8:8 + 84].tobytes()
+    buf = bytearray(100)  # the buffer protocol
+    hbmio.read_into(path, buf, 50, backend=backend)
+    assert bytes(buf) == data[50:150].tobytes()
+    with pytest.raises(hbmio.Error):
+        hbmio.read_into(path, np.zeros(200, np.uint8), data.size - 100, backend=backend)  # past the end
+
+
+def test_read_into_refuses_bad_arrays(tmp_path, counters_settle):
+    import errno
+
+    path = tmp_path / "raw.bin"
+    np.arange(256, dtype=np.uint8).tofile(path)
+    ro = np.zeros(10, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        hbmio.read_into(path, ro)
+    with pytest.raises(ValueError, match="read-only"):
+        hbmio.read_into(path, b"0123456789")
+    with pytest.raises(ValueError, match="contiguous"):
+        hbmio.read_into(path, np.zeros((4, 4), np.uint8)[:, ::2])
+    with pytest.raises(TypeError, match="expected an array"):
+        hbmio.read_into(path, "not an array")
+    with pytest.raises(hbmio.Error) as info:
+        hbmio.read_into(tmp_path / "missing.bin", np.zeros(4, np.uint8))
+    assert info.value.errno == errno.ENOENT and "missing.bin" in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["posix", "uring"])
+def test_write_from_creates_and_writes_in_place(tmp_path, backend, counters_settle):
+    path = tmp_path / "new.bin"
+    data = np.random.default_rng(2).integers(0, 256, 10000, dtype=np.uint8)
+    stats = hbmio.write_from(path, data, backend=backend)
+    assert stats["bytes"] == data.size
+    np.testing.assert_array_equal(np.fromfile(path, dtype=np.uint8), data)
+    patch = np.arange(300, dtype=np.int16)  # 600 bytes at 4000; the rest of the file is kept
+    hbmio.write_from(path, patch, 4000, backend=backend, sync=False)
+    expected = data.copy()
+    expected[4000:4600] = np.frombuffer(patch.tobytes(), np.uint8)
+    np.testing.assert_array_equal(np.fromfile(path, dtype=np.uint8), expected)
+    hbmio.write_from(path, b"tail", 10000, backend=backend)  # read-only input is fine for writes
+    assert path.read_bytes()[10000:] == b"tail" and path.stat().st_size == 10004
+    with pytest.raises(ValueError, match="contiguous"):
+        hbmio.write_from(path, np.zeros((4, 4), np.uint8)[::2])
+    with pytest.raises(hbmio.Error):
+        hbmio.write_from(tmp_path / "no" / "dir.bin", data)
+
+
+@cuda
+def test_read_into_and_write_from_gpu(tmp_path, counters_settle):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    path = tmp_path / "gpu.bin"
+    data = np.random.default_rng(3).integers(0, 256, 5 * 4096 + 9, dtype=np.uint8)
+    data.tofile(path)
+    dev = torch.empty(4096 + 7, dtype=torch.uint8, device="cuda:0")
+    hbmio.read_into(path, dev, 100)
+    assert dev.cpu().numpy().tobytes() == data[100:100 + 4096 + 7].tobytes()
+    hbmio.write_from(tmp_path / "out.bin", dev)
+    assert (tmp_path / "out.bin").read_bytes() == data[100:100 + 4096 + 7].tobytes()
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["posix", "uring"])
+def test_progress_counter_reaches_the_total(backend, counters_settle):
+    total = hbmio._hbmio._tensor_bytes(str(FIXTURES / "big.safetensors"))
+    assert total == sum(e["data_offsets"][1] - e["data_offsets"][0]
+                        for e in expected_tensors("big.safetensors").values())
+    counter = hbmio._hbmio._Progress()
+    loaded = hbmio._hbmio.load_file(str(FIXTURES / "big.safetensors"), backend=backend, progress=counter)
+    assert counter.done == total
+    del loaded
+
+
+def test_progress_bar_on_stderr(tmp_path, capfd, counters_settle):
+    loaded = hbmio.load_file(FIXTURES / "big.safetensors", progress=True)
+    out, err = capfd.readouterr()
+    total = hbmio._hbmio._tensor_bytes(str(FIXTURES / "big.safetensors")) / (1 << 20)
+    assert out == "" and err.endswith("\n")
+    last = err.rstrip("\n").split("\r")[-1]
+    assert last.startswith(f"{total:.2f}/{total:.2f} MiB  ") and last.endswith(" GiB/s"), err
+    del loaded
+    hbmio.read_into(FIXTURES / "big.safetensors", np.zeros(3 << 20, np.uint8), progress=True)
+    err = capfd.readouterr().err
+    assert err.rstrip("\n").split("\r")[-1].startswith("3.00/3.00 MiB"), err
+    hbmio.load_file(FIXTURES / "dtypes.safetensors")
+    assert capfd.readouterr().err == "", "no output without progress=True"
+
+
+# --- sharded saves ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_shard_size", [1000, "2KB", "1KiB"])
+def test_sharded_save_loads_back(tmp_path, max_shard_size, counters_settle):
+    from safetensors.numpy import load_file as ref_load
+
+    arrays = {k: np.ascontiguousarray(v) for k, v in sample_arrays().items()}
+    out = tmp_path / "model"
+    hbmio.save_file(arrays, out, {"format": "np"}, max_shard_size=max_shard_size)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and sorted(p.name for p in out.glob("*.safetensors")) == shards
+    assert sorted(index["weight_map"]) == sorted(arrays)
+    limit = hbmio._parse_size(max_shard_size)
+    seen = {}
+    for shard in shards:  # the reference reads each shard on its own
+        part = ref_load(str(out / shard))
+        assert sum(a.nbytes for a in part.values()) <= limit or len(part) == 1, shard
+        for name, a in part.items():
+            assert index["weight_map"][name] == shard
+            seen[name] = a
+    for name, a in arrays.items():
+        assert seen[name].dtype == a.dtype and seen[name].shape == a.shape, name
+        np.testing.assert_array_equal(seen[name], a, err_msg=name)
+    back = hbmio.load_file(out, framework="numpy", verify=True)
+    assert sorted(back) == sorted(arrays)
+    for name, a in arrays.items():
+        assert back[name].dtype == a.dtype and back[name].tobytes() == a.tobytes(), name
+    del back
+
+
+def test_parse_size():
+    assert hbmio._parse_size(123) == 123
+    assert hbmio._parse_size("5GB") == 5 * 10**9 and hbmio._parse_size("2GiB") == 2 << 30
+    assert hbmio._parse_size("500MB") == 500 * 10**6 and hbmio._parse_size("64k") == 64000
+    assert hbmio._parse_size("1.5MiB") == 3 << 19 and hbmio._parse_size("4096") == 4096
+    for bad in ("", "5 parsecs", "GB", -1, 1.5, None):
+        with pytest.raises(ValueError):
+            hbmio._parse_size(bad)
+    with pytest.raises(ValueError):
+        hbmio.save_file({"a": np.zeros(2)}, "/nonexistent/x", max_shard_size=0)
+
+
+def test_missing_file_errno_and_path(tmp_path):
+    import errno
+
+    missing = tmp_path / "absent.safetensors"
+    for call in (lambda: hbmio.load_file(missing), lambda: hbmio.open(missing)):
+        with pytest.raises(hbmio.Error) as info:
+            call()
+        assert isinstance(info.value, OSError) and info.value.errno == errno.ENOENT
+        assert str(missing) in str(info.value)

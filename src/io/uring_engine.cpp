@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -119,6 +120,9 @@ struct Job {
   std::atomic<std::uint64_t> chunks_cached{0}, chunks_cold{0};
   std::atomic<const char*> residency_method{"none"};
   std::atomic<int> fixed_buffer_errno{0};  // why the slots could not be registered, if so
+  // First-use set-up inside this job (rings, bounce buffers, streams), summed over workers, ns.
+  std::atomic<std::uint64_t> setup_ns{0}, pinning_ns{0}, registering_ns{0};
+  std::atomic<unsigned> workers_set_up{0};
   std::mutex error_mutex;
   std::exception_ptr error;
 
@@ -173,11 +177,18 @@ class Worker {
     if (const int err = inject(faults_, site, what)) throw Error(errno_code(err), context(), fmt::format("{} (injected)", what));
   }
 
-  // Creates the ring, the slots (pinned for device jobs) and the stream, or reuses them.
-  void prepare(const Job& job) {
+  // Creates the ring, the slots (pinned for device jobs) and the stream, or reuses them. The time
+  // it takes goes into the job's note: a program's first transfer pays it, later ones do not.
+  void prepare(Job& job) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto since = [](std::chrono::steady_clock::time_point t) {
+      return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t).count());
+    };
+    bool set_up = false;
     const ErrorContext ctx = context();
     if (!ring_) {
       fault_point(FaultSite::setup, "io_uring_queue_init");
+      set_up = true;
       ring_ = std::make_unique<Ring>(options_.queue_depth, ctx);
       ops_.resize(options_.queue_depth);
       reset_ops();
@@ -193,8 +204,11 @@ class Worker {
       const std::size_t slot_bytes = options_.bounce_buffer_size + 2 * kSlotAlignment;
       // Host jobs use page-aligned host memory: pinning through CUDA would create a CUDA
       // context (and hold GPU memory) for a transfer that never touches the GPU.
+      set_up = true;
+      auto t = std::chrono::steady_clock::now();
       pool_ = Buffer::allocate({need_cuda_pinned ? MemoryKind::pinned : MemoryKind::host, 0},
                                slot_bytes * options_.bounce_buffers);
+      job.pinning_ns += since(t);
       std::vector<iovec> iovecs(options_.bounce_buffers);
       slots_.resize(options_.bounce_buffers);
       for (unsigned i = 0; i < options_.bounce_buffers; ++i) {
@@ -202,7 +216,9 @@ class Worker {
         iovecs[i] = {slots_[i].data, slot_bytes};
       }
       int r = -inject(faults_, FaultSite::setup, "io_uring_register_buffers");
+      t = std::chrono::steady_clock::now();
       if (r == 0) r = io_uring_register_buffers(ring_->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
+      job.registering_ns += since(t);
       fixed_buffers_ = r == 0;
       fixed_buffer_errno_ = -r;
       if (r == -EOPNOTSUPP || r == -ENOMEM) {
@@ -219,6 +235,7 @@ class Worker {
       const int device = job.device;
       cuda::set_device(device, ctx);
       if (!stream_.valid() || stream_.device() != device) {
+        set_up = true;
         fault_point(FaultSite::setup, "cudaStreamCreate");
         stream_ = cuda::Stream(device, ctx);
         events_ready_ = false;
@@ -227,6 +244,10 @@ class Worker {
         for (auto& slot : slots_) slot.copied = cuda::Event(ctx);  // events belong to the device
         events_ready_ = true;
       }
+    }
+    if (set_up) {
+      job.setup_ns += since(start);
+      ++job.workers_set_up;
     }
   }
 
@@ -620,6 +641,9 @@ class UringEngine final : public Engine {
     if (job.chunks_cached + job.chunks_cold > 0)
       note += fmt::format("{}O_DIRECT auto: {} of {} chunks cold ({})", note.empty() ? "" : "; ", job.chunks_cold.load(),
                           job.chunks_cached + job.chunks_cold, job.residency_method.load());
+    if (const unsigned n = job.workers_set_up.load())
+      note += fmt::format("{}first-use set-up of {} worker(s): {:.0f} ms on average (bounce buffers {:.0f} ms, registering them {:.0f} ms)",
+                          note.empty() ? "" : "; ", n, job.setup_ns * 1e-6 / n, job.pinning_ns * 1e-6 / n, job.registering_ns * 1e-6 / n);
     if (const int err = job.fixed_buffer_errno.load())
       note += fmt::format("{}bounce buffers not registered with io_uring ({}): plain reads", note.empty() ? "" : "; ",
                           std::strerror(err));
