@@ -66,7 +66,7 @@ python)
   ;;
 save)
   log "O_DIRECT write ceiling and uring write, 6 GiB from cuda:0"
-  "$BIN/hbmio" bench --size 6GiB --dir /var/tmp --write --backends uring --runs 3 --json "$OUT/bench-write-6g.json" 2>&1 | tail -8
+  "$BIN/hbmio" bench --size 6GiB --dir /var/tmp --write --backends uring --runs 2 --json "$OUT/bench-write-6g.json" 2>&1 | tail -8
   log "ckpt save 6 GiB (48 x 128 MiB BF16) from cuda:0, durable, 3 runs"
   mkdir -p $W2
   for r in 1 2 3; do
@@ -82,8 +82,8 @@ load)
     peers=safetensors,fastsafetensors,runai
     [ $f = small ] && peers=safetensors
     log "load $f.safetensors into cuda:0: interleaved cold rounds, then warm"
-    rounds=3; [ $f = small ] && rounds=2
-    python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" --rounds $rounds --peers $peers \
+    mode=both; [ $f = small ] && mode=warm
+    python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" --rounds 3 --mode $mode --peers $peers \
       --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-400
   done
   ;;
