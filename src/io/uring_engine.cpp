@@ -17,7 +17,8 @@
 //      disk (or page-cache copy) of piece k+1 overlaps the PCIe copy of piece k.
 //   5. Short transfers resume where they stopped; -EAGAIN/-EINTR resubmit; a read that finds the
 //      end of the file before the range is complete is an error (the file shrank).
-// Writes mirror this: GPU -> slot (copy), slot -> file (O_DIRECT where aligned, else buffered).
+// Writes mirror this: GPU -> slot (copy), slot -> file (O_DIRECT where aligned; the unaligned
+// edges, under a block each, buffered after the direct writes have completed).
 //
 // A batch (Engine::submit_batch) is one job: the chunks of all its requests are numbered in one
 // sequence, so the workers stay busy across request boundaries (a checkpoint of 3,000 tensors
@@ -27,6 +28,7 @@
 // thread-safe; one owner each). The engine serves one job at a time.
 #include <liburing.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -125,6 +127,13 @@ struct Job {
   std::atomic<unsigned> workers_set_up{0};
   std::mutex error_mutex;
   std::exception_ptr error;
+  // Unaligned edges of direct writes, written after the direct pieces (see start_next_piece).
+  struct Edge {
+    const Part* part;
+    std::uint64_t begin, end;
+  };
+  std::mutex edges_mutex;
+  std::vector<Edge> edges;
 
   void fail(std::exception_ptr e) {
     std::lock_guard lock(error_mutex);
@@ -368,18 +377,16 @@ class Worker {
       op.length = op.needed = q - p;
       op.buffer = user;
     } else if (!read && chunk_direct_ && (p % a != 0 || q % a != 0)) {
-      // An unaligned piece of a direct write cannot be padded (that would write bytes outside
-      // the range): it goes through the page cache. Its pages are disjoint from the aligned
-      // pieces' blocks, so buffered and direct writes never touch the same block.
-      op.direct = false;
-      op.fd = request.file->fd();
-      if (!part_->device) {
-        op.file_pos = p;
-        op.length = op.needed = q - p;
-        op.buffer = user;
-      } else {
-        if (!bounce_into_slot(op, p, q, 1, user)) return false;
-      }
+      // An unaligned edge of a direct write (less than a block: see piece_end) cannot be padded,
+      // as that would write bytes outside the range. It is written through the page cache after
+      // every direct write of the job has completed (Job::edges): a buffered write running beside
+      // direct writes can put a (large) folio over the blocks they write, and the kernel then
+      // fails the direct write's page-cache invalidation ("Page cache invalidation failure on
+      // direct I/O") and reports EIO at fsync.
+      std::lock_guard lock(job_->edges_mutex);
+      job_->edges.push_back({part_, p, q});
+      cursor_ = q;
+      return true;
     } else {
       if (!bounce_into_slot(op, p, q, a, user)) return false;
     }
@@ -396,10 +403,19 @@ class Worker {
   }
 
   // Next piece boundary after p: pieces lie on the grid grid_base + k * bounce_buffer_size.
+  // A direct write cannot start or end off the O_DIRECT alignment (it would need padding bytes
+  // that are not the caller's), so an unaligned head or tail becomes a piece of its own, smaller
+  // than a block, written through the page cache; the rest stays direct.
   std::uint64_t piece_end(std::uint64_t p) const {
     const std::uint64_t size = options_.bounce_buffer_size;
     const std::uint64_t k = (p - part_->grid_base) / size + 1;
-    return std::min<std::uint64_t>(chunk_end_, part_->grid_base + k * size);
+    std::uint64_t q = std::min<std::uint64_t>(chunk_end_, part_->grid_base + k * size);
+    if (job_->op == IoOp::write && chunk_direct_) {
+      const std::uint64_t a = part_->alignment;
+      if (p % a != 0) return std::min(q, round_up(p, a));
+      if (q % a != 0 && round_down(q, a) > p) return round_down(q, a);
+    }
+    return q;
   }
 
   // Sets `op` up to move [p, q) through a slot, reading/writing the `a`-aligned superset.
@@ -633,6 +649,7 @@ class UringEngine final : public Engine {
       workers_[0]->run(job);
     }  // joins
     if (job.error) std::rethrow_exception(job.error);
+    write_edges(job);
 
     stats.bytes_direct = job.bytes_direct;
     stats.bytes_buffered = job.bytes_buffered;
@@ -653,6 +670,36 @@ class UringEngine final : public Engine {
   }
 
  private:
+  // The unaligned edges of direct writes (each under one block), with pwrite through the page
+  // cache, now that no direct write of the job is in flight; fsync makes them durable with the rest.
+  void write_edges(Job& job) {
+    std::vector<std::byte> staging;
+    for (const Job::Edge& edge : job.edges) {
+      const IoRequest& request = *edge.part->request;
+      const std::size_t n = edge.end - edge.begin;
+      const std::byte* source = request.memory.data + (edge.begin - request.offset);
+      ErrorContext context = edge.part->context;
+      context.offset = edge.begin;
+      context.length = n;
+      if (edge.part->device) {
+        staging.resize(n);
+        cuda::set_device(request.memory.location.device, context);
+        cuda::memcpy_sync(staging.data(), source, n, context);
+        source = staging.data();
+      }
+      for (std::size_t done = 0; done < n;) {
+        const ssize_t r = ::pwrite(request.file->fd(), source + done, n - done, static_cast<off_t>(edge.begin + done));
+        const long long result = inject_io(faults_.get(), r < 0 ? -errno : r, n - done, "pwrite (unaligned edge)");
+        if (result == -EINTR || result == -EAGAIN) continue;
+        if (result < 0) throw Error(errno_code(static_cast<int>(-result)), context, "write of an unaligned edge");
+        if (result == 0) throw Error(errno_code(ENOSPC), context, "write made no progress");
+        done += static_cast<std::size_t>(result);
+      }
+      job.bytes_buffered += n;
+      if (request.progress) *request.progress += n;
+    }
+  }
+
   Options options_;
   std::shared_ptr<FaultInjector> faults_;
   std::vector<std::unique_ptr<Worker>> workers_;
