@@ -681,3 +681,36 @@ def test_missing_file_errno_and_path(tmp_path):
             call()
         assert isinstance(info.value, OSError) and info.value.errno == errno.ENOENT
         assert str(missing) in str(info.value)
+
+
+# --- DLPack into CuPy and JAX on the GPU: no copy -------------------------------------------------
+
+@cuda
+def test_dlpack_into_cupy_without_a_copy(counters_settle):
+    cupy = pytest.importorskip("cupy", reason="cupy is not installed")
+    expected = expected_tensors("big.safetensors")
+    arrays = hbmio.load_file(FIXTURES / "big.safetensors", device="cuda:0", framework="dlpack")
+    for name, array in arrays.items():
+        info = hbmio._inspect(array)
+        c = cupy.from_dlpack(array)
+        assert c.data.ptr == info["data_ptr"], f"{name}: cupy copied the tensor"
+        assert list(c.shape) == expected[name]["shape"], name
+        assert sha256(cupy.asnumpy(c).tobytes()) == expected[name]["sha256"], name
+    del arrays, c
+
+
+@cuda
+def test_dlpack_into_jax_without_a_copy(counters_settle):
+    jax = pytest.importorskip("jax", reason="jax is not installed")
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax sees no GPU")
+    expected = expected_tensors("big.safetensors")
+    arrays = hbmio.load_file(FIXTURES / "big.safetensors", device="cuda:0", framework="dlpack")
+    for name, array in arrays.items():
+        info = hbmio._inspect(array)
+        j = jax.dlpack.from_dlpack(array)
+        assert j.unsafe_buffer_pointer() == info["data_ptr"], f"{name}: jax copied the tensor"
+        assert list(j.shape) == expected[name]["shape"], name
+        assert sha256(np.asarray(j).tobytes()) == expected[name]["sha256"], name
+        del j
+    del arrays
