@@ -11,6 +11,7 @@
 #   load     W2 loads into cuda:0, interleaved with the O_DIRECT ceiling and the peers
 #            (bench/peers/ckpt_compare.py)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
+#   multi    two GPUs (nvidia-h200-x2): --into cuda:0,1 both placements, and torchrun with NCCL
 # Binaries and fixtures come prebuilt in .gpu/ (scripts/package-gpu-run.sh); results go to $OUT.
 #   usage: bench/gpu_ckpt_run.sh STAGE...
 set -uo pipefail
@@ -91,6 +92,30 @@ pybench)
   install_wheels
   log "Python: hbmio.load_file vs safetensors.torch.load_file"
   PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/py_compare.py $W2/big.safetensors --json "$OUT/py.jsonl" 2>&1 | cut -c1-400
+  ;;
+multi)
+  # Two GPUs (nvidia-h200-x2): one checkpoint into both, each placement, C++ and torchrun.
+  install_wheels
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  mkdir -p $W2
+  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
+  "$BIN/checkpoint_tests" --gtest_brief=1 --gtest_filter='GpuMultiLoad.*' 2>&1 | tail -3
+  cat $W2/big.safetensors >/dev/null
+  for p in shard replicate; do
+    log "hbmio ckpt load --into cuda:0,1 --placement $p (warm)"
+    "$BIN/hbmio" ckpt load $W2/big.safetensors --into cuda:0,1 --placement $p --verify --json "$OUT/multi-$p.json" | tail -3
+  done
+  log "torchrun, 2 ranks, NCCL"
+  cat > /tmp/multi.py <<'PY'
+import os, torch, torch.distributed as dist, hbmio, json, sys
+dist.init_process_group("nccl"); r = dist.get_rank(); torch.cuda.set_device(r)
+for placement in ("replicate", "shard"):
+    rep = {}
+    t = hbmio.load_file(sys.argv[1], device=f"cuda:{r}", group=dist.group.WORLD, placement=placement, report=rep)
+    if r == 0: print(placement, json.dumps({k: v for k, v in rep.items() if k != "ranks"}))
+dist.destroy_process_group()
+PY
+  PYTHONPATH=/tmp/pysite:$PYTHONPATH torchrun --nproc-per-node 2 /tmp/multi.py $W2/big.safetensors 2>&1 | tail -5
   ;;
 *) echo "unknown stage $stage" ;;
 esac

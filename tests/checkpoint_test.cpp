@@ -400,5 +400,140 @@ TEST(ShardedSave, AFailureLeavesTheOldDirectoryIntact) {
   EXPECT_EQ(temporaries_in(dir.path()), 0u);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// One checkpoint into several locations (load_checkpoint_multi)
+// ---------------------------------------------------------------------------------------------
+
+namespace multi {
+
+std::uint64_t bytes_of(const Sample& s) {
+  std::uint64_t n = 0;
+  for (const auto& b : s.bytes) n += b.size();
+  return n;
+}
+
+// A sharded checkpoint of the sample (several files), saved from host memory.
+std::string sharded_sample(const TempDir& dir, const Sample& sample) {
+  const std::string target = dir.file("model");
+  save_checkpoint(target, sample.tensors, {.max_shard_size = 600000});
+  return target;
+}
+
+void check_shard(const std::vector<MemoryLocation>& into) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string path = sharded_sample(dir, sample);
+  MultiLoadOptions options{.into = into, .placement = Placement::shard};
+  options.load.verify = true;
+  const MultiLoadResult r = load_checkpoint_multi(path, options);
+  ASSERT_EQ(r.locations.size(), into.size());
+  // Every tensor in exactly one location, byte for byte; every byte read once.
+  std::map<std::string, int> seen;
+  for (std::size_t k = 0; k < into.size(); ++k) {
+    for (const auto& t : r.locations[k].tensors()) {
+      ++seen[t.name];
+      EXPECT_EQ(t.data.location, into[k]) << t.name;
+      const auto i = static_cast<std::size_t>(std::find_if(sample.tensors.begin(), sample.tensors.end(),
+                                                           [&](const TensorToSave& s) { return s.name == t.name; }) -
+                                              sample.tensors.begin());
+      ASSERT_LT(i, sample.tensors.size()) << t.name;
+      EXPECT_EQ(first_mismatch(to_host(t.data), sample.bytes[i]), -1) << t.name;
+    }
+    if (!r.locations[k].tensors().empty()) {
+      EXPECT_TRUE(r.locations[k].verified());
+      EXPECT_FALSE(r.locations[k].tensors().empty()) << "location " << k << " got nothing";
+    }
+  }
+  EXPECT_EQ(seen.size(), sample.tensors.size());
+  for (const auto& [name, count] : seen) EXPECT_EQ(count, 1) << name;
+  EXPECT_EQ(r.bytes_from_storage, bytes_of(sample));
+  EXPECT_EQ(r.bytes_between_locations, 0u);
+}
+
+void check_replicate(const std::vector<MemoryLocation>& into) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string path = sharded_sample(dir, sample);
+  MultiLoadOptions options{.into = into, .placement = Placement::replicate};
+  options.load.verify = true;
+  const MultiLoadResult r = load_checkpoint_multi(path, options);
+  ASSERT_EQ(r.locations.size(), into.size());
+  for (std::size_t k = 0; k < into.size(); ++k) {
+    const LoadedCheckpoint& c = r.locations[k];
+    EXPECT_TRUE(c.verified());
+    ASSERT_EQ(c.tensors().size(), sample.tensors.size());
+    for (std::size_t i = 0; i < sample.tensors.size(); ++i) {
+      const LoadedTensor* t = c.find(sample.tensors[i].name);
+      ASSERT_NE(t, nullptr);
+      EXPECT_EQ(t->data.location, into[k]);
+      EXPECT_EQ(t->shape, sample.tensors[i].shape);
+      EXPECT_EQ(first_mismatch(to_host(t->data), sample.bytes[i]), -1) << "location " << k << " tensor " << t->name;
+    }
+  }
+  // Each byte read from storage once, over all locations; the rest copied between them.
+  EXPECT_EQ(r.bytes_from_storage, bytes_of(sample));
+  EXPECT_GE(r.bytes_between_locations, (into.size() - 1) * bytes_of(sample));
+}
+
+}  // namespace multi
+
+TEST(MultiLoad, ShardPutsEveryTensorInOneLocation) { multi::check_shard({{MemoryKind::host}, {MemoryKind::pinned}, {MemoryKind::host}}); }
+TEST(MultiLoad, ReplicateReadsEachByteOnce) { multi::check_replicate({{MemoryKind::host}, {MemoryKind::pinned}, {MemoryKind::host}}); }
+TEST(MultiLoad, OneLocationIsAnOrdinaryLoad) {
+  multi::check_shard({{MemoryKind::pinned}});
+  multi::check_replicate({{MemoryKind::host}});
+}
+
+TEST(MultiLoad, ShardMapIsObeyedAndChecked) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string path = multi::sharded_sample(dir, sample);
+  MultiLoadOptions options{.into = {{MemoryKind::host}, {MemoryKind::host}}, .placement = Placement::shard};
+  options.shard_map = {{"embed.weight", 1}, {"big", 1}, {"norm", 0}};
+  const MultiLoadResult r = load_checkpoint_multi(path, options);
+  EXPECT_NE(r.locations[1].find("embed.weight"), nullptr);
+  EXPECT_NE(r.locations[1].find("big"), nullptr);
+  EXPECT_NE(r.locations[0].find("norm"), nullptr);
+  EXPECT_EQ(r.locations[0].find("big"), nullptr);
+  options.shard_map = {{"big", 2}};
+  EXPECT_THROW(load_checkpoint_multi(path, options), Error);
+}
+
+// A shard missing from the directory fails every placement with an error naming it, before any
+// location starts (and nothing waits for a location that never finishes).
+TEST(MultiLoad, MissingShardIsOneClearError) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string path = multi::sharded_sample(dir, sample);
+  fs::remove(path + "/model-00002-of-" + [&] {
+    for (const auto& e : fs::directory_iterator(path)) {
+      const std::string name = e.path().filename().string();
+      if (name.starts_with("model-00001-of-")) return name.substr(15, 5);
+    }
+    return std::string("?????");
+  }() + ".safetensors");
+  for (Placement placement : {Placement::shard, Placement::replicate}) {
+    try {
+      load_checkpoint_multi(path, {.into = {{MemoryKind::host}, {MemoryKind::host}}, .placement = placement});
+      ADD_FAILURE() << "a missing shard was not noticed";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("model-00002-of-"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// GPUs: cuda:0 with host memory (one GPU), and every GPU pair where there are two or more.
+TEST(GpuMultiLoad, ShardAndReplicateAcrossDevices) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  std::vector<MemoryLocation> into{{MemoryKind::device, 0}, {MemoryKind::host}};
+  multi::check_shard(into);
+  multi::check_replicate(into);
+  if (cuda_device_count() < 2) GTEST_SKIP() << "one GPU: checked cuda:0 with host memory; cuda:0,1 needs two";
+  into = {{MemoryKind::device, 0}, {MemoryKind::device, 1}};
+  multi::check_shard(into);
+  multi::check_replicate(into);
+}
+
 }  // namespace
 }  // namespace hbmio::test

@@ -26,6 +26,17 @@ import json,sys; j=json.load(sys.stdin); assert j['verified'] and j['reuse_memor
 "$hbmio" ckpt load "$dir/a.safetensors" --into pinned --runs 2 --drop-cache --json - | python3 -c "
 import json,sys; j=json.load(sys.stdin); assert j['page_cache'] in ('drop_caches', 'posix_fadvise(DONTNEED)') and len(j['run_seconds'])==2, j" \
   || fail "load --drop-cache"
+for placement in shard replicate; do
+  "$hbmio" ckpt load "$dir/a.safetensors" --into host,pinned --placement $placement --verify --json - | python3 -c "
+import json,sys; j=json.load(sys.stdin); p='$placement'
+assert j['bytes_from_storage'] == 5<<20, j
+assert [l['into'] for l in j['locations']] == ['host', 'pinned'], j
+counts = [l['tensors'] for l in j['locations']]
+assert (sum(counts) == 5 and all(counts)) if p == 'shard' else counts == [5, 5], j
+assert j['bytes_between_locations'] == (0 if p == 'shard' else 5<<20), j" || fail "load --into host,pinned --placement $placement"
+done
+out=$("$hbmio" ckpt load "$dir/a.safetensors" --into host,pinned --placement mirror 2>&1) && fail "a bad --placement was accepted"
+echo "$out" | grep -q "shard or replicate" || fail "bad --placement: $out"
 
 # Interop with the reference implementation, where it is installed.
 if python3 -c 'import safetensors, numpy' 2>/dev/null; then

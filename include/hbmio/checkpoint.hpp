@@ -53,6 +53,10 @@ struct LoadedTensor {
   std::uint64_t file_offset = 0;  // where its bytes start in that file
 };
 
+namespace detail {
+struct LoadAccess;
+}
+
 class LoadedCheckpoint {
  public:
   const std::vector<LoadedTensor>& tensors() const noexcept { return tensors_; }
@@ -64,6 +68,7 @@ class LoadedCheckpoint {
 
  private:
   friend LoadedCheckpoint load_checkpoint(const std::string&, const LoadOptions&);
+  friend struct detail::LoadAccess;
   std::vector<Buffer> buffers_;
   std::vector<LoadedTensor> tensors_;
   std::map<std::string, std::string> metadata_;
@@ -85,6 +90,33 @@ std::vector<CheckpointFile> open_checkpoint(const std::string& path);
 // memory become one request, so a file of many small tensors loads like one of few big ones.
 // Throws Error naming the file (and tensor) on any failure; nothing is leaked.
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
+
+// One checkpoint into several memory locations at once (several GPUs; any kinds), each location
+// with its own engine and pipeline, all running in parallel.
+//   shard      every tensor goes to one location: those named in `shard_map` where it says, the
+//              others split in file order into runs of about equal bytes (contiguous runs keep the
+//              reads large).
+//   replicate  every location gets every tensor, in the same layout. Each byte is read from
+//              storage once: location k reads the k-th run, then every location copies the runs it
+//              did not read from the location that did (between GPUs: peer copies over NVLink
+//              where the GPUs have it).
+enum class Placement { shard, replicate };
+
+struct MultiLoadOptions {
+  std::vector<MemoryLocation> into;  // at least one; a location may repeat (tests, host memory)
+  Placement placement = Placement::shard;
+  std::map<std::string, std::size_t> shard_map;  // shard: tensor name -> index into `into`
+  LoadOptions load;  // backend, names, alignment, verify, engine_options, progress (`into` and
+                     // `destination` are ignored; the layout is single_allocation)
+};
+
+struct MultiLoadResult {
+  std::vector<LoadedCheckpoint> locations;  // one per MultiLoadOptions::into, in its order
+  std::uint64_t bytes_from_storage = 0;      // summed over the locations' reads
+  std::uint64_t bytes_between_locations = 0; // replicate: copied from one location to another
+  double seconds = 0;
+};
+MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOptions& options);
 
 // Bytes of the single allocation that load_checkpoint(path, options) makes (or needs in
 // LoadOptions::destination): the chosen tensors, each aligned to options.alignment.

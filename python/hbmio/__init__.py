@@ -170,7 +170,8 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
     return out
 
 
-def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=False, names=None, progress=False):
+def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=False, names=None, progress=False,
+              group=None, placement="replicate", shard_map=None, report=None):
     """Loads a .safetensors file, a sharded checkpoint index or a directory holding either.
 
     Like safetensors.torch.load_file: returns {name: tensor} in file order.
@@ -183,6 +184,13 @@ def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=Fa
       verify     recompute the checksums stored in the file (hbmio.Error on a mismatch).
       names      load only these tensors.
       progress   draw a progress bar on stderr.
+      group      a torch.distributed process group (e.g. dist.group.WORLD): the ranks divide the
+                 reading, each byte is read from storage once, and with placement="replicate"
+                 every rank gets every tensor (the runs travel by broadcast: NCCL on GPUs, gloo
+                 on CPUs); with "shard" each rank gets its part, or what shard_map
+                 ({name: rank}) gives it. Call it on every rank. A rank that fails makes every
+                 rank raise. report={} is filled with this rank's and the group's bytes and
+                 times. See hbmio/distributed.py.
 
     Torch on CUDA loads straight into one allocation from PyTorch's caching allocator; other
     loads land in hbmio's own memory, which the tensors share without a copy. The GIL is
@@ -191,6 +199,11 @@ def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=Fa
     framework = _framework(framework)
     device = _device_text(device)
     names = None if names is None else list(names)
+    if group is not None:
+        if framework != "torch":
+            raise ValueError("group= loads need framework='torch' (torch.distributed moves the data)")
+        from . import distributed
+        return distributed.load(path, device, group, placement, shard_map, backend, verify, names, report)
     if framework == "numpy" and device.lower() != "cpu":
         raise ValueError(f"framework='numpy' loads into host memory only, not {device!r}")
     torch = _torch() if framework == "torch" else None

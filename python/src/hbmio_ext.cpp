@@ -487,6 +487,25 @@ NB_MODULE(_hbmio, m) {
     return total;
   }, nb::arg("path"), nb::arg("names") = nb::none());
 
+  m.def("_plan", [](const std::string& path, std::optional<std::vector<std::string>> names) {
+    // The tensors a load takes, in the order it lays them out: [(name, dtype, shape, bytes)].
+    // Distributed loads split this list among ranks (hbmio/distributed.py).
+    std::vector<hbmio::CheckpointFile> files;
+    {
+      nb::gil_scoped_release release;
+      files = hbmio::open_checkpoint(path);
+    }
+    nb::list out;
+    for (const auto& f : files)
+      for (const auto& t : f.header.tensors)
+        if (!names || std::find(names->begin(), names->end(), t.name) != names->end()) {
+          nb::list shape;
+          for (auto n : t.shape) shape.append(n);
+          out.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, t.size()));
+        }
+    return out;
+  }, nb::arg("path"), nb::arg("names") = nb::none());
+
   m.def("_read_into", &read_into, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
         nb::arg("backend") = "auto", nb::arg("progress").none() = nb::none());
   m.def("_write_from", &write_from, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),

@@ -4,7 +4,11 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <atomic>
+#include <exception>
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -139,9 +143,31 @@ std::uint64_t load_size(const std::string& path, const LoadOptions& options) {
   return size;
 }
 
+namespace detail {
+
+// What load_checkpoint and load_checkpoint_multi share; a friend of LoadedCheckpoint.
+struct LoadAccess {
+  // Loads `files` (open_checkpoint(path)) per `options`. With `read_only`, the layout holds every
+  // picked tensor but only those named there are read (the others are filled in by the caller:
+  // a replicated load reads each byte once and copies the rest between devices); no verify then.
+  static LoadedCheckpoint load(const std::string& path, const LoadOptions& options, const std::vector<CheckpointFile>& files,
+                               const std::set<std::string>* read_only);
+  static void verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files);
+  static void adopt(LoadedCheckpoint& result, Buffer buffer) { result.buffers_.push_back(std::move(buffer)); }
+  static Stats& stats(LoadedCheckpoint& result) { return result.stats_; }
+};
+
+}  // namespace detail
+
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
   detail::TransferTimer timer;
-  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  LoadedCheckpoint result = detail::LoadAccess::load(path, options, open_checkpoint(path), nullptr);
+  timer.finish(result.stats_);
+  return result;
+}
+
+LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOptions& options,
+                                          const std::vector<CheckpointFile>& files, const std::set<std::string>* read_only) {
   std::uint64_t allocation_size = 0;
   const std::vector<Pick> picks = pick_tensors(path, files, options, allocation_size);
 
@@ -162,7 +188,7 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
     if (memory.size > 0) reads.push_back({pick.file, file_offset, memory});
   };
   auto add_tensor = [&](const Pick& pick, MemorySpan memory) {
-    plan_read(pick, memory);
+    if (read_only == nullptr || read_only->contains(pick.info->name)) plan_read(pick, memory);
     result.tensors_.push_back({pick.info->name, pick.info->dtype, pick.info->shape, memory, files[pick.file].path,
                                files[pick.file].header.data_offset + pick.info->begin});
   };
@@ -208,7 +234,12 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
   total.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}", result.tensors_.size(), files.size(), reads.size(),
                            total.note.empty() ? "" : "; ", total.note);
 
-  if (options.verify) {
+  if (options.verify && read_only == nullptr) verify(result, files);
+  return result;
+}
+
+void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files) {
+  {
     for (const auto& file : files) {
       if (!detail::has_checksums(file.header.metadata))
         throw Error(errno_code(ENODATA), {.op = "verify", .path = file.path},
@@ -226,7 +257,124 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
     }
     result.verified_ = true;
   }
+}
+
+namespace {
+
+// Runs f(k) for k in [0, n) on n threads; rethrows the first failure after all have finished.
+template <typename F>
+void on_threads(std::size_t n, F&& f) {
+  std::mutex mutex;
+  std::exception_ptr first;
+  {
+    std::vector<std::jthread> threads;
+    for (std::size_t k = 0; k < n; ++k)
+      threads.emplace_back([&, k] {
+        try {
+          f(k);
+        } catch (...) {
+          std::lock_guard lock(mutex);
+          if (!first) first = std::current_exception();
+        }
+      });
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+// Splits `picks` (file order) into `n` contiguous runs of about equal bytes: a tensor goes to the
+// run its middle byte falls in.
+std::vector<std::size_t> contiguous_runs(const std::vector<Pick>& picks, std::size_t n) {
+  std::uint64_t total = 0;
+  for (const auto& p : picks) total += p.info->size();
+  std::vector<std::size_t> run(picks.size());
+  std::uint64_t before = 0;
+  for (std::size_t i = 0; i < picks.size(); ++i) {
+    const std::uint64_t middle = before + picks[i].info->size() / 2;
+    run[i] = total == 0 ? i * n / std::max<std::size_t>(picks.size(), 1)
+                        : std::min<std::size_t>(n - 1, static_cast<std::size_t>(static_cast<long double>(middle) * n / total));
+    before += picks[i].info->size();
+  }
+  return run;
+}
+
+}  // namespace
+
+MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOptions& options) {
+  detail::TransferTimer timer;
+  const std::size_t n = options.into.size();
+  if (n == 0) throw checkpoint_error(EINVAL, path, "no memory location to load into");
+  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  LoadOptions base = options.load;
+  base.layout = TensorLayout::single_allocation;
+  base.destination = {};
+  std::uint64_t allocation_size = 0;
+  const std::vector<Pick> picks = pick_tensors(path, files, base, allocation_size);
+  std::vector<std::size_t> run = contiguous_runs(picks, n);
+  if (options.placement == Placement::shard) {
+    for (std::size_t i = 0; i < picks.size(); ++i) {
+      const auto it = options.shard_map.find(picks[i].info->name);
+      if (it == options.shard_map.end()) continue;
+      if (it->second >= n)
+        throw checkpoint_error(EINVAL, path, fmt::format("shard_map sends tensor '{}' to location {}, but there are {}",
+                                                         it->first, it->second, n));
+      run[i] = it->second;
+    }
+  }
+  std::vector<std::set<std::string>> names(n);
+  for (std::size_t i = 0; i < picks.size(); ++i) names[run[i]].insert(picks[i].info->name);
+
+  MultiLoadResult result;
+  result.locations.resize(n);
+  if (options.placement == Placement::shard) {
+    // One ordinary load per location, with its own engine, all at once.
+    on_threads(n, [&](std::size_t k) {
+      LoadOptions mine = base;
+      mine.into = options.into[k];
+      mine.names.assign(names[k].begin(), names[k].end());
+      mine.engine = nullptr;  // an engine serves one request at a time: each pipeline has its own
+      if (!mine.names.empty()) result.locations[k] = detail::LoadAccess::load(path, mine, files, nullptr);
+    });
+  } else {
+    // Every location gets the whole layout; location k reads run k, then copies the others'.
+    on_threads(n, [&](std::size_t k) {
+      LoadOptions mine = base;
+      mine.into = options.into[k];
+      mine.engine = nullptr;
+      Buffer buffer = Buffer::allocate(options.into[k], allocation_size);
+      mine.destination = buffer.span();
+      result.locations[k] = detail::LoadAccess::load(path, mine, files, &names[k]);
+      detail::LoadAccess::adopt(result.locations[k], std::move(buffer));
+    });
+    // Run j occupies one byte range of the layout (runs are contiguous in file order, and so in
+    // the layout): one copy per (reader, other location).
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> range(n, {UINT64_MAX, 0});
+    for (std::size_t i = 0; i < picks.size(); ++i) {
+      auto& [begin, end] = range[run[i]];
+      begin = std::min(begin, picks[i].memory_offset);
+      end = std::max(end, picks[i].memory_offset + picks[i].info->size());
+    }
+    const auto base_of = [&](std::size_t k) {
+      return result.locations[k].tensors().empty() ? nullptr : result.locations[k].tensors().front().data.data - picks.front().memory_offset;
+    };
+    std::atomic<std::uint64_t> copied{0};
+    on_threads(n, [&](std::size_t k) {
+      for (std::size_t j = 0; j < n; ++j) {
+        const auto [begin, end] = range[j];
+        if (j == k || begin >= end) continue;
+        const MemorySpan to{base_of(k) + begin, end - begin, options.into[k]};
+        const MemorySpan from{base_of(j) + begin, end - begin, options.into[j]};
+        copy_memory(to, from);
+        copied += end - begin;
+      }
+    });
+    result.bytes_between_locations = copied;
+    if (base.verify)
+      on_threads(n, [&](std::size_t k) { detail::LoadAccess::verify(result.locations[k], files); });
+  }
+  for (auto& location : result.locations) result.bytes_from_storage += location.stats().bytes;
+  Stats total;
   timer.finish(total);
+  result.seconds = total.seconds;
   return result;
 }
 

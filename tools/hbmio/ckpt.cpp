@@ -17,7 +17,7 @@ namespace {
 namespace st = safetensors;
 
 struct CkptFlags {
-  std::string path, into = "host", backend = "auto", json, names, layout = "single";
+  std::string path, into = "host", backend = "auto", json, names, layout = "single", placement = "shard";
   bool verify = false, no_checksums = false, reuse_memory = false, drop_cache = false;
   unsigned runs = 1;
   // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each
@@ -72,7 +72,58 @@ int run_info(const CkptFlags& f) {
   return 0;
 }
 
+// "cuda:0,1" or "cuda:0,cuda:1" or "host,pinned": a bare number after a cuda location is the next GPU.
+std::vector<MemoryLocation> parse_locations(const std::string& text) {
+  std::vector<MemoryLocation> out;
+  for (const std::string& token : split_names(text)) {
+    const bool number = !token.empty() && std::all_of(token.begin(), token.end(), [](char c) { return c >= '0' && c <= '9'; });
+    out.push_back(number && !out.empty() && out.back().kind == MemoryKind::device ? MemoryLocation::parse("cuda:" + token)
+                                                                                 : MemoryLocation::parse(token));
+  }
+  if (out.empty()) throw Error(errno_code(EINVAL), {.op = "ckpt load"}, "--into names no memory location");
+  return out;
+}
+
+// Several locations: one pipeline each, all at once (load_checkpoint_multi).
+int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) {
+  if (f.placement != "shard" && f.placement != "replicate")
+    throw Error(errno_code(EINVAL), {.op = "ckpt load"}, fmt::format("--placement must be shard or replicate, not '{}'", f.placement));
+  for (const auto& where : into)
+    if (where.kind == MemoryKind::device) Buffer::allocate(where, 1);  // contexts made before timing
+  MultiLoadOptions options{.into = into, .placement = f.placement == "shard" ? Placement::shard : Placement::replicate};
+  options.load.names = split_names(f.names);
+  options.load.verify = f.verify;
+  options.load.backend = f.backend;
+  options.load.engine_options = f.tuning.resolve();
+  const MultiLoadResult r = load_checkpoint_multi(f.path, options);
+  nlohmann::json locations = nlohmann::json::array();
+  for (std::size_t k = 0; k < into.size(); ++k) {
+    const LoadedCheckpoint& c = r.locations[k];
+    std::uint64_t bytes = 0;
+    for (const auto& t : c.tensors()) bytes += t.data.size;
+    locations.push_back({{"into", into[k].to_string()}, {"tensors", c.tensors().size()}, {"tensor_bytes", bytes},
+                         {"bytes_from_storage", c.stats().bytes}, {"verified", c.verified()}, {"stats", to_json(c.stats())}});
+  }
+  const double gib = static_cast<double>(f.placement == "shard" ? r.bytes_from_storage : r.bytes_from_storage * into.size()) / (1 << 30);
+  if (!f.json.empty()) {
+    write_json({{"path", f.path}, {"placement", f.placement}, {"seconds", r.seconds}, {"bytes_from_storage", r.bytes_from_storage},
+                {"bytes_between_locations", r.bytes_between_locations}, {"gib_per_second_delivered", gib / r.seconds},
+                {"locations", locations}},
+               f.json);
+    if (f.json == "-") return 0;
+  }
+  for (const auto& l : locations)
+    fmt::print("  {:<8} {:>6} tensors  {:>12} in memory  {:>12} read from storage{}\n", l["into"].get<std::string>(),
+               l["tensors"].get<std::size_t>(), format_size(l["tensor_bytes"].get<std::uint64_t>()),
+               format_size(l["bytes_from_storage"].get<std::uint64_t>()), l["verified"].get<bool>() ? ", verified" : "");
+  fmt::print("{} into {} location(s): {:.3f} s, {} from storage (each byte once), {} between locations, {:.2f} GiB/s delivered\n",
+             f.placement, into.size(), r.seconds, format_size(r.bytes_from_storage), format_size(r.bytes_between_locations),
+             gib / r.seconds);
+  return 0;
+}
+
 int run_load(const CkptFlags& f) {
+  if (const auto all = parse_locations(f.into); all.size() > 1) return run_load_multi(f, all);
   const MemoryLocation into = MemoryLocation::parse(f.into);
   // One engine for every run: its rings and pinned bounce buffers are set up once, as in a
   // program that loads several checkpoints.
@@ -189,7 +240,14 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
 
   auto* load = ckpt->add_subcommand("load", "Load every tensor (or --names) into memory and report the throughput");
   load->add_option("path", flags->path, path_help)->required();
-  load->add_option("--into", flags->into, "host, pinned or cuda:N")->capture_default_str();
+  load->add_option("--into", flags->into,
+                   "host, pinned or cuda:N; several, comma-separated (cuda:0,1), load with one pipeline each (see --placement)")
+      ->capture_default_str();
+  load->add_option("--placement", flags->placement,
+                   "With several --into locations: shard (each tensor to one location, balanced by bytes) or replicate "
+                   "(every location gets everything; each byte is read from storage once, the rest is copied between "
+                   "locations)")
+      ->capture_default_str();
   load->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
   load->add_option("--names", flags->names, "Comma-separated tensor names to load (default: all)");
   load->add_option("--layout", flags->layout, "single: one allocation, tensors 256-byte aligned; per-tensor: one each")

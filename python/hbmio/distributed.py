@@ -1,0 +1,150 @@
+"""Loads across ranks of a torch.distributed process group: each byte read from storage once.
+
+    hbmio.load_file(path, device=f"cuda:{local_rank}", group=dist.group.WORLD, placement="replicate")
+
+placement="replicate": every rank gets every tensor. The tensors, in file order, are split into one
+contiguous run per rank of about equal bytes; rank k reads run k from storage into its own copy
+of the whole layout, then each run is broadcast from its reader to the others over the group
+(NCCL between GPUs, gloo between CPUs). placement="shard": rank k gets only its run (or the tensors
+`shard_map` assigns it) and nothing moves between ranks.
+
+Failures: every rank reports to the others whether its read worked before any data moves, so a
+rank that cannot read (a missing shard on its node) makes every rank raise hbmio.Error naming
+it, instead of leaving the others waiting in a collective. The group's own timeout bounds the
+wait for a rank that dies outright.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+from . import _hbmio
+
+_ALIGNMENT = 256  # LoadOptions::alignment: the layout must be the one _load_into makes
+
+
+def _align_up(value: int) -> int:
+    return (value + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
+
+
+def _runs(sizes: list[int], world: int) -> list[int]:
+    """Run (rank) of each tensor: contiguous in file order, about equal bytes; a tensor goes to
+    the run its middle byte falls in (load_checkpoint_multi splits the same way)."""
+    total = sum(sizes)
+    out, before = [], 0
+    for i, size in enumerate(sizes):
+        if total == 0:
+            out.append(i * world // max(len(sizes), 1))
+        else:
+            out.append(min(world - 1, (before + size // 2) * world // total))
+        before += size
+    return out
+
+
+def load(path: str, device: str, group, placement: str, shard_map, backend: str, verify: bool, names, report):
+    import torch
+    import torch.distributed as dist
+
+    if placement not in ("replicate", "shard"):
+        raise ValueError(f"placement must be 'replicate' or 'shard', not {placement!r}")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    start = time.perf_counter()
+
+    # 1. Plan (every rank, from its own view of the files) and read this rank's run.
+    error, plan, dest, entries, read = None, None, None, {}, 0
+    try:
+        plan = _hbmio._plan(path, names)
+        sizes = [p[3] for p in plan]
+        run = _runs(sizes, world)
+        if placement == "shard" and shard_map:
+            index = {p[0]: i for i, p in enumerate(plan)}
+            for name, target in shard_map.items():
+                if name not in index:
+                    raise KeyError(f"shard_map names tensor {name!r}, which {path} does not hold")
+                if not 0 <= int(target) < world:
+                    raise ValueError(f"shard_map sends {name!r} to rank {target}, but the group has {world}")
+                run[index[name]] = int(target)
+        mine = [p[0] for p, r in zip(plan, run) if r == rank]
+        counter = _hbmio._Progress()
+        if placement == "shard":
+            if mine:
+                size = _hbmio._load_size(path, mine)
+                dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
+                if dev.type == "cuda":
+                    torch.cuda.current_stream(dev).synchronize()
+                for name, dtype, shape, offset in _hbmio._load_into(path, dest, backend=backend, verify=verify,
+                                                                     names=mine, progress=counter):
+                    entries[name] = (dtype, shape, offset)
+        else:
+            # The whole layout on every rank; this rank's run read into its place in it.
+            offsets, cursor = [], 0
+            for size in sizes:
+                offsets.append(_align_up(cursor))
+                cursor = offsets[-1] + size
+            dest = torch.empty(max(cursor, 1), dtype=torch.uint8, device=dev)
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()
+            if mine:
+                first = offsets[run.index(rank)]  # runs are contiguous: the run starts at its first tensor
+                # verify: each rank checks the run it read, against the file's checksums.
+                got = _hbmio._load_into(path, dest[first:], backend=backend, verify=verify, names=mine, progress=counter)
+                for name, dtype, shape, offset in got:
+                    entries[name] = (dtype, shape, first + offset)
+        read = counter.done
+    except Exception as e:  # reported to every rank below, then raised everywhere
+        error = f"{type(e).__name__}: {e}"
+
+    # 2. Every rank learns whether every other one succeeded, and that all planned the same.
+    digest = None if plan is None else hashlib.sha256(repr([(p[0], p[1], list(p[2]), p[3]) for p in plan]).encode()).hexdigest()
+    states = [None] * world
+    dist.all_gather_object(states, (error, digest, read), group=group)
+    failed = [(r, s[0]) for r, s in enumerate(states) if s[0] is not None]
+    if failed:
+        raise _hbmio.Error("; ".join(f"rank {r}: {msg}" for r, msg in failed))
+    if len({s[1] for s in states}) != 1:
+        raise _hbmio.Error(f"the ranks see different checkpoints at {path!r} (tensor names, dtypes or shapes differ)")
+
+    moved = 0
+    if placement == "replicate":
+        # 3. Each run from its reader to everyone: one broadcast per rank that read something.
+        for src in range(world):
+            members = [i for i, r in enumerate(run) if r == src]
+            if not members:
+                continue
+            lo, hi = offsets[members[0]], offsets[members[-1]] + sizes[members[-1]]
+            dist.broadcast(dest[lo:hi], src=dist.get_global_rank(group, src) if group is not None else src,
+                           group=group)
+            if src != rank:
+                moved += hi - lo
+        for i, p in enumerate(plan):
+            entries.setdefault(p[0], (p[1], p[2], offsets[i]))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - start
+
+    from . import _TORCH_DTYPES  # the same dtype table as the single-process torch path
+    out = {}
+    for p in plan:
+        if p[0] not in entries:
+            continue
+        dtype, shape, offset = entries[p[0]]
+        torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise TypeError(f"tensor {p[0]}: dtype {dtype} has no torch equivalent here")
+        out[p[0]] = dest[offset:offset + p[3]].view(torch_dtype).view(shape)
+
+    if report is not None:
+        totals = [None] * world
+        dist.all_gather_object(totals, (read, moved, seconds), group=group)
+        report.update(
+            rank=rank, world=world, placement=placement, bytes_from_storage=read, bytes_received=moved,
+            seconds=seconds, gib_per_second=(read + moved) / seconds / (1 << 30) if seconds > 0 else 0.0,
+            ranks=[{"rank": r, "bytes_from_storage": t[0], "bytes_received": t[1], "seconds": t[2]}
+                   for r, t in enumerate(totals)],
+            total_bytes_from_storage=sum(t[0] for t in totals),
+            total_bytes_received=sum(t[1] for t in totals),
+            max_seconds=max(t[2] for t in totals))
+    return out
