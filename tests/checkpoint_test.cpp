@@ -498,6 +498,19 @@ TEST(MultiLoad, ShardMapIsObeyedAndChecked) {
   EXPECT_EQ(r.locations[0].find("big"), nullptr);
   options.shard_map = {{"big", 2}};
   EXPECT_THROW(load_checkpoint_multi(path, options), Error);
+  options.shard_map = {{"no-such-tensor", 0}};
+  EXPECT_THROW(load_checkpoint_multi(path, options), Error);
+}
+
+TEST(Checkpoints, AnIndexWithoutShardsIsRefused) {
+  TempDir dir;
+  std::ofstream(dir.file("model.safetensors.index.json")) << R"({"metadata": {}, "weight_map": {}})";
+  try {
+    load_checkpoint(dir.path());
+    ADD_FAILURE() << "an index naming no shard was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("names no shard"), std::string::npos) << e.what();
+  }
 }
 
 // A shard missing from the directory fails every placement with an error naming it, before any

@@ -106,12 +106,15 @@ struct MultiLoadOptions {
   std::vector<MemoryLocation> into;  // at least one; a location may repeat (tests, host memory)
   Placement placement = Placement::shard;
   std::map<std::string, std::size_t> shard_map;  // shard: tensor name -> index into `into`
-  LoadOptions load;  // backend, names, alignment, verify, engine_options, progress (`into` and
-                     // `destination` are ignored; the layout is single_allocation)
+  LoadOptions load;  // backend, names, alignment, verify, engine_options, progress (`into`,
+                     // `destination` and `engine` are ignored: each location makes its own engine;
+                     // the layout is single_allocation)
 };
 
 struct MultiLoadResult {
-  std::vector<LoadedCheckpoint> locations;  // one per MultiLoadOptions::into, in its order
+  // One per MultiLoadOptions::into, in its order. A location that a shard placement gives no
+  // tensor is an empty LoadedCheckpoint (no tensors, no metadata).
+  std::vector<LoadedCheckpoint> locations;
   std::uint64_t bytes_from_storage = 0;      // summed over the locations' reads
   std::uint64_t bytes_between_locations = 0; // replicate: copied from one location to another
   double seconds = 0;

@@ -146,6 +146,10 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
     """Loads into one torch.empty(n, dtype=uint8, device=dev) and returns views of it: on CUDA
     the memory comes from PyTorch's caching allocator, so repeated loads reuse it. None when a
     dtype of the file has no torch equivalent here (the caller then takes the DLPack path)."""
+    # Every dtype must have a torch equivalent here, checked before reading anything.
+    for _, dtype, _, _ in _hbmio._plan(path, names):
+        if not isinstance(getattr(torch, _TORCH_DTYPES.get(dtype, ""), None), torch.dtype):
+            return None
     size = _hbmio._load_size(path, names)
     # max(.., 1): an all-empty checkpoint still needs a real pointer to load "into".
     dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from contextlib import nullcontext as _nullcontext
 
 from . import _hbmio
 
@@ -47,16 +48,22 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
 
     if placement not in ("replicate", "shard"):
         raise ValueError(f"placement must be 'replicate' or 'shard', not {placement!r}")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    start = time.perf_counter()
+    from . import _TORCH_DTYPES  # the same dtype table as the single-process torch path
 
-    # 1. Plan (every rank, from its own view of the files) and read this rank's run.
-    error, plan, dest, entries, read = None, None, None, {}, 0
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    start = time.perf_counter()
+    # Whatever fails on one rank must reach the others through the gather below, never leave
+    # them waiting in a collective: everything up to it runs inside this try.
+    error, plan, dest, entries, read, dev = None, None, None, {}, 0, None
     try:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        # 1. Plan (every rank, from its own view of the files) and read this rank's run.
         plan = _hbmio._plan(path, names)
+        for name, dtype, _, _ in plan:
+            if not isinstance(getattr(torch, _TORCH_DTYPES.get(dtype, ""), None), torch.dtype):
+                raise TypeError(f"tensor {name}: dtype {dtype} has no torch equivalent here")
         sizes = [p[3] for p in plan]
         run = _runs(sizes, world)
         if placement == "shard" and shard_map:
@@ -98,9 +105,12 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
         error = f"{type(e).__name__}: {e}"
 
     # 2. Every rank learns whether every other one succeeded, and that all planned the same.
+    # NCCL stages object collectives on the current device: make it this rank's GPU.
+    on_device = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else _nullcontext()
     digest = None if plan is None else hashlib.sha256(repr([(p[0], p[1], list(p[2]), p[3]) for p in plan]).encode()).hexdigest()
     states = [None] * world
-    dist.all_gather_object(states, (error, digest, read), group=group)
+    with on_device:
+        dist.all_gather_object(states, (error, digest, read), group=group)
     failed = [(r, s[0]) for r, s in enumerate(states) if s[0] is not None]
     if failed:
         raise _hbmio.Error("; ".join(f"rank {r}: {msg}" for r, msg in failed))
@@ -115,8 +125,9 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
             if not members:
                 continue
             lo, hi = offsets[members[0]], offsets[members[-1]] + sizes[members[-1]]
-            dist.broadcast(dest[lo:hi], src=dist.get_global_rank(group, src) if group is not None else src,
-                           group=group)
+            with on_device:
+                dist.broadcast(dest[lo:hi], src=dist.get_global_rank(group, src) if group is not None else src,
+                               group=group)
             if src != rank:
                 moved += hi - lo
         for i, p in enumerate(plan):
@@ -125,20 +136,18 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - start
 
-    from . import _TORCH_DTYPES  # the same dtype table as the single-process torch path
     out = {}
     for p in plan:
-        if p[0] not in entries:
-            continue
-        dtype, shape, offset = entries[p[0]]
-        torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
-        if not isinstance(torch_dtype, torch.dtype):
-            raise TypeError(f"tensor {p[0]}: dtype {dtype} has no torch equivalent here")
-        out[p[0]] = dest[offset:offset + p[3]].view(torch_dtype).view(shape)
+        if p[0] in entries:
+            dtype, shape, offset = entries[p[0]]
+            out[p[0]] = dest[offset:offset + p[3]].view(getattr(torch, _TORCH_DTYPES[dtype])).view(shape)
 
-    if report is not None:
-        totals = [None] * world
+    # Every rank takes part in this gather, whether or not it asked for a report (a report asked
+    # for on one rank only must not leave it waiting for the others).
+    totals = [None] * world
+    with on_device:
         dist.all_gather_object(totals, (read, moved, seconds), group=group)
+    if report is not None:
         report.update(
             rank=rank, world=world, placement=placement, bytes_from_storage=read, bytes_received=moved,
             seconds=seconds, gib_per_second=(read + moved) / seconds / (1 << 30) if seconds > 0 else 0.0,

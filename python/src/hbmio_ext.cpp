@@ -24,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -495,14 +496,19 @@ NB_MODULE(_hbmio, m) {
       nb::gil_scoped_release release;
       files = hbmio::open_checkpoint(path);
     }
+    std::set<std::string> wanted;
+    if (names) wanted.insert(names->begin(), names->end());
     nb::list out;
     for (const auto& f : files)
       for (const auto& t : f.header.tensors)
-        if (!names || std::find(names->begin(), names->end(), t.name) != names->end()) {
+        if (!names || wanted.erase(t.name) > 0) {
           nb::list shape;
           for (auto n : t.shape) shape.append(n);
           out.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, t.size()));
         }
+    if (!wanted.empty())  // as load_checkpoint does for names it cannot find
+      throw hbmio::Error(hbmio::errno_code(ENOENT), {.op = "open checkpoint", .path = path},
+                         "no tensor named '" + *wanted.begin() + "'");
     return out;
   }, nb::arg("path"), nb::arg("names") = nb::none());
 

@@ -30,17 +30,17 @@ def raw(t):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _worker(rank, world, init_file, out_dir, paths, placement, shard_map):
+def _worker(rank, world, init_file, out_dir, paths, placement, shard_map, devices, report_ranks):
     """One rank: load, then write what it got (or the error it raised) as JSON for the parent."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     result = {"rank": rank}
     try:
-        report = {}
-        tensors = hbmio.load_file(paths[rank], device="cpu", framework="torch", group=dist.group.WORLD,
+        report = {} if rank in report_ranks else None
+        tensors = hbmio.load_file(paths[rank], device=devices[rank], framework="torch", group=dist.group.WORLD,
                                   placement=placement, shard_map=shard_map, report=report)
         result["tensors"] = {k: [str(v.dtype), list(v.shape), raw(v).hex()] for k, v in tensors.items()}
-        result["report"] = report
+        result["report"] = report or {}
     except hbmio.Error as e:
         result["error"] = str(e)
     finally:
@@ -48,12 +48,15 @@ def _worker(rank, world, init_file, out_dir, paths, placement, shard_map):
     (pathlib.Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def run_ranks(tmp_path, world, placement, paths=None, shard_map=None):
+def run_ranks(tmp_path, world, placement, paths=None, shard_map=None, devices=None, report_ranks=None):
     import torch.multiprocessing as mp
 
     paths = paths or [str(SHARDED)] * world
+    devices = devices or ["cpu"] * world
+    report_ranks = list(range(world)) if report_ranks is None else report_ranks
     init_file = tmp_path / "pg-init"
-    mp.spawn(_worker, args=(world, str(init_file), str(tmp_path), paths, placement, shard_map), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, str(init_file), str(tmp_path), paths, placement, shard_map, devices, report_ranks),
+             nprocs=world, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -110,3 +113,17 @@ def test_a_failing_rank_fails_every_rank(tmp_path):
     for r in results:
         assert "error" in r, f"rank {r['rank']} did not raise"
         assert "rank 1" in r["error"] and shard.name in r["error"], r["error"]
+
+
+def test_a_rank_that_cannot_allocate_fails_every_rank(tmp_path):
+    # Rank 1 names a device it does not have: its failure happens before any data moves.
+    results = run_ranks(tmp_path, 2, "replicate", devices=["cpu", "meta:0"])
+    for r in results:
+        assert "error" in r and "rank 1" in r["error"], r
+
+
+def test_report_asked_by_one_rank_only_does_not_hang(tmp_path):
+    results = run_ranks(tmp_path, 2, "replicate", report_ranks=[0])
+    assert "error" not in results[0] and "error" not in results[1]
+    assert results[0]["report"]["total_bytes_from_storage"] == tensor_bytes()
+    assert results[1]["report"] == {}

@@ -71,6 +71,7 @@ std::vector<CheckpointFile> open_checkpoint(const std::string& path) {
   // A sharded checkpoint: each shard's header is read and validated, and must hold the tensors
   // the index assigns to it (and only those are loaded from it).
   const st::ShardIndex index = st::read_index(target);
+  if (index.shards.empty()) throw checkpoint_error(EINVAL, target, "the index names no shard (its weight_map is empty)");
   const fs::path dir = fs::path(target).parent_path();
   for (const std::string& shard : index.shards) {
     const std::string shard_path = (dir / shard).string();
@@ -311,6 +312,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
   const std::vector<Pick> picks = pick_tensors(path, files, base, allocation_size);
   std::vector<std::size_t> run = contiguous_runs(picks, n);
   if (options.placement == Placement::shard) {
+    std::size_t mapped = 0;
     for (std::size_t i = 0; i < picks.size(); ++i) {
       const auto it = options.shard_map.find(picks[i].info->name);
       if (it == options.shard_map.end()) continue;
@@ -318,7 +320,12 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
         throw checkpoint_error(EINVAL, path, fmt::format("shard_map sends tensor '{}' to location {}, but there are {}",
                                                          it->first, it->second, n));
       run[i] = it->second;
+      ++mapped;
     }
+    if (mapped != options.shard_map.size())
+      for (const auto& [name, location] : options.shard_map)
+        if (std::none_of(picks.begin(), picks.end(), [&](const Pick& p) { return p.info->name == name; }))
+          throw checkpoint_error(ENOENT, path, fmt::format("shard_map names tensor '{}', which the load does not hold", name));
   }
   std::vector<std::set<std::string>> names(n);
   for (std::size_t i = 0; i < picks.size(); ++i) names[run[i]].insert(picks[i].info->name);
@@ -336,12 +343,14 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
     });
   } else {
     // Every location gets the whole layout; location k reads run k, then copies the others'.
+    std::vector<std::byte*> base_of(n, nullptr);  // each location's copy of the layout
     on_threads(n, [&](std::size_t k) {
       LoadOptions mine = base;
       mine.into = options.into[k];
       mine.engine = nullptr;
       Buffer buffer = Buffer::allocate(options.into[k], allocation_size);
       mine.destination = buffer.span();
+      base_of[k] = buffer.data();
       result.locations[k] = detail::LoadAccess::load(path, mine, files, &names[k]);
       detail::LoadAccess::adopt(result.locations[k], std::move(buffer));
     });
@@ -353,16 +362,13 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
       begin = std::min(begin, picks[i].memory_offset);
       end = std::max(end, picks[i].memory_offset + picks[i].info->size());
     }
-    const auto base_of = [&](std::size_t k) {
-      return result.locations[k].tensors().empty() ? nullptr : result.locations[k].tensors().front().data.data - picks.front().memory_offset;
-    };
     std::atomic<std::uint64_t> copied{0};
     on_threads(n, [&](std::size_t k) {
       for (std::size_t j = 0; j < n; ++j) {
         const auto [begin, end] = range[j];
         if (j == k || begin >= end) continue;
-        const MemorySpan to{base_of(k) + begin, end - begin, options.into[k]};
-        const MemorySpan from{base_of(j) + begin, end - begin, options.into[j]};
+        const MemorySpan to{base_of[k] + begin, end - begin, options.into[k]};
+        const MemorySpan from{base_of[j] + begin, end - begin, options.into[j]};
         copy_memory(to, from);
         copied += end - begin;
       }

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <random>
 #include <map>
+#include <optional>
 #include <set>
 #include <string_view>
 #include <thread>
@@ -51,13 +52,27 @@ void sync_directory(const fs::path& dir, const std::string& target) {
   if (r != 0) throw Error(errno_code(err), {.op = "save", .path = target}, "fsync of its directory");
 }
 
-// Closes `fd` (the replaced checkpoint, already unlinked by the rename) on a thread of its own:
-// the last close frees the file's blocks, which takes the kernel seconds for a large file and
-// need not delay the caller. At process exit the kernel finishes the job itself.
-void release_in_background(int fd) {
-  if (fd < 0) return;
-  std::thread([fd] { ::close(fd); }).detach();
-}
+// The file a save replaces, held (O_PATH: no read permission needed, never blocks on a FIFO)
+// across the rename so that freeing its blocks, which takes the kernel seconds for a large file,
+// happens at our close instead of inside rename(2); the close runs on a thread of its own, so it
+// need not delay the caller either. At process exit the kernel finishes the job itself.
+class ReplacedFile {
+ public:
+  explicit ReplacedFile(const fs::path& target) : fd_(::open(target.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC)) {}
+  ~ReplacedFile() {
+    if (fd_ < 0) return;
+    try {
+      std::thread([fd = fd_] { ::close(fd); }).detach();
+    } catch (...) {  // no thread to be had: close here, the caller waits a little longer
+      ::close(fd_);
+    }
+  }
+  ReplacedFile(const ReplacedFile&) = delete;
+  ReplacedFile& operator=(const ReplacedFile&) = delete;
+
+ private:
+  int fd_;
+};
 
 std::uint64_t expected_size(const TensorToSave& t) {
   std::uint64_t elements = 1;
@@ -114,7 +129,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   const fs::path temp = target.parent_path() / fmt::format("{}{:08x}{:08x}", temp_prefix(target), random(), random());
   auto engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()), options.faults);
   Stats total;
-  int previous = -1;  // the file being replaced, held open across the rename
+  std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
   try {
     {
       File file = File::open(temp.string(), OpenMode::create_new);
@@ -131,19 +146,14 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
         throw Error(errno_code(err), context, "fsync (injected)");
       file.sync();  // throws on failure: never retried, the old checkpoint stays
     }
-    // Replacing a file frees its blocks inside rename(2) when nothing else holds it open: seconds
-    // for a multi-GiB checkpoint on ext4. Holding it open moves that work to the close below,
-    // which runs off the caller's path (release_in_background).
-    previous = ::open(target.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    previous.emplace(target);
     if (::rename(temp.c_str(), target.c_str()) != 0) throw Error(errno_code(errno), context, "rename of the temporary file");
   } catch (...) {
-    if (previous >= 0) ::close(previous);
     std::error_code ec;
     fs::remove(temp, ec);
     throw;
   }
   sync_directory(target.parent_path(), path);
-  release_in_background(previous);
   total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}", tensors.size(),
                            options.checksums ? ", with XXH3-64 checksums" : "");
   timer.finish(total);

@@ -6,7 +6,7 @@
 namespace hbmio::format {
 namespace {
 
-// Thrown from inside the parser callback to stop the parse at the first refused key; caught in
+// Thrown from inside StrictDomBuilder to stop the parse at the first refused key; caught in
 // parse_strict_json and never leaves this file.
 struct StopParse {
   JsonRefusal refusal;
@@ -38,6 +38,8 @@ bool is_continuation(unsigned char byte) noexcept { return (byte & 0xC0) == 0x80
 // closes it walks the whole enclosing object looking for discarded entries, which is quadratic in
 // the number of tensors (3,072 tensors: 40 ms; a 100 MB header of small entries: hours).
 // sax_parse is a template over the handler type, so these non-virtual overloads are the ones called.
+// json_sax_dom_parser is in nlohmann's detail namespace, stable from 3.10 to 3.12 (CMakeLists
+// requires >= 3.10); the fuzz corpus and format tests check the behaviour on each build.
 class StrictDomBuilder : public nlohmann::detail::json_sax_dom_parser<nlohmann::json> {
   using Base = nlohmann::detail::json_sax_dom_parser<nlohmann::json>;
 

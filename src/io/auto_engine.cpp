@@ -28,6 +28,9 @@ class AutoEngine final : public Engine {
   std::string_view name() const noexcept override { return "auto"; }
 
   Stats submit(const IoRequest& request) override {
+    // A request without a file is refused here (EBADF) rather than dereferenced below; every
+    // other check is the serving engine's, whose name the error then carries.
+    if (request.file == nullptr) validate_request(request, name());
     std::string reasons;
     if (request.memory.kind() == MemoryKind::device && request.memory.size > 0) {
       const CufileVerdict verdict = cufile_verdict(*request.file);
@@ -50,6 +53,8 @@ class AutoEngine final : public Engine {
   // A batch goes whole to uring (or posix) unless one of its requests would go to cufile by DMA;
   // then each request takes its own path.
   Stats submit_batch(std::span<const IoRequest> requests) override {
+    for (const IoRequest& request : requests)
+      if (request.file == nullptr) validate_request(request, name());  // EBADF, not a crash below
     bool device = false;
     const File* checked = nullptr;  // requests of one file come in runs: ask cuFile once per run
     for (const IoRequest& request : requests) {

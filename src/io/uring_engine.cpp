@@ -531,8 +531,19 @@ class Worker {
     op.done += static_cast<std::size_t>(result);
     if (op.done < op.needed) {
       // Short transfer: go on from where it stopped. O_DIRECT cannot resume at an unaligned
-      // position, so such a remainder continues through the page cache.
+      // position. A read's remainder continues through the page cache; a write's becomes an edge,
+      // written after the job's direct writes (never beside them: see start_next_piece).
       if (op.direct && op.done % std::max<std::size_t>(part.alignment, 1) != 0) {
+        if (!read) {
+          {
+            std::lock_guard lock(job_->edges_mutex);
+            job_->edges.push_back({&part, op.file_pos + op.done, op.file_pos + op.length});
+          }
+          op.wanted -= op.length - op.done;  // write_edges counts those bytes
+          finish_piece(op);
+          free_ops_.push_back(static_cast<int>(index));
+          return;
+        }
         op.direct = false;
         op.fd = part.request->file->fd();
       }
@@ -687,10 +698,10 @@ class UringEngine final : public Engine {
         cuda::memcpy_sync(staging.data(), source, n, context);
         source = staging.data();
       }
-      for (std::size_t done = 0; done < n;) {
+      for (std::size_t done = 0, retries = 0; done < n;) {
         const ssize_t r = ::pwrite(request.file->fd(), source + done, n - done, static_cast<off_t>(edge.begin + done));
         const long long result = inject_io(faults_.get(), r < 0 ? -errno : r, n - done, "pwrite (unaligned edge)");
-        if (result == -EINTR || result == -EAGAIN) continue;
+        if ((result == -EINTR || result == -EAGAIN) && ++retries <= kMaxRetries) continue;
         if (result < 0) throw Error(errno_code(static_cast<int>(-result)), context, "write of an unaligned edge");
         if (result == 0) throw Error(errno_code(ENOSPC), context, "write made no progress");
         done += static_cast<std::size_t>(result);
