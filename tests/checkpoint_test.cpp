@@ -164,6 +164,18 @@ void round_trip(MemoryLocation where, const std::string& backend) {
     }
   }
   EXPECT_EQ(to_host(mine.span()).back(), std::byte{0x5A});
+  // plan_load says where each tensor lands: exactly where the load put it.
+  {
+    const LoadedCheckpoint again = load_checkpoint(path, reuse);
+    const auto plan = plan_load(path, into_mine);
+    ASSERT_EQ(plan.size(), again.tensors().size());
+    for (std::size_t i = 0; i < plan.size(); ++i) {
+      EXPECT_EQ(plan[i].name, again.tensors()[i].name);
+      EXPECT_EQ(plan[i].size, again.tensors()[i].data.size);
+      if (plan[i].size > 0) EXPECT_EQ(plan[i].memory_offset, static_cast<std::uint64_t>(again.tensors()[i].data.data - mine.data()));
+    }
+    EXPECT_EQ(plan.back().memory_offset + plan.back().size, need);
+  }
   reuse.destination = mine.span().subspan(0, need - 1);
   try {
     load_checkpoint(path, reuse);

@@ -125,6 +125,18 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
 // LoadOptions::destination): the chosen tensors, each aligned to options.alignment.
 std::uint64_t load_size(const std::string& path, const LoadOptions& options = {});
 
+// Where load_checkpoint(path, options) puts each chosen tensor in its single allocation, in the
+// order it reads them (file order): for callers that divide a load among processes and must
+// agree on the layout (the Python package's distributed loads).
+struct PlannedTensor {
+  std::string name;
+  safetensors::Dtype dtype = safetensors::Dtype::U8;
+  std::vector<std::uint64_t> shape;
+  std::uint64_t size = 0;           // bytes
+  std::uint64_t memory_offset = 0;  // in the allocation
+};
+std::vector<PlannedTensor> plan_load(const std::string& path, const LoadOptions& options = {});
+
 struct TensorToSave {
   std::string name;
   safetensors::Dtype dtype = safetensors::Dtype::U8;

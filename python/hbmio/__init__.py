@@ -147,7 +147,7 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
     the memory comes from PyTorch's caching allocator, so repeated loads reuse it. None when a
     dtype of the file has no torch equivalent here (the caller then takes the DLPack path)."""
     # Every dtype must have a torch equivalent here, checked before reading anything.
-    for _, dtype, _, _ in _hbmio._plan(path, names):
+    for _, dtype, _, _, _ in _hbmio._plan(path, names):
         if not isinstance(getattr(torch, _TORCH_DTYPES.get(dtype, ""), None), torch.dtype):
             return None
     size = _hbmio._load_size(path, names)

@@ -21,13 +21,6 @@ from contextlib import nullcontext as _nullcontext
 
 from . import _hbmio
 
-_ALIGNMENT = 256  # LoadOptions::alignment: the layout must be the one _load_into makes
-
-
-def _align_up(value: int) -> int:
-    return (value + _ALIGNMENT - 1) // _ALIGNMENT * _ALIGNMENT
-
-
 def _runs(sizes: list[int], world: int) -> list[int]:
     """Run (rank) of each tensor: contiguous in file order, about equal bytes; a tensor goes to
     the run its middle byte falls in (load_checkpoint_multi splits the same way)."""
@@ -61,7 +54,7 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
             dev = torch.device("cuda", torch.cuda.current_device())
         # 1. Plan (every rank, from its own view of the files) and read this rank's run.
         plan = _hbmio._plan(path, names)
-        for name, dtype, _, _ in plan:
+        for name, dtype, _, _, _ in plan:
             if not isinstance(getattr(torch, _TORCH_DTYPES.get(dtype, ""), None), torch.dtype):
                 raise TypeError(f"tensor {name}: dtype {dtype} has no torch equivalent here")
         sizes = [p[3] for p in plan]
@@ -86,16 +79,17 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
                                                                      names=mine, progress=counter):
                     entries[name] = (dtype, shape, offset)
         else:
-            # The whole layout on every rank; this rank's run read into its place in it.
-            offsets, cursor = [], 0
-            for size in sizes:
-                offsets.append(_align_up(cursor))
-                cursor = offsets[-1] + size
-            dest = torch.empty(max(cursor, 1), dtype=torch.uint8, device=dev)
+            # The whole layout on every rank (the library's, from _plan); this rank's run read
+            # into its place in it.
+            offsets = [p[4] for p in plan]
+            end = offsets[-1] + sizes[-1] if plan else 0
+            dest = torch.empty(max(end, 1), dtype=torch.uint8, device=dev)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
             if mine:
-                first = offsets[run.index(rank)]  # runs are contiguous: the run starts at its first tensor
+                # Runs are contiguous: the run starts at its first tensor. Its own layout, shifted by
+                # that (aligned) offset, is the whole layout's.
+                first = offsets[run.index(rank)]
                 # verify: each rank checks the run it read, against the file's checksums.
                 got = _hbmio._load_into(path, dest[first:], backend=backend, verify=verify, names=mine, progress=counter)
                 for name, dtype, shape, offset in got:
@@ -107,7 +101,7 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
     # 2. Every rank learns whether every other one succeeded, and that all planned the same.
     # NCCL stages object collectives on the current device: make it this rank's GPU.
     on_device = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else _nullcontext()
-    digest = None if plan is None else hashlib.sha256(repr([(p[0], p[1], list(p[2]), p[3]) for p in plan]).encode()).hexdigest()
+    digest = None if plan is None else hashlib.sha256(repr([(p[0], p[1], list(p[2]), p[3], p[4]) for p in plan]).encode()).hexdigest()
     states = [None] * world
     with on_device:
         dist.all_gather_object(states, (error, digest, read), group=group)

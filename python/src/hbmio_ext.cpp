@@ -489,26 +489,22 @@ NB_MODULE(_hbmio, m) {
   }, nb::arg("path"), nb::arg("names") = nb::none());
 
   m.def("_plan", [](const std::string& path, std::optional<std::vector<std::string>> names) {
-    // The tensors a load takes, in the order it lays them out: [(name, dtype, shape, bytes)].
-    // Distributed loads split this list among ranks (hbmio/distributed.py).
-    std::vector<hbmio::CheckpointFile> files;
+    // The tensors a load takes, in the order it lays them out, and where each lands in the single
+    // allocation: [(name, dtype, shape, bytes, offset)]. Distributed loads split this list among
+    // ranks (hbmio/distributed.py) and must agree on the layout: it comes from here, not a copy.
+    hbmio::LoadOptions options;
+    if (names) options.names = std::move(*names);
+    std::vector<hbmio::PlannedTensor> plan;
     {
       nb::gil_scoped_release release;
-      files = hbmio::open_checkpoint(path);
+      plan = hbmio::plan_load(path, options);  // ENOENT for a name it does not hold
     }
-    std::set<std::string> wanted;
-    if (names) wanted.insert(names->begin(), names->end());
     nb::list out;
-    for (const auto& f : files)
-      for (const auto& t : f.header.tensors)
-        if (!names || wanted.erase(t.name) > 0) {
-          nb::list shape;
-          for (auto n : t.shape) shape.append(n);
-          out.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, t.size()));
-        }
-    if (!wanted.empty())  // as load_checkpoint does for names it cannot find
-      throw hbmio::Error(hbmio::errno_code(ENOENT), {.op = "open checkpoint", .path = path},
-                         "no tensor named '" + *wanted.begin() + "'");
+    for (const auto& t : plan) {
+      nb::list shape;
+      for (auto n : t.shape) shape.append(n);
+      out.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, t.size, t.memory_offset));
+    }
     return out;
   }, nb::arg("path"), nb::arg("names") = nb::none());
 

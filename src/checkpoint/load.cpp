@@ -138,6 +138,15 @@ std::vector<Pick> pick_tensors(const std::string& path, const std::vector<Checkp
 
 }  // namespace
 
+std::vector<PlannedTensor> plan_load(const std::string& path, const LoadOptions& options) {
+  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  std::uint64_t size = 0;
+  std::vector<PlannedTensor> out;
+  for (const Pick& p : pick_tensors(path, files, options, size))
+    out.push_back({p.info->name, p.info->dtype, p.info->shape, p.info->size(), p.memory_offset});
+  return out;
+}
+
 std::uint64_t load_size(const std::string& path, const LoadOptions& options) {
   std::uint64_t size = 0;
   pick_tensors(path, open_checkpoint(path), options, size);
