@@ -14,10 +14,10 @@ with and without `--reuse-memory`; the peers in this process (torch's caching al
 their device memory between runs, which `--reuse-memory` gives hbmio).
 One JSON line per measurement on stdout and in --json.
 """
-import argparse, gc, json, os, statistics, subprocess, sys, time
+import argparse, gc, json, os, statistics, subprocess, sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import drop_cache  # noqa: E402
+from measure import drop_cache, json_lines  # noqa: E402
 import safetensors_peers as sp  # noqa: E402
 
 GIB = 1 << 30
@@ -63,13 +63,7 @@ def main():
     torch.cuda.synchronize()
     peers = [s.strip() for s in a.peers.split(",") if s.strip()]
 
-    def emit(rec):
-        rec.update(file=a.file, bytes=size, device=a.device)
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(line + "\n")
+    emit = json_lines(a.json, file=a.file, bytes=size, device=a.device)
 
     def peer_once(name, mode, check):
         a.runs = 1

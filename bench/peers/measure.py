@@ -1,5 +1,6 @@
 """What every peer script needs to measure the same way hbmio bench does: process CPU time and
 an emptied page cache before a cold run."""
+import json
 import os
 import resource
 import subprocess
@@ -21,3 +22,16 @@ def drop_cache(path):
         with open(path, "rb") as f:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         return "fadvise_dontneed"
+
+
+def json_lines(path=None, **fields):
+    """A function that prints one record as a JSON line (with `fields` added) and appends it to
+    `path` when given: how every peer script reports."""
+    def emit(rec):
+        rec.update(fields)
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if path:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+    return emit

@@ -8,10 +8,10 @@ Save (from cuda:N tensors, durable): hbmio.save_file (checksums on, fsync + rena
 fsync inside) against safetensors.torch.save_file followed by os.fsync of the file, each onto a
 new name, alternating. One JSON line per measurement on stdout and in --json.
 """
-import argparse, gc, json, os, statistics, sys, time
+import argparse, gc, os, statistics, sys, time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from measure import cpu_seconds, drop_cache  # noqa: E402
+from measure import cpu_seconds, drop_cache, json_lines  # noqa: E402
 
 GIB = 1 << 30
 
@@ -33,13 +33,7 @@ def main():
     torch.zeros(1, device=a.device)
     torch.cuda.synchronize()
 
-    def emit(rec):
-        rec.update(file=a.file, bytes=size, device=a.device)
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(line + "\n")
+    emit = json_lines(a.json, file=a.file, bytes=size, device=a.device)
 
     def as_torch(d):
         return {k: (v if isinstance(v, torch.Tensor) else torch.from_dlpack(v)) for k, v in d.items()}

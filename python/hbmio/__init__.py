@@ -146,31 +146,27 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
     """Loads into one torch.empty(n, dtype=uint8, device=dev) and returns views of it: on CUDA
     the memory comes from PyTorch's caching allocator, so repeated loads reuse it. None when a
     dtype of the file has no torch equivalent here (the caller then takes the DLPack path)."""
-    # Every dtype must have a torch equivalent here, checked before reading anything.
-    for _, dtype, _, _, _ in _hbmio._plan(path, names):
-        if not isinstance(getattr(torch, _TORCH_DTYPES.get(dtype, ""), None), torch.dtype):
-            return None
-    size = _hbmio._load_size(path, names)
+    # One look at the headers gives everything: each tensor's dtype (every one must have a torch
+    # equivalent, checked before reading), its bytes, and where it lands.
+    plan = _hbmio._plan(path, names)
+    torch_dtypes = {name: getattr(torch, _TORCH_DTYPES.get(dtype, ""), None) for name, dtype, _, _, _ in plan}
+    if not all(isinstance(d, torch.dtype) for d in torch_dtypes.values()):
+        return None
+    nbytes_of = {name: nbytes for name, _, _, nbytes, _ in plan}
+    size = plan[-1][4] + plan[-1][3] if plan else 0
     # max(.., 1): an all-empty checkpoint still needs a real pointer to load "into".
     dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
     if dev.type == "cuda":
         # The caching allocator may hand out a block freed by work still queued on the current
         # stream; hbmio's copies run on streams of its own, so let that work finish first.
         torch.cuda.current_stream(dev).synchronize()
-    total = _hbmio._tensor_bytes(path, names) if progress else 0
-    with _ProgressBar(total, progress) as bar:
+    with _ProgressBar(sum(nbytes_of.values()), progress) as bar:
         entries = _hbmio._load_into(path, dest, backend=backend, verify=verify, names=names, progress=bar.counter)
     out = {}
-    for name, dtype, shape, offset in entries:
-        torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
-        if not isinstance(torch_dtype, torch.dtype):
-            return None
-        nbytes = torch_dtype.itemsize
-        for n in shape:
-            nbytes *= n
+    for name, _, shape, offset in entries:
         # Slice, reinterpret, reshape: views of `dest`, which every tensor keeps alive. Offsets
         # are multiples of 256, so every view(dtype) is aligned; shape [] gives a scalar.
-        out[name] = dest[offset:offset + nbytes].view(torch_dtype).view(shape)
+        out[name] = dest[offset:offset + nbytes_of[name]].view(torch_dtypes[name]).view(shape)
     return out
 
 

@@ -45,11 +45,6 @@ std::uint64_t hash_span(MemorySpan data, Buffer& staging) {
 
 }  // namespace
 
-std::uint64_t xxh3_of(MemorySpan data) {
-  Buffer staging;
-  return hash_span(data, staging);
-}
-
 std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans) {
   std::vector<std::uint64_t> result(spans.size());
   std::atomic<std::size_t> next{0};

@@ -16,10 +16,9 @@ namespace hbmio::detail {
 inline constexpr const char* kChecksumAlgorithmKey = "hbmio.checksum";  // value "xxh3-64"
 
 bool has_checksums(const std::map<std::string, std::string>& metadata);
-// XXH3-64 of a span of any memory kind (device memory is copied to the host piece by piece).
-std::uint64_t xxh3_of(MemorySpan data);
-// xxh3_of() of each span, on several threads (one tensor per thread at a time): a checkpoint of
-// many tensors hashes at memory speed rather than one core's XXH3 rate.
+// XXH3-64 of each span, of any memory kind (device memory is copied to the host piece by piece),
+// on several threads (one tensor per thread at a time): a checkpoint of many tensors hashes at
+// memory speed rather than one core's XXH3 rate.
 std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans);
 std::string to_hex(std::uint64_t value);
 // nullopt when the stored checksum of `tensor` equals `computed`, else the message naming the
