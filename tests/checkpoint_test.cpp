@@ -514,6 +514,35 @@ TEST(MultiLoad, ShardMapIsObeyedAndChecked) {
   EXPECT_THROW(load_checkpoint_multi(path, options), Error);
 }
 
+// Engines the caller keeps serve one load after another (each location its own); a list of the
+// wrong length or with an engine twice is refused before anything is read.
+TEST(MultiLoad, CallerEnginesAreReusedAndChecked) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string path = multi::sharded_sample(dir, sample);
+  auto a = make_engine("uring", Options{}), b = make_engine("uring", Options{});
+  for (Placement placement : {Placement::shard, Placement::replicate, Placement::shard}) {
+    MultiLoadOptions options{.into = {{MemoryKind::host}, {MemoryKind::pinned}}, .placement = placement};
+    options.engines = {a.get(), b.get()};
+    options.load.verify = true;
+    const MultiLoadResult r = load_checkpoint_multi(path, options);
+    EXPECT_EQ(r.bytes_from_storage, multi::bytes_of(sample));
+    for (const auto& location : r.locations)
+      for (const auto& t : location.tensors()) {
+        const auto it = std::find_if(sample.tensors.begin(), sample.tensors.end(), [&](const TensorToSave& s) { return s.name == t.name; });
+        ASSERT_NE(it, sample.tensors.end()) << t.name;
+        EXPECT_EQ(first_mismatch(to_host(t.data), sample.bytes[static_cast<std::size_t>(it - sample.tensors.begin())]), -1) << t.name;
+      }
+  }
+  MultiLoadOptions bad{.into = {{MemoryKind::host}, {MemoryKind::host}}};
+  bad.engines = {a.get()};
+  EXPECT_THROW(load_checkpoint_multi(path, bad), Error);
+  bad.engines = {a.get(), a.get()};
+  EXPECT_THROW(load_checkpoint_multi(path, bad), Error);
+  bad.engines = {a.get(), nullptr};
+  EXPECT_THROW(load_checkpoint_multi(path, bad), Error);
+}
+
 TEST(Checkpoints, AnIndexWithoutShardsIsRefused) {
   TempDir dir;
   std::ofstream(dir.file("model.safetensors.index.json")) << R"({"metadata": {}, "weight_map": {}})";

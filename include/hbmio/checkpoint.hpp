@@ -107,8 +107,11 @@ struct MultiLoadOptions {
   Placement placement = Placement::shard;
   std::map<std::string, std::size_t> shard_map;  // shard: tensor name -> index into `into`
   LoadOptions load;  // backend, names, alignment, verify, engine_options, progress (`into`,
-                     // `destination` and `engine` are ignored: each location makes its own engine;
-                     // the layout is single_allocation)
+                     // `destination` and `engine` are ignored; the layout is single_allocation)
+  // Optional: one engine per location (same order as `into`, each used by one pipeline), kept
+  // by the caller across loads so rings and pinned buffers are set up once. Empty: each location
+  // makes its own engine for this load. Engines serve one request at a time: no two may be the same.
+  std::vector<Engine*> engines;
 };
 
 struct MultiLoadResult {

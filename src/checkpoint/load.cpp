@@ -313,6 +313,14 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
   detail::TransferTimer timer;
   const std::size_t n = options.into.size();
   if (n == 0) throw checkpoint_error(EINVAL, path, "no memory location to load into");
+  if (!options.engines.empty()) {
+    if (options.engines.size() != n)
+      throw checkpoint_error(EINVAL, path, fmt::format("{} engines given for {} locations", options.engines.size(), n));
+    std::set<Engine*> distinct(options.engines.begin(), options.engines.end());
+    if (distinct.size() != n || distinct.contains(nullptr))
+      throw checkpoint_error(EINVAL, path, "each location needs an engine of its own (an engine serves one request at a time)");
+  }
+  auto engine_of = [&](std::size_t k) { return options.engines.empty() ? nullptr : options.engines[k]; };
   const std::vector<CheckpointFile> files = open_checkpoint(path);
   LoadOptions base = options.load;
   base.layout = TensorLayout::single_allocation;
@@ -347,7 +355,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
       LoadOptions mine = base;
       mine.into = options.into[k];
       mine.names.assign(names[k].begin(), names[k].end());
-      mine.engine = nullptr;  // an engine serves one request at a time: each pipeline has its own
+      mine.engine = engine_of(k);  // an engine serves one request at a time: each pipeline has its own
       if (!mine.names.empty()) result.locations[k] = detail::LoadAccess::load(path, mine, files, nullptr);
     });
   } else {
@@ -356,7 +364,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
     on_threads(n, [&](std::size_t k) {
       LoadOptions mine = base;
       mine.into = options.into[k];
-      mine.engine = nullptr;
+      mine.engine = engine_of(k);
       Buffer buffer = Buffer::allocate(options.into[k], allocation_size);
       mine.destination = buffer.span();
       base_of[k] = buffer.data();
