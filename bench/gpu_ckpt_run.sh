@@ -9,9 +9,11 @@
 #   save     6 GiB (48 x 128 MiB BF16) saved from GPU memory, durable, beside the O_DIRECT write
 #            ceiling (`hbmio bench --write`); also writes the W2 files the load stage reads
 #   load     W2 loads into cuda:0, interleaved with the O_DIRECT ceiling and the peers
-#            (bench/peers/ckpt_compare.py)
+#            (bench/peers/ckpt_compare.py; load-big / load-small: one file; env ROUNDS (3),
+#            VARIANTS: "label=flags;..." engine tunings measured as further contenders)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
-#   multi    two GPUs (nvidia-h200-x2): --into cuda:0,1 both placements, and torchrun with NCCL
+#   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
+#            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py)
 # Binaries and fixtures come prebuilt in .gpu/ (scripts/package-gpu-run.sh); results go to $OUT.
 #   usage: bench/gpu_ckpt_run.sh STAGE...
 set -uo pipefail
@@ -27,6 +29,19 @@ install_wheels() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl
   fi
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+}
+
+# The Python package, built here once per machine (headers and static libraries from .gpu/deps).
+build_python() {
+  [ -f /tmp/pysite/hbmio/__init__.py ] && return 0
+  log "build the Python package here"
+  # CMAKE_PREFIX_PATH set here replaces scikit-build-core's own, so nanobind is named directly.
+  local nanobind_dir
+  nanobind_dir=$(python3 -c 'import nanobind; print(nanobind.cmake_dir())') || { echo "no nanobind here"; return 1; }
+  python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/pysite \
+    -C cmake.define.CMAKE_PREFIX_PATH="$BIN/deps" -C cmake.define.nanobind_DIR="$nanobind_dir" \
+    -C build-dir=/tmp/pybuild . >"$OUT/python-build.log" 2>&1 \
+    || { echo "build failed:"; tail -30 "$OUT/python-build.log"; rm -rf /tmp/pysite; return 1; }
 }
 
 for stage in "$@"; do
@@ -53,14 +68,7 @@ doctor)
   CUFILE_EXPERIMENTAL_FS=1 bash tests/doctor_live_test.sh "$BIN/hbmio"
   ;;
 python)
-  log "build the Python package here"
-  rm -rf /tmp/pysite
-  # CMAKE_PREFIX_PATH set here replaces scikit-build-core's own, so nanobind is named directly.
-  nanobind_dir=$(python3 -c 'import nanobind; print(nanobind.cmake_dir())') || { echo "no nanobind here"; continue; }
-  python3 -m pip install -q --no-build-isolation --no-deps --no-index --target /tmp/pysite \
-    -C cmake.define.CMAKE_PREFIX_PATH="$BIN/deps" -C cmake.define.nanobind_DIR="$nanobind_dir" \
-    -C build-dir=/tmp/pybuild . >"$OUT/python-build.log" 2>&1 \
-    || { echo "build failed:"; tail -30 "$OUT/python-build.log"; continue; }
+  build_python || continue
   log "Python tests (GPU included)"
   install_wheels
   (cd /tmp && PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests" 2>&1 | tail -15)
@@ -77,45 +85,47 @@ save)
   "$BIN/hbmio" ckpt save $W2/small.safetensors --count 3072 --tensor-size 2MiB --from cuda:0 --json - | tee -a "$OUT/save.jsonl" |
     python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"save 3072 x 2 MiB: {s['seconds']:.3f} s, {s['gib_per_second']:.2f} GiB/s\")"
   ;;
-load)
-  install_wheels
-  for f in big small; do
-    peers=safetensors,fastsafetensors,runai
-    [ $f = small ] && peers=safetensors
+load|load-big|load-small)
+  # load: both files; every peer (hbmio's Python package among them), cold and warm, with the
+  # engine variants of $VARIANTS (label=flags;...) as further contenders.
+  install_wheels; build_python
+  files="big small"; [ $stage = load-big ] && files=big; [ $stage = load-small ] && files=small
+  vargs=(); IFS=';' read -ra vs <<<"${VARIANTS:-}"; for v in "${vs[@]}"; do [ -n "$v" ] && vargs+=(--variant "$v"); done
+  for f in $files; do
     log "load $f.safetensors into cuda:0: interleaved cold rounds, then warm"
-    mode=both; [ $f = small ] && mode=warm
-    python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" --rounds 3 --mode $mode --peers $peers \
-      --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-400
+    PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" \
+      --rounds "${ROUNDS:-3}" --mode both --peers safetensors,fastsafetensors,runai,hbmio.load_file "${vargs[@]}" \
+      --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-300
   done
   ;;
 pybench)
-  install_wheels
+  install_wheels; build_python
   log "Python: hbmio.load_file vs safetensors.torch.load_file"
   PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/py_compare.py $W2/big.safetensors --json "$OUT/py.jsonl" 2>&1 | cut -c1-400
   ;;
 multi)
-  # Two GPUs (nvidia-h200-x2): one checkpoint into both, each placement, C++ and torchrun.
-  install_wheels
+  # Two GPUs (nvidia-h200-x2): a 12 GiB sharded checkpoint into both, each placement; C++
+  # (--into cuda:0,1) and torchrun with NCCL beside fastsafetensors' own distribution
+  # (bench/peers/multi_compare.py), from the page cache.
+  install_wheels; build_python
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  mkdir -p $W2
-  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
-  "$BIN/checkpoint_tests" --gtest_brief=1 --gtest_filter='GpuMultiLoad.*' 2>&1 | tail -3
-  cat $W2/big.safetensors >/dev/null
+  M=/var/tmp/m12
+  [ -f $M/model.safetensors.index.json ] || "$BIN/hbmio" ckpt save $M --max-shard-size 3GiB --count 96 --tensor-size 128MiB --from cuda:0 | tail -1
+  log "checkpoint GPU tests across devices"
+  "$BIN/checkpoint_tests" --gtest_brief=1 --gtest_filter='GpuMultiLoad.*:MultiLoad.*' 2>&1 | tail -3
+  cat $M/*.safetensors >/dev/null
+  log "hbmio ckpt load 12 GiB --into cuda:0 (one GPU), warm, 5 runs"
+  "$BIN/hbmio" ckpt load $M --into cuda:0 --runs 5 --json "$OUT/multi-single.json" >/dev/null
+  python3 -c "import json; j=json.load(open('$OUT/multi-single.json')); print('cuda:0 median', round(j['median_seconds'],3), 's', round(j['median_gib_per_second'],2), 'GiB/s', j['stats']['note'][:200])"
   for p in shard replicate; do
-    log "hbmio ckpt load --into cuda:0,1 --placement $p (warm)"
-    "$BIN/hbmio" ckpt load $W2/big.safetensors --into cuda:0,1 --placement $p --verify --json "$OUT/multi-$p.json" | tail -3
+    log "hbmio ckpt load 12 GiB --into cuda:0,1 --placement $p, warm, 5 runs (and once with --verify)"
+    "$BIN/hbmio" ckpt load $M --into cuda:0,1 --placement $p --runs 5 --json "$OUT/multi-$p.json" >/dev/null
+    python3 -c "import json; j=json.load(open('$OUT/multi-$p.json')); print('$p median', round(j['median_seconds'],3), 's', round(j['median_gib_per_second_delivered'],2), 'GiB/s delivered, runs', [round(x,3) for x in j['run_seconds']])"
+    "$BIN/hbmio" ckpt load $M --into cuda:0,1 --placement $p --verify | tail -3
   done
-  log "torchrun, 2 ranks, NCCL"
-  cat > /tmp/multi.py <<'PY'
-import os, torch, torch.distributed as dist, hbmio, json, sys
-dist.init_process_group("nccl"); r = dist.get_rank(); torch.cuda.set_device(r)
-for placement in ("replicate", "shard"):
-    rep = {}
-    t = hbmio.load_file(sys.argv[1], device=f"cuda:{r}", group=dist.group.WORLD, placement=placement, report=rep)
-    if r == 0: print(placement, json.dumps({k: v for k, v in rep.items() if k != "ranks"}))
-dist.destroy_process_group()
-PY
-  PYTHONPATH=/tmp/pysite:$PYTHONPATH torchrun --nproc-per-node 2 /tmp/multi.py $W2/big.safetensors 2>&1 | tail -5
+  log "torchrun, 2 ranks, NCCL: hbmio.load_file(group=...) vs fastsafetensors"
+  PYTHONPATH=/tmp/pysite:$PYTHONPATH torchrun --nproc-per-node 2 bench/peers/multi_compare.py $M --runs 5 \
+    --json "$OUT/multi-torchrun.jsonl" 2>&1 | grep -v '^W\|^\s*$' | cut -c1-400 | tail -20
   ;;
 *) echo "unknown stage $stage" ;;
 esac

@@ -7,8 +7,12 @@ each, the order rotated round by round, so a drift of the disk (a shared virtio 
   ceiling   `hbmio read FILE --into pinned --backend uring --direct-io on`: the O_DIRECT disk rate
   hbmio     `hbmio ckpt load FILE --into cuda:N --runs 2 --drop-cache`: the second load (a load in a
             running program, like the peers'); the first (fresh process) is reported beside it
-  peers     safetensors, fastsafetensors, runai (bench/peers/safetensors_peers.py: each as its
-            documentation recommends for speed; every tensor checked against a CPU load once)
+  peers     safetensors, fastsafetensors, runai, hbmio.load_file (bench/peers/safetensors_peers.py:
+            each as its documentation recommends for speed; every tensor checked against a CPU load
+            once; each loads the file once, untimed, before the first round, so that no peer pays
+            its first-use set-up in a cold round)
+  variants  --variant LABEL=ARGS: `hbmio ckpt load` with extra tuning flags (e.g.
+            "bb8=--bounce-buffers 8"), cold and warm, as further contenders
 Warm: each contender's median of W loads from the page cache: hbmio with `--runs W` (one engine),
 with and without `--reuse-memory`; the peers in this process (torch's caching allocator keeps
 their device memory between runs, which `--reuse-memory` gives hbmio).
@@ -29,7 +33,8 @@ def run_json(cmd):
 
 
 def hbmio_load(a, extra=()):
-    j = run_json([a.hbmio, "ckpt", "load", a.file, "--into", a.device, "--json", "-", *extra])
+    into = "host" if a.device == "cpu" else a.device  # cpu: a dry run of this script without a GPU
+    j = run_json([a.hbmio, "ckpt", "load", a.file, "--into", into, "--json", "-", *extra])
     return j
 
 
@@ -43,8 +48,11 @@ def main():
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--mode", choices=["cold", "warm", "both"], default="both")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                   help="also measure `hbmio ckpt load` with these extra flags, e.g. 'bb8=--bounce-buffers 8'")
     p.add_argument("--json")
     a = p.parse_args()
+    variants = {f"hbmio {v.split('=', 1)[0]}": v.split("=", 1)[1].split() for v in a.variant}
     a.runs = 1
     os.environ.setdefault("RUNAI_STREAMER_CONCURRENCY", str(a.threads))
     try:
@@ -60,7 +68,8 @@ def main():
     gc.collect()
     ref_bytes = sum(t.numel() * t.element_size() for t in ref.values())
     torch.zeros(1, device=a.device)
-    torch.cuda.synchronize()
+    if a.device != "cpu":
+        torch.cuda.synchronize()
     peers = [s.strip() for s in a.peers.split(",") if s.strip()]
 
     emit = json_lines(a.json, file=a.file, bytes=size, device=a.device)
@@ -73,7 +82,16 @@ def main():
         return rec
 
     if a.mode in ("cold", "both"):
-        contenders = ["ceiling", "hbmio", *peers]
+        for c in peers:  # first-use set-up (imports, engines, allocators) outside the rounds
+            try:
+                module, fn, _ = sp.PEERS[c]
+                __import__(module)
+                sp.touch(torch, fn(a.file, a.device, a.threads), a.device)
+            except Exception as e:
+                emit(dict(contender=c, mode="warm-up", error=f"{type(e).__name__}: {e}"))
+            gc.collect()
+            torch.cuda.empty_cache()
+        contenders = ["ceiling", "hbmio", *variants, *peers]
         results = {c: [] for c in contenders}
         for r in range(a.rounds):
             order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
@@ -85,13 +103,13 @@ def main():
                                       "--direct-io", "on", "--json", "-"])
                         s = j["stats"]["seconds"] if "stats" in j else j["seconds"]
                         rec = dict(contender=c, mode="cold", round=r, seconds=s)
-                    elif c == "hbmio":
+                    elif c == "hbmio" or c in variants:
                         # Two cold loads in one process (page cache dropped before each): the
                         # first pays the process's first touch of 6 GiB of fresh device memory,
                         # the second is a load in a running program, as the peers are measured
                         # (they run in this process, whose CUDA memory is warmed up).
-                        j = hbmio_load(a, ("--runs", "2", "--drop-cache"))
-                        emit(dict(contender="hbmio (first load of a fresh process)", mode="cold", round=r,
+                        j = hbmio_load(a, ("--runs", "2", "--drop-cache", *variants.get(c, ())))
+                        emit(dict(contender=f"{c} (first load of a fresh process)", mode="cold", round=r,
                                   seconds=j["run_seconds"][0], gib_per_s=round(size / GIB / j["run_seconds"][0], 3)))
                         rec = dict(contender=c, mode="cold", round=r, seconds=j["run_seconds"][1],
                                    note=j["stats"].get("note", ""), cpu_s=j["stats"].get("cpu_seconds"))
@@ -115,7 +133,9 @@ def main():
 
     if a.mode in ("warm", "both"):
         sp.fill_cache(a.file)
-        for extra, label in (((), "hbmio"), (("--reuse-memory",), "hbmio --reuse-memory")):
+        runs = [((), "hbmio"), (("--reuse-memory",), "hbmio --reuse-memory")]
+        runs += [((*flags, "--reuse-memory"), f"{label} --reuse-memory") for label, flags in variants.items()]
+        for extra, label in runs:
             j = hbmio_load(a, ("--runs", str(a.warm_runs), *extra))
             emit(dict(contender=label, mode="warm", summary=True, runs=[round(t, 4) for t in j["run_seconds"]],
                       median_s=round(j["median_seconds"], 4), gib_per_s=round(j["median_gib_per_second"], 3),

@@ -6,7 +6,7 @@ end to end: from the call into the library until every tensor sits on the device
 synchronised. One JSON line per (peer, mode): per-run seconds, median, GiB/s (file bytes / median),
 CPU seconds/GiB (getrusage RUSAGE_SELF: all threads of this process, not child processes) and a
 bit-exact comparison of the first run's tensors against safetensors.torch.load_file on the CPU.
-Peers: safetensors, fastsafetensors, runai; opt-in fastsafetensors_buffered (FASTSAFETENSORS_ODIRECT=0).
+Peers: safetensors, fastsafetensors, runai, hbmio.load_file; opt-in fastsafetensors_buffered (FASTSAFETENSORS_ODIRECT=0).
 """
 import argparse, gc, glob, importlib, json, os, resource, statistics, sys, time, traceback
 
@@ -88,6 +88,12 @@ def load_runai(path, dev, threads):
             out[name] = tensor
     return out
 
+def load_hbmio(path, dev, threads):
+    # hbmio's Python package (python/hbmio): torch tensors in PyTorch's caching allocator; the
+    # engine is pooled by the package, as a program that loads repeatedly would have it.
+    import hbmio
+    return hbmio.load_file(path, device=dev)
+
 PEERS = {  # name: (module imported untimed before the runs, loader, note)
     "safetensors": ("safetensors.torch", load_safetensors, None),
     "fastsafetensors": ("fastsafetensors", load_fastsafetensors,
@@ -95,6 +101,7 @@ PEERS = {  # name: (module imported untimed before the runs, loader, note)
                         "(docs/overview.md): warm runs bypass the page cache"),
     "fastsafetensors_buffered": ("fastsafetensors", load_fastsafetensors_buffered,
                                  "FASTSAFETENSORS_ODIRECT=0: buffered reads"),
+    "hbmio.load_file": ("hbmio", load_hbmio, "hbmio's Python package, beside its CLI (same run)"),
     "runai": ("runai_model_streamer", load_runai,
               "engine (io_uring/libaio, O_DIRECT or buffered) chosen by the library at run time"),
 }
