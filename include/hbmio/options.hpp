@@ -7,7 +7,8 @@
 //   variable                    field               default
 //   HBMIO_BACKEND               (make_engine)       auto      posix | uring | cufile | auto
 //   HBMIO_CHUNK_SIZE            chunk_size          16MiB     unit of work handed to a worker
-//   HBMIO_BOUNCE_BUFFER_SIZE    bounce_buffer_size  4MiB      one storage I/O and one copy
+//   HBMIO_BOUNCE_BUFFER_SIZE    bounce_buffer_size  8MiB      one O_DIRECT I/O and one copy (page-cache
+//                                                             pieces: at most 4 MiB, see uring_engine.cpp)
 //   HBMIO_BOUNCE_BUFFERS        bounce_buffers      4         pinned slots per worker
 //   HBMIO_QUEUE_DEPTH           queue_depth         8         I/Os in flight per worker ring
 //   HBMIO_WORKERS               workers             0 (auto)  threads; auto = min(cores, 16)
@@ -33,7 +34,7 @@ enum class DirectIo {
 
 struct Options {
   std::size_t chunk_size = std::size_t{16} << 20;
-  std::size_t bounce_buffer_size = std::size_t{4} << 20;
+  std::size_t bounce_buffer_size = std::size_t{8} << 20;
   unsigned bounce_buffers = 4;
   unsigned queue_depth = 8;
   unsigned workers = 0;

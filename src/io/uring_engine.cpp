@@ -7,9 +7,9 @@
 //   2. Each chunk decides O_DIRECT or page cache (Options::direct_io; "auto" asks cachestat(2)
 //      or mincore(2) whether the chunk is already cached: a warm chunk is copied from memory, a
 //      cold one bypasses the cache).
-//   3. A chunk is cut into pieces of Options::bounce_buffer_size. A piece is read either straight
-//      into the destination (host memory that satisfies O_DIRECT's alignment, or any host memory
-//      through the page cache) or into one of the worker's pinned slots ("bounce buffers"),
+//   3. A chunk is cut into pieces of Options::bounce_buffer_size (at most 4 MiB through the page
+//      cache, see kPageCachePiece). A piece is read either straight into the destination (host
+//      memory that satisfies O_DIRECT's alignment, or any host memory through the page cache) or into one of the worker's pinned slots ("bounce buffers"),
 //      registered with the ring as fixed buffers so the kernel skips pinning pages per I/O.
 //      Unaligned heads and tails read the aligned superset into a slot and copy the wanted bytes.
 //   4. When a slot's read completes, the worker starts cudaMemcpyAsync(slot -> GPU) on its stream
@@ -52,6 +52,11 @@ namespace {
 
 constexpr std::size_t kSlotAlignment = 4096;  // slots and grid; O_DIRECT needs at most this
 constexpr unsigned kMaxRetries = 1000;        // consecutive EAGAIN/EINTR on one I/O before giving up
+// Pieces read from the page cache are at most this big, while O_DIRECT pieces fill the slot
+// (Options::bounce_buffer_size, 8 MiB by default). Measured on the H200 machine (bench/RESULTS.md):
+// 8 MiB direct reads took cold 6 GiB loads from 0.81-0.82x to 0.87-1.0x of the O_DIRECT ceiling, while
+// 8 MiB page-cache copies made the warm load 15% slower than 4 MiB ones.
+constexpr std::uint64_t kPageCachePiece = std::uint64_t{4} << 20;
 
 std::uint64_t round_down(std::uint64_t v, std::uint64_t a) { return v / a * a; }
 std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
@@ -402,12 +407,14 @@ class Worker {
     return true;
   }
 
-  // Next piece boundary after p: pieces lie on the grid grid_base + k * bounce_buffer_size.
+  // Next piece boundary after p: pieces lie on the grid grid_base + k * size, size being the
+  // bounce buffer size for O_DIRECT and at most kPageCachePiece through the page cache.
   // A direct write cannot start or end off the O_DIRECT alignment (it would need padding bytes
   // that are not the caller's), so an unaligned head or tail becomes a piece of its own, smaller
   // than a block, written through the page cache; the rest stays direct.
   std::uint64_t piece_end(std::uint64_t p) const {
-    const std::uint64_t size = options_.bounce_buffer_size;
+    const std::uint64_t size = chunk_direct_ ? options_.bounce_buffer_size
+                                             : std::min<std::uint64_t>(options_.bounce_buffer_size, kPageCachePiece);
     const std::uint64_t k = (p - part_->grid_base) / size + 1;
     std::uint64_t q = std::min<std::uint64_t>(chunk_end_, part_->grid_base + k * size);
     if (job_->op == IoOp::write && chunk_direct_) {
