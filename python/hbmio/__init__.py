@@ -162,11 +162,22 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
         torch.cuda.current_stream(dev).synchronize()
     with _ProgressBar(sum(nbytes_of.values()), progress) as bar:
         entries = _hbmio._load_into(path, dest, backend=backend, verify=verify, names=names, progress=bar.counter)
+    # Views of `dest`, which every tensor keeps alive: one reinterpretation of `dest` per dtype,
+    # then one as_strided per tensor (a third of the cost of slice + view + view, which was 10-15%
+    # of a warm load of 3,072 small tensors). Offsets are multiples of 256, so whole elements.
+    typed = {}
     out = {}
     for name, _, shape, offset in entries:
-        # Slice, reinterpret, reshape: views of `dest`, which every tensor keeps alive. Offsets
-        # are multiples of 256, so every view(dtype) is aligned; shape [] gives a scalar.
-        out[name] = dest[offset:offset + nbytes_of[name]].view(torch_dtypes[name]).view(shape)
+        dtype = torch_dtypes[name]
+        base = typed.get(dtype)
+        if base is None:
+            size = dest.element_size() * dest.numel() // dtype.itemsize * dtype.itemsize
+            base = typed[dtype] = dest[:size].view(dtype)
+        strides, step = [], 1
+        for extent in reversed(shape):
+            strides.append(step)
+            step *= extent
+        out[name] = base.as_strided(shape, strides[::-1], offset // dtype.itemsize)
     return out
 
 

@@ -8,9 +8,10 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
-#include <random>
+#include <future>
 #include <map>
 #include <optional>
+#include <random>
 #include <set>
 #include <string_view>
 #include <thread>
@@ -115,14 +116,18 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   std::map<std::string, std::string> metadata = options.metadata;
   for (auto it = metadata.begin(); it != metadata.end();)  // stale checksums would lie
     it = it->first.starts_with(kChecksumPrefix) || it->first == detail::kChecksumAlgorithmKey ? metadata.erase(it) : std::next(it);
+  // Checksums are computed while the tensors are written (both only read the tensors' memory),
+  // and the header, which holds them, is written last. Checksums have a fixed width, so a header
+  // with placeholders has the final header's size and fixes where the data goes.
+  std::vector<MemorySpan> spans;
   if (options.checksums) {
     metadata[detail::kChecksumAlgorithmKey] = "xxh3-64";
-    std::vector<MemorySpan> spans;
-    for (const auto& t : tensors) spans.push_back(t.data);
-    const std::vector<std::uint64_t> sums = detail::xxh3_of_each(spans);
-    for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(sums[i]);
+    for (const auto& t : tensors) {
+      metadata[kChecksumPrefix + t.name] = detail::to_hex(0);
+      spans.push_back(t.data);
+    }
   }
-  const std::string header = st::serialize_header(infos, metadata);
+  std::string header = st::serialize_header(infos, metadata);
 
   remove_stale_temporaries(target);
   std::random_device random;
@@ -133,15 +138,30 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   try {
     {
       File file = File::open(temp.string(), OpenMode::create_new);
-      Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
-      std::memcpy(header_buffer.data(), header.data(), header.size());
-      // The header and every tensor in one batch, so the engine's workers write them all at once.
-      std::vector<IoRequest> writes{{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()}};
+      // Hashing runs beside the writes; the future's destructor waits for it on every path, so
+      // no hashing thread reads the tensors after a failed save returns.
+      std::future<std::vector<std::uint64_t>> sums;
+      if (options.checksums) sums = std::async(std::launch::async, [&spans] { return detail::xxh3_of_each(spans); });
+      // Every tensor in one batch, so the engine's workers write them all at once.
+      std::vector<IoRequest> writes;
       std::map<std::string_view, MemorySpan> data_of;
       for (const auto& t : tensors) data_of.emplace(t.name, t.data);
       for (const auto& info : infos)
         writes.push_back({.op = IoOp::write, .file = &file, .offset = header.size() + info.begin, .memory = data_of.at(info.name)});
       total.add_part(engine->submit_batch(writes));
+      if (options.checksums) {
+        const std::vector<std::uint64_t> computed = sums.get();
+        for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
+        std::string final_header = st::serialize_header(infos, metadata);
+        if (final_header.size() != header.size())
+          throw Error(errno_code(EPROTO), context, fmt::format("header changed size with its checksums ({} -> {} bytes)",
+                                                               header.size(), final_header.size()));
+        header = std::move(final_header);
+      }
+      Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
+      std::memcpy(header_buffer.data(), header.data(), header.size());
+      const IoRequest header_write{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()};
+      total.add_part(engine->submit_batch({&header_write, 1}));
       if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
         throw Error(errno_code(err), context, "fsync (injected)");
       file.sync();  // throws on failure: never retried, the old checkpoint stays
