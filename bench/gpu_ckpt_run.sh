@@ -10,10 +10,11 @@
 #            ceiling (`hbmio bench --write`); also writes the W2 files the load stage reads
 #   load     W2 loads into cuda:0, interleaved with the O_DIRECT ceiling and the peers
 #            (bench/peers/ckpt_compare.py; load-big / load-small: one file; env ROUNDS (3),
-#            VARIANTS: "label=flags;..." engine tunings measured as further contenders)
+#            WARM_RUNS (5), VARIANTS: "label=flags;..." engine tunings as further contenders)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
-#            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py)
+#            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
+#            skips it)
 # Binaries and fixtures come prebuilt in .gpu/ (scripts/package-gpu-run.sh); results go to $OUT.
 #   usage: bench/gpu_ckpt_run.sh STAGE...
 set -uo pipefail
@@ -94,14 +95,14 @@ load|load-big|load-small)
   for f in $files; do
     log "load $f.safetensors into cuda:0: interleaved cold rounds, then warm"
     PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" \
-      --rounds "${ROUNDS:-3}" --mode both --peers safetensors,fastsafetensors,runai,hbmio.load_file "${vargs[@]}" \
+      --rounds "${ROUNDS:-3}" --warm-runs "${WARM_RUNS:-5}" --mode both --peers safetensors,fastsafetensors,runai,hbmio.load_file "${vargs[@]}" \
       --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-300
   done
   ;;
 pybench)
   install_wheels; build_python
   log "Python: hbmio.load_file vs safetensors.torch.load_file"
-  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/py_compare.py $W2/big.safetensors --json "$OUT/py.jsonl" 2>&1 | cut -c1-400
+  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/py_compare.py $W2/big.safetensors --rounds "${ROUNDS:-3}" --json "$OUT/py.jsonl" 2>&1 | cut -c1-400
   ;;
 multi)
   # Two GPUs (nvidia-h200-x2): a 12 GiB sharded checkpoint into both, each placement; C++
@@ -123,6 +124,7 @@ multi)
     python3 -c "import json; j=json.load(open('$OUT/multi-$p.json')); print('$p median', round(j['median_seconds'],3), 's', round(j['median_gib_per_second_delivered'],2), 'GiB/s delivered, runs', [round(x,3) for x in j['run_seconds']])"
     "$BIN/hbmio" ckpt load $M --into cuda:0,1 --placement $p --verify | tail -3
   done
+  [ "${TORCHRUN:-1}" = 1 ] || continue
   log "torchrun, 2 ranks, NCCL: hbmio.load_file(group=...) vs fastsafetensors"
   PYTHONPATH=/tmp/pysite:$PYTHONPATH torchrun --nproc-per-node 2 bench/peers/multi_compare.py $M --runs 5 \
     --json "$OUT/multi-torchrun.jsonl" 2>&1 | grep -v '^W\|^\s*$' | cut -c1-400 | tail -20
