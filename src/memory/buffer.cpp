@@ -150,9 +150,6 @@ void copy_memory(MemorySpan dst, MemorySpan src) {
     std::memcpy(dst.data, src.data, src.size);
     return;
   }
-  // Between two GPUs: directly (NVLink where there is one), not through host memory.
-  if (dst.kind() == MemoryKind::device && src.kind() == MemoryKind::device && dst.location.device != src.location.device)
-    cuda::enable_peer_access(dst.location.device, src.location.device);
   cuda::set_device(dst.kind() == MemoryKind::device ? dst.location.device : src.location.device, context);
   cuda::memcpy_sync(dst.data, src.data, src.size, context);
 }

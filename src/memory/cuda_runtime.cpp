@@ -1,7 +1,5 @@
 #include "memory/cuda_runtime.hpp"
 
-#include <map>
-
 #include <fmt/format.h>
 
 #include <mutex>
@@ -145,29 +143,6 @@ void free_host_pinned(void* ptr) noexcept { if (ptr) (void)cudaFreeHost(ptr); }
 void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
   check(cudaMemcpy(dst, src, size, cudaMemcpyDefault), context, "cudaMemcpy");
 }
-bool enable_peer_access(int device, int peer) noexcept {
-  // Peer access is a property of the process's contexts: enable each direction once. Enabling it
-  // only maps the peer's memory into this context's address space; it changes no existing data.
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, bool> done;
-  std::lock_guard lock(mutex);
-  bool both = true;
-  for (const auto [from, to] : {std::pair{device, peer}, std::pair{peer, device}}) {
-    auto it = done.find({from, to});
-    if (it == done.end()) {
-      int can = 0;
-      bool ok = cudaDeviceCanAccessPeer(&can, from, to) == cudaSuccess && can != 0 && cudaSetDevice(from) == cudaSuccess;
-      if (ok) {
-        const cudaError_t err = cudaDeviceEnablePeerAccess(to, 0);
-        ok = err == cudaSuccess || err == cudaErrorPeerAccessAlreadyEnabled;
-        if (err != cudaSuccess) (void)cudaGetLastError();  // not sticky: clear it for the next call
-      }
-      it = done.emplace(std::pair{from, to}, ok).first;
-    }
-    both = both && it->second;
-  }
-  return both;
-}
 void memset_device(void* dst, int value, std::size_t size, const ErrorContext& context) {
   check(cudaMemset(dst, value, size), context, "cudaMemset");
 }
@@ -259,7 +234,6 @@ void free_device(void*) noexcept {}
 void* malloc_host_pinned(std::size_t, const ErrorContext& context) { no_cuda(context); }
 void free_host_pinned(void*) noexcept {}
 void memcpy_sync(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
-bool enable_peer_access(int, int) noexcept { return false; }
 void memset_device(void*, int, std::size_t, const ErrorContext& context) { no_cuda(context); }
 Stream::Stream(int, const ErrorContext& context) { no_cuda(context); }
 Stream::~Stream() = default;

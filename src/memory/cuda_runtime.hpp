@@ -25,10 +25,6 @@ void* malloc_host_pinned(std::size_t size, const ErrorContext& context);  // por
 void free_host_pinned(void* ptr) noexcept;
 
 void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context);
-// Lets `device` and `peer` read each other's memory directly (NVLink or PCIe peer-to-peer), so
-// copies between them skip host memory. Once per pair and process; false where the hardware
-// cannot (the copies then still work, staged by the driver). Leaves the current device changed.
-bool enable_peer_access(int device, int peer) noexcept;
 void memset_device(void* dst, int value, std::size_t size, const ErrorContext& context);
 
 // Move-only stream + the events of one worker, all on one device.
