@@ -67,7 +67,6 @@ class LoadedCheckpoint {
   bool verified() const noexcept { return verified_; }
 
  private:
-  friend LoadedCheckpoint load_checkpoint(const std::string&, const LoadOptions&);
   friend struct detail::LoadAccess;
   std::vector<Buffer> buffers_;
   std::vector<LoadedTensor> tensors_;
@@ -90,6 +89,11 @@ std::vector<CheckpointFile> open_checkpoint(const std::string& path);
 // memory become one request, so a file of many small tensors loads like one of few big ones.
 // Throws Error naming the file (and tensor) on any failure; nothing is leaked.
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
+// The same for a checkpoint already opened (files = open_checkpoint(path); path names it in
+// errors): a caller that plans, allocates and then loads reads and validates the headers once
+// (a header of thousands of tensors takes milliseconds to parse).
+LoadedCheckpoint load_checkpoint_files(const std::string& path, const std::vector<CheckpointFile>& files,
+                                       const LoadOptions& options = {});
 
 // One checkpoint into several memory locations at once (several GPUs; any kinds), each location
 // with its own engine and pipeline, all running in parallel.
@@ -139,6 +143,9 @@ struct PlannedTensor {
   std::uint64_t memory_offset = 0;  // in the allocation
 };
 std::vector<PlannedTensor> plan_load(const std::string& path, const LoadOptions& options = {});
+// The same for a checkpoint already opened (see load_checkpoint_files).
+std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::vector<CheckpointFile>& files,
+                                           const LoadOptions& options = {});
 
 struct TensorToSave {
   std::string name;

@@ -303,11 +303,37 @@ nb::dict stats_dict(const hbmio::Stats& s) {
   return d;
 }
 
+struct Handle {
+  std::string path;
+  std::vector<hbmio::CheckpointFile> files;
+
+  const hbmio::safetensors::TensorInfo& info(const std::string& name) const {
+    for (const auto& f : files)
+      if (const auto* t = f.header.find(name)) return *t;
+    throw nb::key_error(("no tensor " + name + " in " + path).c_str());
+  }
+};
+
+// A load's checkpoint: a path, or a SafeOpen (Handle) whose headers were read already, so a caller
+// that plans, allocates and loads parses them once.
+struct Target {
+  std::string path;
+  const std::vector<hbmio::CheckpointFile>* files = nullptr;
+};
+Target target_of(nb::handle h) {
+  if (nb::isinstance<Handle>(h)) {
+    const Handle& handle = nb::cast<const Handle&>(h);
+    return {handle.path, &handle.files};
+  }
+  return {nb::cast<std::string>(h), nullptr};
+}
+
 // Loads into the caller's memory (`dest`, e.g. a torch.empty(n, dtype=uint8) from PyTorch's
 // caching allocator, so repeated loads reuse device memory as safetensors.torch does). Returns,
 // per tensor in file order, (name, dtype, shape, byte offset in dest); the caller builds views.
-nb::list load_into(const std::string& path, nb::handle dest, const std::string& backend, bool verify,
+nb::list load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, bool verify,
                    std::optional<std::vector<std::string>> names, Progress* progress) {
+  const Target target = target_of(checkpoint);
   RawArray to = raw_array(dest, true, "_load_into");
   hbmio::LoadOptions options = load_options(backend, verify, std::move(names), progress);
   // The load's location is the destination's: they cannot disagree. A host destination gets the
@@ -322,7 +348,8 @@ nb::list load_into(const std::string& path, nb::handle dest, const std::string& 
     nb::gil_scoped_release release;
     EngineLease engine(backend);
     options.engine = engine.get();
-    loaded = hbmio::load_checkpoint(path, options);
+    loaded = target.files ? hbmio::load_checkpoint_files(target.path, *target.files, options)
+                          : hbmio::load_checkpoint(target.path, options);
   }
   nb::list out;
   for (const auto& t : loaded.tensors()) {
@@ -409,17 +436,6 @@ void save(nb::dict tensors, const std::string& path, std::optional<std::map<std:
 }
 
 // safe_open-like handle: headers read once; tensors loaded one at a time on demand.
-struct Handle {
-  std::string path;
-  std::vector<hbmio::CheckpointFile> files;
-
-  const hbmio::safetensors::TensorInfo& info(const std::string& name) const {
-    for (const auto& f : files)
-      if (const auto* t = f.header.find(name)) return *t;
-    throw nb::key_error(("no tensor " + name + " in " + path).c_str());
-  }
-};
-
 void translate(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
@@ -461,9 +477,10 @@ NB_MODULE(_hbmio, m) {
         "Loads a .safetensors file, a sharded *.index.json or a directory holding either into `device` "
         "(\"cpu\", \"pinned\", \"cuda\", \"cuda:N\"). Returns {name: DLPack array} in file order.");
 
-  m.def("_load_into", &load_into, nb::arg("path"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
+  m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify") = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
-        "Loads into `dest` (a writable C-contiguous array, host or CUDA, of at least _load_size() bytes); "
+        "Loads `checkpoint` (a path, or a SafeOpen: its headers are not read again) into `dest` (a writable "
+        "C-contiguous array, host or CUDA, of at least _load_size() bytes); "
         "returns [(name, dtype, shape, byte offset in dest)] in file order.");
 
   m.def("_load_size", [](const std::string& path, std::optional<std::vector<std::string>> names, std::size_t alignment) {
@@ -488,7 +505,8 @@ NB_MODULE(_hbmio, m) {
     return total;
   }, nb::arg("path"), nb::arg("names") = nb::none());
 
-  m.def("_plan", [](const std::string& path, std::optional<std::vector<std::string>> names) {
+  m.def("_plan", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
+    const Target target = target_of(checkpoint);
     // The tensors a load takes, in the order it lays them out, and where each lands in the single
     // allocation: [(name, dtype, shape, bytes, offset)]. Distributed loads split this list among
     // ranks (hbmio/distributed.py) and must agree on the layout: it comes from here, not a copy.
@@ -497,7 +515,8 @@ NB_MODULE(_hbmio, m) {
     std::vector<hbmio::PlannedTensor> plan;
     {
       nb::gil_scoped_release release;
-      plan = hbmio::plan_load(path, options);  // ENOENT for a name it does not hold
+      // ENOENT for a name it does not hold
+      plan = target.files ? hbmio::plan_load_files(target.path, *target.files, options) : hbmio::plan_load(target.path, options);
     }
     nb::list out;
     for (const auto& t : plan) {
@@ -506,7 +525,8 @@ NB_MODULE(_hbmio, m) {
       out.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, t.size, t.memory_offset));
     }
     return out;
-  }, nb::arg("path"), nb::arg("names") = nb::none());
+  }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
+     "(name, dtype, shape, bytes, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
 
   m.def("_read_into", &read_into, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
         nb::arg("backend") = "auto", nb::arg("progress").none() = nb::none());

@@ -139,7 +139,11 @@ std::vector<Pick> pick_tensors(const std::string& path, const std::vector<Checkp
 }  // namespace
 
 std::vector<PlannedTensor> plan_load(const std::string& path, const LoadOptions& options) {
-  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  return plan_load_files(path, open_checkpoint(path), options);
+}
+
+std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::vector<CheckpointFile>& files,
+                                           const LoadOptions& options) {
   std::uint64_t size = 0;
   std::vector<PlannedTensor> out;
   for (const Pick& p : pick_tensors(path, files, options, size))
@@ -172,7 +176,16 @@ struct LoadAccess {
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
   detail::TransferTimer timer;
   LoadedCheckpoint result = detail::LoadAccess::load(path, options, open_checkpoint(path), nullptr);
-  timer.finish(result.stats_);
+  timer.finish(detail::LoadAccess::stats(result));
+  return result;
+}
+
+LoadedCheckpoint load_checkpoint_files(const std::string& path, const std::vector<CheckpointFile>& files,
+                                       const LoadOptions& options) {
+  if (files.empty()) throw checkpoint_error(EINVAL, path, "no file to load (open it with open_checkpoint)");
+  detail::TransferTimer timer;
+  LoadedCheckpoint result = detail::LoadAccess::load(path, options, files, nullptr);
+  timer.finish(detail::LoadAccess::stats(result));
   return result;
 }
 
