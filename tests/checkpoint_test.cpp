@@ -175,6 +175,20 @@ void round_trip(MemoryLocation where, const std::string& backend) {
       if (plan[i].size > 0) EXPECT_EQ(plan[i].memory_offset, static_cast<std::uint64_t>(again.tensors()[i].data.data - mine.data()));
     }
     EXPECT_EQ(plan.back().memory_offset + plan.back().size, need);
+    // Opened once, planned and loaded from the same parsed headers: the same layout and bytes.
+    const std::vector<CheckpointFile> files = open_checkpoint(path);
+    const auto plan_again = plan_load_files(path, files, into_mine);
+    ASSERT_EQ(plan_again.size(), plan.size());
+    for (std::size_t i = 0; i < plan.size(); ++i) EXPECT_EQ(plan_again[i].memory_offset, plan[i].memory_offset) << plan[i].name;
+    fill_memory(mine.span(), std::byte{0x5A});
+    const LoadedCheckpoint opened = load_checkpoint_files(path, files, reuse);
+    ASSERT_EQ(opened.tensors().size(), sample.tensors.size());
+    for (std::size_t i = 0; i < sample.tensors.size(); ++i) {
+      const LoadedTensor* t = opened.find(sample.tensors[i].name);
+      ASSERT_NE(t, nullptr);
+      EXPECT_EQ(first_mismatch(to_host(t->data), sample.bytes[i]), -1) << t->name;
+    }
+    EXPECT_THROW(load_checkpoint_files(path, {}, reuse), Error);
   }
   reuse.destination = mine.span().subspan(0, need - 1);
   try {
