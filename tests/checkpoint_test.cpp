@@ -6,12 +6,15 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
+#include <thread>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/testing/fault_injection.hpp"
+#include "shim/nccl_api.hpp"
 #include "sha256.hpp"
 #include "test_support.hpp"
 
@@ -601,6 +604,99 @@ TEST(GpuMultiLoad, ShardAndReplicateAcrossDevices) {
   into = {{MemoryKind::device, 0}, {MemoryKind::device, 1}};
   multi::check_shard(into);
   multi::check_replicate(into);
+}
+
+TEST(NcclLoad, NeedsACommunicatorAndAGpu) {
+  try {
+    load_checkpoint_nccl("model.safetensors", nullptr, {});
+    ADD_FAILURE() << "a load without a communicator was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), std::errc::invalid_argument) << e.what();
+  }
+}
+
+// NCCL with one process: every GPU a rank of one ncclCommInitAll, one thread per rank, as a
+// program with one process per GPU would call it. Checks both placements byte for byte, that each
+// byte is read once over all ranks, and that one failing rank makes every rank throw.
+TEST(GpuNcclLoad, ShardAndReplicateOverEveryGpu) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  const shim::NcclApi* api = nullptr;
+  try {
+    api = &shim::nccl_api();
+  } catch (const Error& e) {
+    GTEST_SKIP() << "no NCCL here: " << e.what();
+  }
+  const int n = cuda_device_count();
+  std::vector<shim::ncclComm_t> comms(static_cast<std::size_t>(n));
+  std::vector<int> devices(static_cast<std::size_t>(n));
+  std::iota(devices.begin(), devices.end(), 0);
+  ASSERT_EQ(api->comm_init_all(comms.data(), n, devices.data()), shim::ncclSuccess) << api->library;
+  struct Destroy {
+    const shim::NcclApi* api;
+    std::vector<shim::ncclComm_t>& comms;
+    ~Destroy() {
+      for (auto c : comms) (void)api->comm_destroy(c);
+    }
+  } destroy{api, comms};
+
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string path = multi::sharded_sample(dir, sample);
+  auto run_all = [&](Placement placement, auto path_of) {
+    std::vector<std::optional<NcclLoadResult>> results(static_cast<std::size_t>(n));
+    std::vector<std::string> errors(static_cast<std::size_t>(n));
+    {
+      std::vector<std::jthread> threads;
+      for (int k = 0; k < n; ++k)
+        threads.emplace_back([&, k] {
+          NcclLoadOptions options{.placement = placement};
+          options.load.into = {MemoryKind::device, k};
+          options.load.verify = true;
+          try {
+            results[static_cast<std::size_t>(k)] = load_checkpoint_nccl(path_of(k), comms[static_cast<std::size_t>(k)], options);
+          } catch (const Error& e) {
+            errors[static_cast<std::size_t>(k)] = e.what();
+          }
+        });
+    }
+    return std::pair{std::move(results), errors};
+  };
+  auto same_path = [&](int) { return path; };
+  for (Placement placement : {Placement::shard, Placement::replicate}) {
+    auto [results, errors] = run_all(placement, same_path);
+    std::uint64_t read = 0, received = 0;
+    std::map<std::string, int> seen;
+    for (int k = 0; k < n; ++k) {
+      ASSERT_TRUE(results[static_cast<std::size_t>(k)].has_value()) << "rank " << k << ": " << errors[static_cast<std::size_t>(k)];
+      const NcclLoadResult& r = *results[static_cast<std::size_t>(k)];
+      EXPECT_EQ(r.rank, k);
+      EXPECT_EQ(r.world, n);
+      read += r.bytes_from_storage;
+      received += r.bytes_received;
+      for (const auto& t : r.checkpoint.tensors()) {
+        ++seen[t.name];
+        EXPECT_EQ(t.data.location, (MemoryLocation{MemoryKind::device, k})) << t.name;
+        const auto it = std::find_if(sample.tensors.begin(), sample.tensors.end(), [&](const TensorToSave& s) { return s.name == t.name; });
+        ASSERT_NE(it, sample.tensors.end()) << t.name;
+        EXPECT_EQ(first_mismatch(to_host(t.data), sample.bytes[static_cast<std::size_t>(it - sample.tensors.begin())]), -1)
+            << "rank " << k << " tensor " << t.name;
+      }
+      if (placement == Placement::replicate) {
+        EXPECT_EQ(r.checkpoint.tensors().size(), sample.tensors.size()) << "rank " << k;
+        EXPECT_TRUE(r.checkpoint.verified()) << "rank " << k;
+      }
+    }
+    EXPECT_EQ(read, multi::bytes_of(sample)) << "each byte read once over the ranks";
+    EXPECT_EQ(seen.size(), sample.tensors.size());
+    for (const auto& [name, count] : seen) EXPECT_EQ(count, placement == Placement::shard ? 1 : n) << name;
+    if (placement == Placement::replicate) EXPECT_GE(received, static_cast<std::uint64_t>(n - 1) * multi::bytes_of(sample));
+  }
+  // Rank 0 cannot open its checkpoint: every rank throws, the others naming rank 0.
+  auto [results, errors] = run_all(Placement::replicate, [&](int k) { return k == 0 ? dir.file("missing") : path; });
+  for (int k = 0; k < n; ++k) {
+    EXPECT_FALSE(results[static_cast<std::size_t>(k)].has_value()) << "rank " << k << " did not fail";
+    if (k > 0) EXPECT_NE(errors[static_cast<std::size_t>(k)].find("rank 0 failed"), std::string::npos) << errors[static_cast<std::size_t>(k)];
+  }
 }
 
 }  // namespace

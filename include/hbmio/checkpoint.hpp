@@ -102,8 +102,8 @@ LoadedCheckpoint load_checkpoint_files(const std::string& path, const std::vecto
 //              reads large).
 //   replicate  every location gets every tensor, in the same layout. Each byte is read from
 //              storage once: location k reads the k-th run, then every location copies the runs it
-//              did not read from the location that did (between GPUs: peer copies over NVLink
-//              where the GPUs have it).
+//              did not read from the location that did (cudaMemcpy between GPUs; hbmio does not
+//              enable peer access, see bench/RESULTS.md, "Two GPUs").
 enum class Placement { shard, replicate };
 
 struct MultiLoadOptions {
@@ -127,6 +127,34 @@ struct MultiLoadResult {
   double seconds = 0;
 };
 MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOptions& options);
+
+// Many processes, one GPU each, joined by the caller's NCCL communicator (`comm` is an
+// ncclComm_t; every rank of it calls this with the same path and options). The ranks divide the
+// reading into contiguous runs of about equal bytes, so each byte is read from storage once:
+//   shard      a rank keeps the tensors of its run (or those `shard_map` gives its rank);
+//   replicate  every rank gets every tensor: each rank reads its run, then each run is broadcast
+//              from its reader to all (ncclBroadcast over the communicator: NVLink within a node).
+// Before any data moves, the ranks agree that every one read its part and planned the same
+// layout: a failure on one rank (a missing shard, a bad file) makes every rank throw, with the
+// failing rank named, instead of leaving the others waiting in a collective.
+// NCCL is the caller's: it is found at run time (see src/shim/nccl_api.hpp), never linked.
+struct NcclLoadOptions {
+  Placement placement = Placement::replicate;
+  std::map<std::string, int> shard_map;  // shard: tensor name -> rank
+  LoadOptions load;  // `into` must be this rank's GPU (cuda:N); names, backend, verify,
+                     // engine_options, engine, progress apply; the layout is single_allocation.
+                     // The collectives run on a stream of hbmio's own; the load returns when
+                     // every tensor is in place.
+};
+
+struct NcclLoadResult {
+  LoadedCheckpoint checkpoint;            // this rank's tensors
+  int rank = 0, world = 1;
+  std::uint64_t bytes_from_storage = 0;   // read by this rank
+  std::uint64_t bytes_received = 0;       // replicate: received from other ranks
+  double seconds = 0;
+};
+NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm, const NcclLoadOptions& options);
 
 // Bytes of the single allocation that load_checkpoint(path, options) makes (or needs in
 // LoadOptions::destination): the chosen tensors, each aligned to options.alignment.

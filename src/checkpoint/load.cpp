@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "checkpoint/integrity.hpp"
+#include "checkpoint/load_internal.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 #include "io/engine_internal.hpp"
@@ -157,22 +158,6 @@ std::uint64_t load_size(const std::string& path, const LoadOptions& options) {
   return size;
 }
 
-namespace detail {
-
-// What load_checkpoint and load_checkpoint_multi share; a friend of LoadedCheckpoint.
-struct LoadAccess {
-  // Loads `files` (open_checkpoint(path)) per `options`. With `read_only`, the layout holds every
-  // picked tensor but only those named there are read (the others are filled in by the caller:
-  // a replicated load reads each byte once and copies the rest between devices); no verify then.
-  static LoadedCheckpoint load(const std::string& path, const LoadOptions& options, const std::vector<CheckpointFile>& files,
-                               const std::set<std::string>* read_only);
-  static void verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files);
-  static void adopt(LoadedCheckpoint& result, Buffer buffer) { result.buffers_.push_back(std::move(buffer)); }
-  static Stats& stats(LoadedCheckpoint& result) { return result.stats_; }
-};
-
-}  // namespace detail
-
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
   detail::TransferTimer timer;
   LoadedCheckpoint result = detail::LoadAccess::load(path, options, open_checkpoint(path), nullptr);
@@ -304,22 +289,6 @@ void on_threads(std::size_t n, F&& f) {
   if (first) std::rethrow_exception(first);
 }
 
-// Splits `picks` (file order) into `n` contiguous runs of about equal bytes: a tensor goes to the
-// run its middle byte falls in.
-std::vector<std::size_t> contiguous_runs(const std::vector<Pick>& picks, std::size_t n) {
-  std::uint64_t total = 0;
-  for (const auto& p : picks) total += p.info->size();
-  std::vector<std::size_t> run(picks.size());
-  std::uint64_t before = 0;
-  for (std::size_t i = 0; i < picks.size(); ++i) {
-    const std::uint64_t middle = before + picks[i].info->size() / 2;
-    run[i] = total == 0 ? i * n / std::max<std::size_t>(picks.size(), 1)
-                        : std::min<std::size_t>(n - 1, static_cast<std::size_t>(static_cast<long double>(middle) * n / total));
-    before += picks[i].info->size();
-  }
-  return run;
-}
-
 }  // namespace
 
 MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOptions& options) {
@@ -340,7 +309,9 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
   base.destination = {};
   std::uint64_t allocation_size = 0;
   const std::vector<Pick> picks = pick_tensors(path, files, base, allocation_size);
-  std::vector<std::size_t> run = contiguous_runs(picks, n);
+  std::vector<std::uint64_t> sizes;
+  for (const auto& p : picks) sizes.push_back(p.info->size());
+  std::vector<std::size_t> run = detail::contiguous_runs(sizes, n);
   if (options.placement == Placement::shard) {
     std::size_t mapped = 0;
     for (std::size_t i = 0; i < picks.size(); ++i) {
@@ -412,6 +383,21 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
   timer.finish(total);
   result.seconds = total.seconds;
   return result;
+}
+
+std::vector<std::size_t> detail::contiguous_runs(const std::vector<std::uint64_t>& sizes, std::size_t n) {
+  std::uint64_t total = 0;
+  for (const auto size : sizes) total += size;
+  std::vector<std::size_t> run(sizes.size());
+  std::uint64_t before = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    // A tensor goes to the run its middle byte falls in.
+    const std::uint64_t middle = before + sizes[i] / 2;
+    run[i] = total == 0 ? i * n / std::max<std::size_t>(sizes.size(), 1)
+                        : std::min<std::size_t>(n - 1, static_cast<std::size_t>(static_cast<long double>(middle) * n / total));
+    before += sizes[i];
+  }
+  return run;
 }
 
 }  // namespace hbmio

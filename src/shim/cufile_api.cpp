@@ -1,7 +1,6 @@
 #include "shim/cufile_api.hpp"
 
 #include <dlfcn.h>
-#include <link.h>  // struct link_map, for dlinfo(RTLD_DI_LINKMAP)
 
 #include <cerrno>
 #include <cstdlib>
@@ -14,6 +13,7 @@
 #include "hbmio/error.hpp"
 #include "hbmio/memory.hpp"
 #include "memory/cuda_runtime.hpp"
+#include "shim/dl.hpp"
 
 namespace hbmio {
 namespace shim {
@@ -96,21 +96,6 @@ const ErrorEntry* find_error(int code) noexcept {
   for (const ErrorEntry& entry : kErrors)
     if (entry.code == code) return &entry;
   return nullptr;
-}
-
-// dlerror() usually starts with the path it tried; add the path only when it does not, so each
-// entry of the load error names its candidate exactly once.
-std::string dl_failure(const std::string& path, const char* error) {
-  std::string text = error ? error : "dlopen failed without a message";
-  if (text.rfind(path, 0) != 0) text = path + ": " + text;
-  return text;
-}
-
-std::string loaded_file(void* handle, const std::string& fallback) {
-  link_map* map = nullptr;
-  if (::dlinfo(handle, RTLD_DI_LINKMAP, &map) == 0 && map != nullptr && map->l_name != nullptr && map->l_name[0] != '\0')
-    return map->l_name;
-  return fallback;
 }
 
 template <class Fn>

@@ -1,0 +1,147 @@
+// Distributed loads over the caller's NCCL communicator (load_checkpoint_nccl): each rank reads
+// one contiguous run of the checkpoint; for replicate, every run is then broadcast from its reader.
+//
+// The order of events is what keeps a failure from hanging the other ranks: every rank reaches
+// the one all-reduce of step 2 whatever happened in step 1, and nothing else collective happens
+// before it. After it, every rank knows whether all succeeded and whether all planned the same
+// layout; only then do broadcasts start, and every rank issues the same ones.
+#include <algorithm>
+#include <cerrno>
+#include <exception>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <xxhash.h>
+
+#include "checkpoint/load_internal.hpp"
+#include "hbmio/checkpoint.hpp"
+#include "hbmio/error.hpp"
+#include "io/engine_internal.hpp"
+#include "memory/cuda_runtime.hpp"
+#include "shim/nccl_api.hpp"
+
+namespace hbmio {
+
+NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, const NcclLoadOptions& options) {
+  detail::TransferTimer timer;
+  if (comm_handle == nullptr)
+    throw Error(errno_code(EINVAL), {.op = "distributed load", .path = path}, "no NCCL communicator given");
+  const shim::NcclApi& nccl = shim::nccl_api();
+  const auto comm = static_cast<shim::ncclComm_t>(comm_handle);
+  NcclLoadResult result;
+  shim::nccl_check(nccl.comm_user_rank(comm, &result.rank), "ncclCommUserRank");
+  shim::nccl_check(nccl.comm_count(comm, &result.world), "ncclCommCount");
+  const int rank = result.rank, world = result.world;
+  const ErrorContext context{.op = fmt::format("distributed load (rank {} of {})", rank, world), .path = path};
+  const MemoryLocation into = options.load.into;
+  if (into.kind != MemoryKind::device)
+    throw Error(errno_code(EINVAL), context, fmt::format("NCCL loads go into this rank's GPU (cuda:N), not {}", into.to_string()));
+  const bool replicate = options.placement == Placement::replicate;
+
+  // Set-up every rank can do without the others; a failure here is an ordinary local error, as
+  // no rank can take part in step 2 without a stream and the agreement buffer.
+  cuda::set_device(into.device, context);
+  cuda::Stream stream(into.device, context);
+  Buffer agreement = Buffer::allocate(into, 3 * sizeof(std::uint64_t));
+
+  // 1. Plan and read this rank's part. Any failure is kept for step 2.
+  std::exception_ptr failure;
+  std::vector<CheckpointFile> files;
+  std::vector<PlannedTensor> plan;
+  std::vector<std::size_t> run;
+  std::byte* base = nullptr;  // replicate: this rank's copy of the whole layout
+  std::uint64_t digest = 0;
+  try {
+    files = open_checkpoint(path);
+    LoadOptions layout = options.load;
+    layout.layout = TensorLayout::single_allocation;
+    layout.destination = {};
+    plan = plan_load_files(path, files, layout);
+    std::vector<std::uint64_t> sizes;
+    for (const auto& t : plan) sizes.push_back(t.size);
+    run = detail::contiguous_runs(sizes, static_cast<std::size_t>(world));
+    if (!replicate) {
+      std::size_t mapped = 0;
+      for (std::size_t i = 0; i < plan.size(); ++i) {
+        const auto it = options.shard_map.find(plan[i].name);
+        if (it == options.shard_map.end()) continue;
+        if (it->second < 0 || it->second >= world)
+          throw Error(errno_code(EINVAL), context, fmt::format("shard_map sends tensor '{}' to rank {}, but there are {}", it->first, it->second, world));
+        run[i] = static_cast<std::size_t>(it->second);
+        ++mapped;
+      }
+      if (mapped != options.shard_map.size())
+        throw Error(errno_code(ENOENT), context, "shard_map names a tensor the load does not hold");
+    }
+    // What every rank must agree on: the layout and who reads what.
+    std::string layout_text;
+    for (std::size_t i = 0; i < plan.size(); ++i)
+      layout_text += fmt::format("{}|{}|{}|{}|{}|{}\n", plan[i].name, safetensors::to_string(plan[i].dtype),
+                                 fmt::join(plan[i].shape, ","), plan[i].size, plan[i].memory_offset, run[i]);
+    digest = XXH3_64bits(layout_text.data(), layout_text.size());
+
+    std::set<std::string> mine;
+    for (std::size_t i = 0; i < plan.size(); ++i)
+      if (run[i] == static_cast<std::size_t>(rank)) mine.insert(plan[i].name);
+    if (replicate) {
+      const std::uint64_t size = plan.empty() ? 0 : plan.back().memory_offset + plan.back().size;
+      Buffer whole = Buffer::allocate(into, std::max<std::uint64_t>(size, 1));
+      base = whole.data();
+      layout.destination = whole.span();
+      result.checkpoint = detail::LoadAccess::load(path, layout, files, &mine);
+      detail::LoadAccess::adopt(result.checkpoint, std::move(whole));  // the memory stays where it is
+    } else if (!mine.empty()) {
+      layout.names.assign(mine.begin(), mine.end());
+      result.checkpoint = detail::LoadAccess::load(path, layout, files, nullptr);
+    }
+    result.bytes_from_storage = result.checkpoint.stats().bytes;
+  } catch (...) {
+    failure = std::current_exception();
+  }
+
+  // 2. Agreement, one all-reduce (MAX) of: the highest failing rank + 1 (0: none); the layout's
+  // digest and its complement (every digest is equal exactly when max(d) == ~max(~d)).
+  std::uint64_t state[3] = {failure ? static_cast<std::uint64_t>(rank) + 1 : 0, digest, ~digest};
+  const MemorySpan host_state{reinterpret_cast<std::byte*>(state), sizeof(state), {MemoryKind::host}};
+  copy_memory(agreement.span(), host_state);
+  shim::nccl_check(nccl.all_reduce(agreement.data(), agreement.data(), 3, shim::ncclUint64, shim::ncclMax, comm, stream.handle()),
+                   "ncclAllReduce");
+  stream.synchronize(context);
+  copy_memory(host_state, agreement.span());
+  if (failure) std::rethrow_exception(failure);
+  if (state[0] != 0)
+    throw Error(errno_code(EIO), context, fmt::format("rank {} failed to load its part (its own error says why); nothing was exchanged", state[0] - 1));
+  if (state[1] != ~state[2])
+    throw Error(errno_code(EINVAL), context, "the ranks see different checkpoints or options (tensor names, dtypes, shapes or shard maps differ)");
+
+  // 3. Replicate: every run from its reader to all, in one group so the broadcasts overlap.
+  if (replicate && !plan.empty()) {
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> range(static_cast<std::size_t>(world), {UINT64_MAX, 0});
+    for (std::size_t i = 0; i < plan.size(); ++i) {
+      auto& [begin, end] = range[run[i]];
+      begin = std::min(begin, plan[i].memory_offset);
+      end = std::max(end, plan[i].memory_offset + plan[i].size);
+    }
+    shim::nccl_check(nccl.group_start(), "ncclGroupStart");
+    for (int src = 0; src < world; ++src) {
+      const auto [begin, end] = range[static_cast<std::size_t>(src)];
+      if (begin >= end) continue;
+      const shim::ncclResult_t r = nccl.broadcast(base + begin, base + begin, end - begin, shim::ncclUint8, src, comm, stream.handle());
+      if (r != shim::ncclSuccess) {
+        (void)nccl.group_end();
+        shim::nccl_check(r, "ncclBroadcast");
+      }
+      if (src != rank) result.bytes_received += end - begin;
+    }
+    shim::nccl_check(nccl.group_end(), "ncclGroupEnd");
+    stream.synchronize(context);
+    if (options.load.verify) detail::LoadAccess::verify(result.checkpoint, files);
+  }
+  Stats total;
+  timer.finish(total);
+  result.seconds = total.seconds;
+  return result;
+}
+
+}  // namespace hbmio
