@@ -1,6 +1,5 @@
 #include "format/strict_json.hpp"
 
-#include <set>
 #include <vector>
 
 namespace hbmio::format {
@@ -33,54 +32,100 @@ SequenceShape sequence_shape(unsigned char lead) noexcept {
 
 bool is_continuation(unsigned char byte) noexcept { return (byte & 0xC0) == 0x80; }
 
-// nlohmann's own DOM builder, plus the two checks serde_json makes and nlohmann does not: no key
-// twice in one object, and a nesting limit. Not nlohmann's callback parser: after each value that
-// closes it walks the whole enclosing object looking for discarded entries, which is quadratic in
-// the number of tensors (3,072 tensors: 40 ms; a 100 MB header of small entries: hours).
-// sax_parse is a template over the handler type, so these non-virtual overloads are the ones called.
-// json_sax_dom_parser is in nlohmann's detail namespace, stable from 3.10 to 3.12 (CMakeLists
-// requires >= 3.10); the fuzz corpus and format tests check the behaviour on each build.
-class StrictDomBuilder : public nlohmann::detail::json_sax_dom_parser<nlohmann::json> {
-  using Base = nlohmann::detail::json_sax_dom_parser<nlohmann::json>;
+// A DOM builder for nlohmann's SAX parser, with the two checks serde_json makes and nlohmann does
+// not: no key twice in one object (found by the object's own map: an insertion that inserts
+// nothing), and a nesting limit. Ours rather than nlohmann's json_sax_dom_parser, whose object
+// state is private: deriving from it and keeping a set of seen keys per object cost a third of a
+// 3,072-tensor header's parse. Not nlohmann's callback parser either: after each value that closes
+// it walks the whole enclosing object, which is quadratic in the number of tensors.
+// sax_parse is a template over the handler type, so these non-virtual members are the ones called.
+class StrictDomBuilder {
+  using json = nlohmann::json;
 
  public:
-  StrictDomBuilder(nlohmann::json& result, unsigned max_depth) : Base(result, /*allow_exceptions_=*/true), max_depth_(max_depth) {}
+  StrictDomBuilder(json& root, unsigned max_depth) : root_(root), max_depth_(max_depth) {}
 
-  bool start_object(std::size_t elements) {
+  bool null() { return put(nullptr); }
+  bool boolean(bool value) { return put(value); }
+  bool number_integer(json::number_integer_t value) { return put(value); }
+  bool number_unsigned(json::number_unsigned_t value) { return put(value); }
+  bool number_float(json::number_float_t value, const std::string&) { return put(value); }
+  bool string(json::string_t& value) { return put(std::move(value)); }
+  bool binary(json::binary_t& value) { return put(json::binary(std::move(value))); }
+
+  bool start_object(std::size_t) {
     enter();
-    seen_keys_.emplace_back();
-    return Base::start_object(elements);
+    put(json::value_t::object);
+    return true;
+  }
+  bool key(json::string_t& key) {
+    if (stack_.size() == 1) top_level_key_ = key;
+    auto [it, inserted] = stack_.back()->get_ref<json::object_t&>().emplace(key, nullptr);
+    if (!inserted) throw StopParse{{"duplicate key", top_level_key_, "\"" + key + "\" appears twice", {}}};
+    element_ = &it->second;
+    return true;
   }
   bool end_object() {
-    seen_keys_.pop_back();
-    --depth_;
-    return Base::end_object();
+    leave();
+    return true;
   }
-  bool start_array(std::size_t elements) {
+  bool start_array(std::size_t) {
     enter();
-    return Base::start_array(elements);
+    put(json::value_t::array);
+    return true;
   }
   bool end_array() {
-    --depth_;
-    return Base::end_array();
+    leave();
+    return true;
   }
-  bool key(std::string& key) {
-    if (seen_keys_.size() == 1) top_level_key_ = key;
-    if (!seen_keys_.back().insert(key).second)
-      throw StopParse{{"duplicate key", top_level_key_, "\"" + key + "\" appears twice", {}}};
-    return Base::key(key);
+  // Rethrown as its own type, as nlohmann's DOM builder does: the caller reads a parse_error's byte.
+  [[noreturn]] bool parse_error(std::size_t, const std::string&, const json::exception& error) {
+    switch (error.id / 100) {
+      case 1: throw *static_cast<const json::parse_error*>(&error);
+      case 2: throw *static_cast<const json::invalid_iterator*>(&error);
+      case 3: throw *static_cast<const json::type_error*>(&error);
+      case 4: throw *static_cast<const json::out_of_range*>(&error);
+      default: throw *static_cast<const json::other_error*>(&error);
+    }
   }
+
   const std::string& top_level_key() const noexcept { return top_level_key_; }
 
  private:
+  // Places a value: the root, the next element of the open array, or the member whose key came
+  // last. Objects and arrays stay open (on the stack) until their end. Pointers into an array
+  // stay valid while they are on the stack: nothing is appended to an array while a value
+  // inside it is open.
+  bool put(json&& value) {
+    json* slot = nullptr;
+    if (stack_.empty()) {
+      root_ = std::move(value);
+      slot = &root_;
+    } else if (stack_.back()->is_array()) {
+      auto& array = stack_.back()->get_ref<json::array_t&>();
+      array.push_back(std::move(value));
+      slot = &array.back();
+    } else {
+      *element_ = std::move(value);
+      slot = element_;
+    }
+    if (slot->is_object() || slot->is_array()) stack_.push_back(slot);
+    return true;
+  }
   void enter() {
     if (++depth_ > max_depth_)
       throw StopParse{{"JSON nested too deeply", top_level_key_, "more than " + std::to_string(max_depth_) + " levels", {}}};
   }
+  void leave() {
+    stack_.pop_back();
+    --depth_;
+  }
 
+  json& root_;
   unsigned max_depth_;
-  unsigned depth_ = 0;  // open objects and arrays together
-  std::vector<std::set<std::string>> seen_keys_;  // one set of keys per open object
+  unsigned depth_ = 0;         // open objects and arrays together
+  std::vector<json*> stack_;   // the open objects and arrays, innermost last
+  json* element_ = nullptr;    // the member of the innermost object whose key came last
   std::string top_level_key_;
 };
 
