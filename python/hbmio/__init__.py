@@ -163,18 +163,19 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
         # stream; hbmio's copies run on streams of its own, so let that work finish first.
         torch.cuda.current_stream(dev).synchronize()
     with _ProgressBar(sum(nbytes_of.values()), progress) as bar:
-        entries = _hbmio._load_into(opened, dest, backend=backend, verify=verify, names=names, progress=bar.counter)
+        # The load lays the tensors out as _plan said (same parsed headers, same options).
+        _hbmio._load_into(opened, dest, backend=backend, verify=verify, names=names, progress=bar.counter, entries=False)
     # Views of `dest`, which every tensor keeps alive: one reinterpretation of `dest` per dtype,
     # then one as_strided per tensor (a third of the cost of slice + view + view, which was 10-15%
     # of a warm load of 3,072 small tensors). Offsets are multiples of 256, so whole elements.
     typed = {}
     out = {}
-    for name, _, shape, offset in entries:
+    for name, _, shape, _, offset in plan:
         dtype = torch_dtypes[name]
         base = typed.get(dtype)
         if base is None:
-            size = dest.element_size() * dest.numel() // dtype.itemsize * dtype.itemsize
-            base = typed[dtype] = dest[:size].view(dtype)
+            whole = dest.numel() // dtype.itemsize * dtype.itemsize  # a whole number of elements
+            base = typed[dtype] = dest[:whole].view(dtype)
         strides, step = [], 1
         for extent in reversed(shape):
             strides.append(step)

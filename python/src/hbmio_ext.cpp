@@ -331,8 +331,10 @@ Target target_of(nb::handle h) {
 // Loads into the caller's memory (`dest`, e.g. a torch.empty(n, dtype=uint8) from PyTorch's
 // caching allocator, so repeated loads reuse device memory as safetensors.torch does). Returns,
 // per tensor in file order, (name, dtype, shape, byte offset in dest); the caller builds views.
-nb::list load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, bool verify,
-                   std::optional<std::vector<std::string>> names, Progress* progress) {
+// With entries=False it returns None: a caller that has the layout from _plan (of the same
+// SafeOpen) skips building thousands of tuples.
+nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, bool verify,
+                     std::optional<std::vector<std::string>> names, Progress* progress, bool entries) {
   const Target target = target_of(checkpoint);
   RawArray to = raw_array(dest, true, "_load_into");
   hbmio::LoadOptions options = load_options(backend, verify, std::move(names), progress);
@@ -351,6 +353,7 @@ nb::list load_into(nb::handle checkpoint, nb::handle dest, const std::string& ba
     loaded = target.files ? hbmio::load_checkpoint_files(target.path, *target.files, options)
                           : hbmio::load_checkpoint(target.path, options);
   }
+  if (!entries) return nb::none();
   nb::list out;
   for (const auto& t : loaded.tensors()) {
     const auto offset = static_cast<std::size_t>(t.data.data - to.span.data);
@@ -479,6 +482,7 @@ NB_MODULE(_hbmio, m) {
 
   m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify") = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
+        nb::arg("entries") = true,
         "Loads `checkpoint` (a path, or a SafeOpen: its headers are not read again) into `dest` (a writable "
         "C-contiguous array, host or CUDA, of at least _load_size() bytes); "
         "returns [(name, dtype, shape, byte offset in dest)] in file order.");
