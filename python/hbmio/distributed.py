@@ -52,8 +52,10 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
-        # 1. Plan (every rank, from its own view of the files) and read this rank's run.
-        plan = _hbmio._plan(path, names)
+        # 1. Plan (every rank, from its own view of the files) and read this rank's run; the
+        # headers are parsed once (SafeOpen) for the plan, the size and the read.
+        opened = _hbmio.SafeOpen(path)
+        plan = _hbmio._plan(opened, names)
         for name, dtype, _, _, _ in plan:
             if not isinstance(getattr(torch, _TORCH_DTYPES.get(dtype, ""), None), torch.dtype):
                 raise TypeError(f"tensor {name}: dtype {dtype} has no torch equivalent here")
@@ -71,11 +73,12 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
         counter = _hbmio._Progress()
         if placement == "shard":
             if mine:
-                size = _hbmio._load_size(path, mine)
+                own = _hbmio._plan(opened, mine)  # this rank's layout: its tensors only
+                size = own[-1][4] + own[-1][3]
                 dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
                 if dev.type == "cuda":
                     torch.cuda.current_stream(dev).synchronize()
-                for name, dtype, shape, offset in _hbmio._load_into(path, dest, backend=backend, verify=verify,
+                for name, dtype, shape, offset in _hbmio._load_into(opened, dest, backend=backend, verify=verify,
                                                                      names=mine, progress=counter):
                     entries[name] = (dtype, shape, offset)
         else:
@@ -91,7 +94,7 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
                 # that (aligned) offset, is the whole layout's.
                 first = offsets[run.index(rank)]
                 # verify: each rank checks the run it read, against the file's checksums.
-                got = _hbmio._load_into(path, dest[first:], backend=backend, verify=verify, names=mine, progress=counter)
+                got = _hbmio._load_into(opened, dest[first:], backend=backend, verify=verify, names=mine, progress=counter)
                 for name, dtype, shape, offset in got:
                     entries[name] = (dtype, shape, first + offset)
         read = counter.done
