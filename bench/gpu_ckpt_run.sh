@@ -52,6 +52,7 @@ tests)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
   [ -n "$nccl_lib" ] && export HBMIO_NCCL_LIBRARY=$nccl_lib
+  export HBMIO_NCCL_RANK_BIN=$BIN/nccl_rank
   log machine
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nproc; uname -r; python3 --version; df -hT /var/tmp | tail -1

@@ -9,8 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --build --preset default -j "$(nproc)"
 rm -rf .gpu && mkdir -p .gpu/deps/include
-cp build/hbmio build/tests/hbmio_tests build/tests/cufile_tests build/tests/checkpoint_tests build/libhbmio.a .gpu/
-strip --strip-debug .gpu/hbmio .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/libhbmio.a
+cp build/hbmio build/tests/hbmio_tests build/tests/cufile_tests build/tests/checkpoint_tests build/tests/nccl_rank build/libhbmio.a .gpu/
+strip --strip-debug .gpu/hbmio .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/nccl_rank .gpu/libhbmio.a
 
 # The same layout as /usr, so the copied CMake package files find their files relative to the prefix.
 multiarch=lib/x86_64-linux-gnu

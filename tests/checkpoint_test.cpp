@@ -6,8 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <numeric>
-#include <thread>
+#include <cstdio>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -615,87 +614,85 @@ TEST(NcclLoad, NeedsACommunicatorAndAGpu) {
   }
 }
 
-// NCCL with one process: every GPU a rank of one ncclCommInitAll, one thread per rank, as a
-// program with one process per GPU would call it. Checks both placements byte for byte, that each
-// byte is read once over all ranks, and that one failing rank makes every rank throw.
-TEST(GpuNcclLoad, ShardAndReplicateOverEveryGpu) {
+// NCCL, one process per rank (tests/nccl_rank.cpp), one rank per GPU: both placements byte for
+// byte, each byte read once over all ranks, and one failing rank failing every rank. Each rank
+// runs under `timeout`, so a hang fails the test instead of stalling it.
+TEST(GpuNcclLoad, ShardAndReplicateOneProcessPerRank) {
   if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
   const shim::NcclApi* api = nullptr;
   try {
     api = &shim::nccl_api();
   } catch (const Error& e) {
-    GTEST_SKIP() << "no NCCL here: " << e.what();
+    GTEST_SKIP() << "no NCCL here (HBMIO_NCCL_LIBRARY names one): " << e.what();
   }
   const int n = cuda_device_count();
-  std::vector<shim::ncclComm_t> comms(static_cast<std::size_t>(n));
-  std::vector<int> devices(static_cast<std::size_t>(n));
-  std::iota(devices.begin(), devices.end(), 0);
-  ASSERT_EQ(api->comm_init_all(comms.data(), n, devices.data()), shim::ncclSuccess) << api->library;
-  struct Destroy {
-    const shim::NcclApi* api;
-    std::vector<shim::ncclComm_t>& comms;
-    ~Destroy() {
-      for (auto c : comms) (void)api->comm_destroy(c);
-    }
-  } destroy{api, comms};
-
   TempDir dir;
   const Sample sample = make_sample({MemoryKind::host});
   const std::string path = multi::sharded_sample(dir, sample);
-  auto run_all = [&](Placement placement, auto path_of) {
-    std::vector<std::optional<NcclLoadResult>> results(static_cast<std::size_t>(n));
-    std::vector<std::string> errors(static_cast<std::size_t>(n));
-    {
-      std::vector<std::jthread> threads;
-      for (int k = 0; k < n; ++k)
-        threads.emplace_back([&, k] {
-          NcclLoadOptions options{.placement = placement};
-          options.load.into = {MemoryKind::device, k};
-          options.load.verify = true;
-          try {
-            results[static_cast<std::size_t>(k)] = load_checkpoint_nccl(path_of(k), comms[static_cast<std::size_t>(k)], options);
-          } catch (const Error& e) {
-            errors[static_cast<std::size_t>(k)] = e.what();
-          }
-        });
+  std::map<std::string, std::string> expected;
+  for (std::size_t i = 0; i < sample.tensors.size(); ++i)
+    expected[sample.tensors[i].name] = xxh3_hex(sample.bytes[i].data(), sample.bytes[i].size());
+
+  // The rank program: beside the test where it was built, or where HBMIO_NCCL_RANK_BIN says (a
+  // copy of the binaries on another machine).
+  const char* env_bin = std::getenv("HBMIO_NCCL_RANK_BIN");
+  const std::string rank_bin = env_bin && *env_bin ? env_bin : HBMIO_NCCL_RANK_BIN;
+  auto run_ranks = [&](const char* placement, auto path_of) {
+    shim::ncclUniqueId id{};
+    EXPECT_EQ(api->get_unique_id(&id), shim::ncclSuccess);
+    std::string hex;
+    for (char c : id.internal) hex += fmt::format("{:02x}", static_cast<unsigned char>(c));
+    std::vector<FILE*> pipes;
+    for (int k = 0; k < n; ++k) {
+      const std::string command = fmt::format("timeout 120 '{}' {} {} {} '{}' {}", rank_bin, hex, k, n, path_of(k), placement);
+      pipes.push_back(::popen(command.c_str(), "r"));
     }
-    return std::pair{std::move(results), errors};
+    std::vector<nlohmann::json> out;
+    for (FILE* pipe : pipes) {
+      std::string text;
+      char buffer[4096];
+      while (pipe != nullptr && std::fgets(buffer, sizeof(buffer), pipe) != nullptr) text += buffer;
+      const int status = pipe != nullptr ? ::pclose(pipe) : -1;
+      nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (j.is_discarded()) j = {{"ok", false}, {"error", fmt::format("no result (exit status {}): {}", status, text)}};
+      out.push_back(j);
+    }
+    return out;
   };
   auto same_path = [&](int) { return path; };
-  for (Placement placement : {Placement::shard, Placement::replicate}) {
-    auto [results, errors] = run_all(placement, same_path);
+  for (const char* placement : {"shard", "replicate"}) {
+    const bool shard = std::string(placement) == "shard";
+    const auto ranks = run_ranks(placement, same_path);
     std::uint64_t read = 0, received = 0;
     std::map<std::string, int> seen;
     for (int k = 0; k < n; ++k) {
-      ASSERT_TRUE(results[static_cast<std::size_t>(k)].has_value()) << "rank " << k << ": " << errors[static_cast<std::size_t>(k)];
-      const NcclLoadResult& r = *results[static_cast<std::size_t>(k)];
-      EXPECT_EQ(r.rank, k);
-      EXPECT_EQ(r.world, n);
-      read += r.bytes_from_storage;
-      received += r.bytes_received;
-      for (const auto& t : r.checkpoint.tensors()) {
-        ++seen[t.name];
-        EXPECT_EQ(t.data.location, (MemoryLocation{MemoryKind::device, k})) << t.name;
-        const auto it = std::find_if(sample.tensors.begin(), sample.tensors.end(), [&](const TensorToSave& s) { return s.name == t.name; });
-        ASSERT_NE(it, sample.tensors.end()) << t.name;
-        EXPECT_EQ(first_mismatch(to_host(t.data), sample.bytes[static_cast<std::size_t>(it - sample.tensors.begin())]), -1)
-            << "rank " << k << " tensor " << t.name;
+      const auto& r = ranks[static_cast<std::size_t>(k)];
+      ASSERT_TRUE(r.value("ok", false)) << placement << ", rank " << k << ": " << r.dump();
+      EXPECT_EQ(r["rank_reported"], k);
+      EXPECT_EQ(r["world"], n);
+      read += r["bytes_from_storage"].get<std::uint64_t>();
+      received += r["bytes_received"].get<std::uint64_t>();
+      for (const auto& [name, t] : r["tensors"].items()) {
+        ++seen[name];
+        EXPECT_EQ(t["device"], k) << name;
+        ASSERT_TRUE(expected.contains(name)) << name;
+        EXPECT_EQ(t["xxh3"], expected[name]) << placement << ", rank " << k << ", tensor " << name;
       }
-      if (placement == Placement::replicate) {
-        EXPECT_EQ(r.checkpoint.tensors().size(), sample.tensors.size()) << "rank " << k;
-        EXPECT_TRUE(r.checkpoint.verified()) << "rank " << k;
-      }
+      if (!shard) EXPECT_TRUE(r["verified"].get<bool>()) << "rank " << k;
     }
-    EXPECT_EQ(read, multi::bytes_of(sample)) << "each byte read once over the ranks";
-    EXPECT_EQ(seen.size(), sample.tensors.size());
-    for (const auto& [name, count] : seen) EXPECT_EQ(count, placement == Placement::shard ? 1 : n) << name;
-    if (placement == Placement::replicate) EXPECT_GE(received, static_cast<std::uint64_t>(n - 1) * multi::bytes_of(sample));
+    EXPECT_EQ(read, multi::bytes_of(sample)) << placement << ": each byte read once over the ranks";
+    EXPECT_EQ(seen.size(), sample.tensors.size()) << placement;
+    for (const auto& [name, count] : seen) EXPECT_EQ(count, shard ? 1 : n) << placement << ", " << name;
+    if (!shard) EXPECT_GE(received, static_cast<std::uint64_t>(n - 1) * multi::bytes_of(sample));
   }
-  // Rank 0 cannot open its checkpoint: every rank throws, the others naming rank 0.
-  auto [results, errors] = run_all(Placement::replicate, [&](int k) { return k == 0 ? dir.file("missing") : path; });
+  // Rank 0 cannot open its checkpoint: every rank fails, the others naming rank 0.
+  const auto ranks = run_ranks("replicate", [&](int k) { return k == 0 ? dir.file("missing") : path; });
   for (int k = 0; k < n; ++k) {
-    EXPECT_FALSE(results[static_cast<std::size_t>(k)].has_value()) << "rank " << k << " did not fail";
-    if (k > 0) EXPECT_NE(errors[static_cast<std::size_t>(k)].find("rank 0 failed"), std::string::npos) << errors[static_cast<std::size_t>(k)];
+    const auto& r = ranks[static_cast<std::size_t>(k)];
+    EXPECT_FALSE(r.value("ok", true)) << "rank " << k << " did not fail: " << r.dump();
+    const std::string error = r.value("error", "");
+    if (k == 0) EXPECT_NE(error.find("missing"), std::string::npos) << error;
+    else EXPECT_NE(error.find("rank 0 failed"), std::string::npos) << error;
   }
 }
 

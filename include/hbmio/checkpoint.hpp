@@ -135,13 +135,15 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
 //   replicate  every rank gets every tensor: each rank reads its run, then each run is broadcast
 //              from its reader to all (ncclBroadcast over the communicator: NVLink within a node).
 // Before any data moves, the ranks agree that every one read its part and planned the same
-// layout: a failure on one rank (a missing shard, a bad file) makes every rank throw, with the
-// failing rank named, instead of leaving the others waiting in a collective.
+// layout with the same options: a failure on one rank (a missing shard, a bad file, options that
+// differ) makes every rank throw, with the failing rank named, instead of leaving the others
+// waiting in a collective. Only a failure of the CUDA set-up on the communicator's GPU (a stream
+// and 24 bytes of device memory, made first) stays local.
 // NCCL is the caller's: it is found at run time (see src/shim/nccl_api.hpp), never linked.
 struct NcclLoadOptions {
   Placement placement = Placement::replicate;
   std::map<std::string, int> shard_map;  // shard: tensor name -> rank
-  LoadOptions load;  // `into` must be this rank's GPU (cuda:N); names, backend, verify,
+  LoadOptions load;  // `into` must be the communicator's GPU (cuda:N); names, backend, verify,
                      // engine_options, engine, progress apply; the layout is single_allocation.
                      // The collectives run on a stream of hbmio's own; the load returns when
                      // every tensor is in place.

@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 #include <xxhash.h>
 
+#include "checkpoint/integrity.hpp"
 #include "checkpoint/load_internal.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
@@ -30,20 +31,20 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
   const shim::NcclApi& nccl = shim::nccl_api();
   const auto comm = static_cast<shim::ncclComm_t>(comm_handle);
   NcclLoadResult result;
-  shim::nccl_check(nccl.comm_user_rank(comm, &result.rank), "ncclCommUserRank");
-  shim::nccl_check(nccl.comm_count(comm, &result.world), "ncclCommCount");
+  int device = -1;
+  shim::nccl_check(comm, nccl.comm_user_rank(comm, &result.rank), "ncclCommUserRank");
+  shim::nccl_check(comm, nccl.comm_count(comm, &result.world), "ncclCommCount");
+  shim::nccl_check(comm, nccl.comm_cu_device(comm, &device), "ncclCommCuDevice");
   const int rank = result.rank, world = result.world;
   const ErrorContext context{.op = fmt::format("distributed load (rank {} of {})", rank, world), .path = path};
-  const MemoryLocation into = options.load.into;
-  if (into.kind != MemoryKind::device)
-    throw Error(errno_code(EINVAL), context, fmt::format("NCCL loads go into this rank's GPU (cuda:N), not {}", into.to_string()));
   const bool replicate = options.placement == Placement::replicate;
 
-  // Set-up every rank can do without the others; a failure here is an ordinary local error, as
-  // no rank can take part in step 2 without a stream and the agreement buffer.
-  cuda::set_device(into.device, context);
-  cuda::Stream stream(into.device, context);
-  Buffer agreement = Buffer::allocate(into, 3 * sizeof(std::uint64_t));
+  // CUDA set-up on the communicator's GPU. This is the one part whose failure stays local (and
+  // leaves the other ranks waiting in step 2): without a stream and the agreement buffer a rank
+  // cannot take part. Everything that depends on the caller's options or files comes after.
+  cuda::set_device(device, context);
+  cuda::Stream stream(device, context);
+  Buffer agreement = Buffer::allocate({MemoryKind::device, device}, 3 * sizeof(std::uint64_t));
 
   // 1. Plan and read this rank's part. Any failure is kept for step 2.
   std::exception_ptr failure;
@@ -53,7 +54,16 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
   std::byte* base = nullptr;  // replicate: this rank's copy of the whole layout
   std::uint64_t digest = 0;
   try {
+    const MemoryLocation into = options.load.into;
+    if (into.kind != MemoryKind::device || into.device != device)
+      throw Error(errno_code(EINVAL), context,
+                  fmt::format("LoadOptions::into is {}, but this rank's communicator is on cuda:{}", into.to_string(), device));
     files = open_checkpoint(path);
+    if (replicate && options.load.verify)  // found here, before any read, so every rank stops alike
+      for (const auto& file : files)
+        if (!detail::has_checksums(file.header.metadata))
+          throw Error(errno_code(ENODATA), {.op = "verify", .path = file.path},
+                      "the file holds no hbmio checksums (add them with `hbmio ckpt checksum`)");
     LoadOptions layout = options.load;
     layout.layout = TensorLayout::single_allocation;
     layout.destination = {};
@@ -74,8 +84,9 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
       if (mapped != options.shard_map.size())
         throw Error(errno_code(ENOENT), context, "shard_map names a tensor the load does not hold");
     }
-    // What every rank must agree on: the layout and who reads what.
-    std::string layout_text;
+    // What every rank must agree on: the options that decide what happens after step 2, the
+    // layout and who reads what.
+    std::string layout_text = fmt::format("{} verify={}\n", replicate ? "replicate" : "shard", options.load.verify);
     for (std::size_t i = 0; i < plan.size(); ++i)
       layout_text += fmt::format("{}|{}|{}|{}|{}|{}\n", plan[i].name, safetensors::to_string(plan[i].dtype),
                                  fmt::join(plan[i].shape, ","), plan[i].size, plan[i].memory_offset, run[i]);
@@ -103,12 +114,12 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
   // 2. Agreement, one all-reduce (MAX) of: the highest failing rank + 1 (0: none); the layout's
   // digest and its complement (every digest is equal exactly when max(d) == ~max(~d)).
   std::uint64_t state[3] = {failure ? static_cast<std::uint64_t>(rank) + 1 : 0, digest, ~digest};
-  const MemorySpan host_state{reinterpret_cast<std::byte*>(state), sizeof(state), {MemoryKind::host}};
-  copy_memory(agreement.span(), host_state);
-  shim::nccl_check(nccl.all_reduce(agreement.data(), agreement.data(), 3, shim::ncclUint64, shim::ncclMax, comm, stream.handle()),
+  // All on one stream: the copy in, the all-reduce and the copy out run in that order.
+  stream.copy_to_device_async(agreement.data(), state, sizeof(state), context);
+  shim::nccl_check(comm, nccl.all_reduce(agreement.data(), agreement.data(), 3, shim::ncclUint64, shim::ncclMax, comm, stream.handle()),
                    "ncclAllReduce");
+  stream.copy_to_host_async(state, agreement.data(), sizeof(state), context);
   stream.synchronize(context);
-  copy_memory(host_state, agreement.span());
   if (failure) std::rethrow_exception(failure);
   if (state[0] != 0)
     throw Error(errno_code(EIO), context, fmt::format("rank {} failed to load its part (its own error says why); nothing was exchanged", state[0] - 1));
@@ -123,18 +134,21 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
       begin = std::min(begin, plan[i].memory_offset);
       end = std::max(end, plan[i].memory_offset + plan[i].size);
     }
-    shim::nccl_check(nccl.group_start(), "ncclGroupStart");
+    // One group, so the broadcasts of all runs proceed together. Every rank issues the same
+    // broadcasts (same plan, agreed above); an enqueue error here is not agreed on, and leaves
+    // the other ranks to NCCL's own error handling (NCCL_TIMEOUT, ncclCommAbort by the caller).
+    shim::nccl_check(comm, nccl.group_start(), "ncclGroupStart");
     for (int src = 0; src < world; ++src) {
       const auto [begin, end] = range[static_cast<std::size_t>(src)];
       if (begin >= end) continue;
       const shim::ncclResult_t r = nccl.broadcast(base + begin, base + begin, end - begin, shim::ncclUint8, src, comm, stream.handle());
-      if (r != shim::ncclSuccess) {
+      if (r != shim::ncclSuccess && r != shim::ncclInProgress) {
         (void)nccl.group_end();
-        shim::nccl_check(r, "ncclBroadcast");
+        shim::nccl_check(comm, r, "ncclBroadcast");
       }
       if (src != rank) result.bytes_received += end - begin;
     }
-    shim::nccl_check(nccl.group_end(), "ncclGroupEnd");
+    shim::nccl_check(comm, nccl.group_end(), "ncclGroupEnd");
     stream.synchronize(context);
     if (options.load.verify) detail::LoadAccess::verify(result.checkpoint, files);
   }

@@ -54,7 +54,10 @@ NcclApi load() {
   api.group_start = symbol<NcclApi::GroupStart>(handle, "ncclGroupStart");
   api.group_end = symbol<NcclApi::GroupEnd>(handle, "ncclGroupEnd");
   api.get_error_string = symbol<NcclApi::GetErrorString>(handle, "ncclGetErrorString");
-  api.comm_init_all = symbol<NcclApi::CommInitAll>(handle, "ncclCommInitAll");
+  api.comm_cu_device = symbol<NcclApi::CommCuDevice>(handle, "ncclCommCuDevice");
+  api.comm_get_async_error = symbol<NcclApi::CommGetAsyncError>(handle, "ncclCommGetAsyncError");
+  api.get_unique_id = symbol<NcclApi::GetUniqueId>(handle, "ncclGetUniqueId");
+  api.comm_init_rank = symbol<NcclApi::CommInitRank>(handle, "ncclCommInitRank");
   api.comm_destroy = symbol<NcclApi::CommDestroy>(handle, "ncclCommDestroy");
   api.library = loaded_file(handle, "libnccl.so.2");
   // The handle stays open for the process's life: the caller's communicator outlives any load.
@@ -73,7 +76,9 @@ const NcclApi& nccl_api() {
   return *api;
 }
 
-void nccl_check(ncclResult_t result, const char* call) {
+void nccl_check(ncclComm_t comm, ncclResult_t result, const char* call) {
+  while (result == ncclInProgress && comm != nullptr)
+    if (nccl_api().comm_get_async_error(comm, &result) != ncclSuccess) break;
   if (result == ncclSuccess) return;
   const char* text = nccl_api().get_error_string(result);
   throw Error(errno_code(EIO), {.op = call}, fmt::format("NCCL error {}: {}", static_cast<int>(result), text ? text : "?"));

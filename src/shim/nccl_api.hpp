@@ -5,8 +5,8 @@
 // communicator has made it with its own libnccl (PyTorch's, say), and hbmio must call that very
 // library, not link or ship another. So the library is looked up at first use: the copy already
 // loaded in the process (by its soname), else HBMIO_NCCL_LIBRARY, else the linker's search path.
-// The values below follow nccl.h (NCCL 2.x, stable since 2.0); tests/nccl_test.cpp checks them
-// against the real header where one is installed.
+// The values below follow nccl.h (NCCL 2.x, stable since 2.0; checked against the header of
+// NCCL 2.32).
 #pragma once
 
 #include <cstddef>
@@ -18,6 +18,9 @@ struct ncclComm;  // opaque, as in nccl.h
 using ncclComm_t = ncclComm*;
 
 enum ncclResult_t : int { ncclSuccess = 0, ncclInProgress = 7 };
+struct ncclUniqueId {
+  char internal[128];  // NCCL_UNIQUE_ID_BYTES
+};
 enum ncclDataType_t : int { ncclUint8 = 1, ncclUint64 = 5 };
 enum ncclRedOp_t : int { ncclMax = 2 };
 
@@ -30,7 +33,11 @@ struct NcclApi {
   using GroupStart = ncclResult_t (*)();
   using GroupEnd = ncclResult_t (*)();
   using GetErrorString = const char* (*)(ncclResult_t);
-  using CommInitAll = ncclResult_t (*)(ncclComm_t*, int, const int*);  // tests make communicators
+  using CommCuDevice = ncclResult_t (*)(ncclComm_t, int*);
+  using CommGetAsyncError = ncclResult_t (*)(ncclComm_t, ncclResult_t*);
+  // Tests make communicators: one process per rank.
+  using GetUniqueId = ncclResult_t (*)(ncclUniqueId*);
+  using CommInitRank = ncclResult_t (*)(ncclComm_t*, int, ncclUniqueId, int);
   using CommDestroy = ncclResult_t (*)(ncclComm_t);
 
   CommCount comm_count = nullptr;
@@ -40,7 +47,10 @@ struct NcclApi {
   GroupStart group_start = nullptr;
   GroupEnd group_end = nullptr;
   GetErrorString get_error_string = nullptr;
-  CommInitAll comm_init_all = nullptr;
+  CommCuDevice comm_cu_device = nullptr;
+  CommGetAsyncError comm_get_async_error = nullptr;
+  GetUniqueId get_unique_id = nullptr;
+  CommInitRank comm_init_rank = nullptr;
   CommDestroy comm_destroy = nullptr;
   std::string library;  // the file the symbols came from
 };
@@ -50,6 +60,8 @@ struct NcclApi {
 const NcclApi& nccl_api();
 
 // Throws Error naming `call` and NCCL's own description of `result` unless it is ncclSuccess.
-void nccl_check(ncclResult_t result, const char* call);
+// ncclInProgress (a non-blocking communicator: the call is queued, not done) is waited out first,
+// through ncclCommGetAsyncError, so nothing is freed under queued work.
+void nccl_check(ncclComm_t comm, ncclResult_t result, const char* call);
 
 }  // namespace hbmio::shim
