@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <future>
@@ -135,22 +136,37 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   auto engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()), options.faults);
   Stats total;
   std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
+  // Where the time goes, for the Stats note: a save is its writes plus what makes them durable.
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  const Clock::time_point started = Clock::now();
+  double hashing = 0, data = 0, wait = 0, header_write = 0, fsync = 0;
   try {
     {
       File file = File::open(temp.string(), OpenMode::create_new);
       // Hashing runs beside the writes; the future's destructor waits for it on every path, so
       // no hashing thread reads the tensors after a failed save returns.
       std::future<std::vector<std::uint64_t>> sums;
-      if (options.checksums) sums = std::async(std::launch::async, [&spans] { return detail::xxh3_of_each(spans); });
+      if (options.checksums)
+        sums = std::async(std::launch::async, [&spans, &hashing, &seconds_since] {
+          const Clock::time_point start = Clock::now();
+          auto result = detail::xxh3_of_each(spans);
+          hashing = seconds_since(start);
+          return result;
+        });
       // Every tensor in one batch, so the engine's workers write them all at once.
       std::vector<IoRequest> writes;
       std::map<std::string_view, MemorySpan> data_of;
       for (const auto& t : tensors) data_of.emplace(t.name, t.data);
       for (const auto& info : infos)
         writes.push_back({.op = IoOp::write, .file = &file, .offset = header.size() + info.begin, .memory = data_of.at(info.name)});
+      Clock::time_point phase = Clock::now();
       total.add_part(engine->submit_batch(writes));
+      data = seconds_since(phase);
       if (options.checksums) {
+        phase = Clock::now();
         const std::vector<std::uint64_t> computed = sums.get();
+        wait = seconds_since(phase);
         for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
         std::string final_header = st::serialize_header(infos, metadata);
         if (final_header.size() != header.size())
@@ -160,11 +176,15 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
       }
       Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
       std::memcpy(header_buffer.data(), header.data(), header.size());
-      const IoRequest header_write{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()};
-      total.add_part(engine->submit_batch({&header_write, 1}));
+      const IoRequest header_request{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()};
+      phase = Clock::now();
+      total.add_part(engine->submit_batch({&header_request, 1}));
+      header_write = seconds_since(phase);
       if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
         throw Error(errno_code(err), context, "fsync (injected)");
+      phase = Clock::now();
       file.sync();  // throws on failure: never retried, the old checkpoint stays
+      fsync = seconds_since(phase);
     }
     previous.emplace(target);
     if (::rename(temp.c_str(), target.c_str()) != 0) throw Error(errno_code(errno), context, "rename of the temporary file");
@@ -174,8 +194,13 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
     throw;
   }
   sync_directory(target.parent_path(), path);
-  total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}", tensors.size(),
-                           options.checksums ? ", with XXH3-64 checksums" : "");
+  const double all = seconds_since(started);
+  std::string engine_note = total.note;
+  total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}; data writes {:.3f} s{}, header {:.3f} s, "
+                           "fsync {:.3f} s, the rest (rename, directory fsync, set-up) {:.3f} s{}{}",
+                           tensors.size(), options.checksums ? ", with XXH3-64 checksums" : "", data,
+                           options.checksums ? fmt::format(" (hashing beside them {:.3f} s, then waited {:.3f} s)", hashing, wait) : "",
+                           header_write, fsync, all - data - wait - header_write - fsync, engine_note.empty() ? "" : "; ", engine_note);
   timer.finish(total);
   return total;
 }
