@@ -196,6 +196,51 @@ INSTANTIATE_TEST_SUITE_P(Backends, GpuReadMatrix, kGpuCases, case_name);
 INSTANTIATE_TEST_SUITE_P(Backends, GpuWriteMatrix, kGpuCases, case_name);
 INSTANTIATE_TEST_SUITE_P(Backends, GpuBatchMatrix, kGpuCases, case_name);
 
+// The default options (8 MiB O_DIRECT pieces, page-cache pieces capped at 4 MiB, 16 MiB chunks),
+// which the matrices above, with their small buffers, do not reach: a read and a write of 40 MiB
+// at unaligned positions in memory and file, each O_DIRECT mode, compared with pread.
+void default_options_round_trip(const std::string& memory) {
+  TempDir dir;
+  const std::string path = dir.file("data.bin");
+  const std::size_t file_size = (std::size_t{40} << 20) + 777;
+  const auto bytes = random_bytes(file_size, 7);
+  write_file(path, bytes);
+  const MemoryLocation where = MemoryLocation::parse(memory);
+  for (DirectIo direct : {DirectIo::on, DirectIo::off, DirectIo::automatic}) {
+    SCOPED_TRACE(to_string(direct));
+    Options options;
+    options.direct_io = direct;
+    auto engine = make_engine("uring", options);
+    const std::uint64_t offset = 4097;
+    const std::size_t length = file_size - offset - 1000;
+    Buffer buffer = Buffer::allocate(where, length + 2);
+    const MemorySpan span = buffer.span().subspan(1, length);  // unaligned: through the slots
+    {
+      File file = File::open(path, OpenMode::read);
+      const Stats stats = engine->read(file, offset, span);
+      EXPECT_EQ(stats.bytes, length);
+      const auto got = to_host(span);
+      ASSERT_EQ(first_mismatch(got, pread_range(path, offset, length)), -1);
+    }
+    // Write it back one byte further on: the file must then hold the shifted bytes there.
+    {
+      File file = File::open(path, OpenMode::read_write);
+      engine->write(file, offset + 1, span);
+      file.sync();
+    }
+    std::vector<std::byte> expected = bytes;
+    std::copy(bytes.begin() + static_cast<std::ptrdiff_t>(offset), bytes.begin() + static_cast<std::ptrdiff_t>(offset + length),
+              expected.begin() + static_cast<std::ptrdiff_t>(offset + 1));
+    ASSERT_EQ(first_mismatch(pread_range(path, 0, file_size), expected), -1);
+    write_file(path, bytes);
+  }
+}
+TEST(DefaultOptions, UringReadsAndWritesHostMemory) { default_options_round_trip("host"); }
+TEST(GpuDefaultOptions, UringReadsAndWritesDeviceMemory) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  default_options_round_trip("cuda:0");
+}
+
 // Past 2 GiB and 4 GiB offsets: a sparse file with random data at the places that matter.
 class LargeFile : public testing::TestWithParam<std::string> {};
 TEST_P(LargeFile, SparseMultiGiBReadMatchesPread) {
