@@ -139,7 +139,7 @@ def main():
             j = hbmio_load(a, ("--runs", str(a.warm_runs), *extra))
             emit(dict(contender=label, mode="warm", summary=True, runs=[round(t, 4) for t in j["run_seconds"]],
                       median_s=round(j["median_seconds"], 4), gib_per_s=round(j["median_gib_per_second"], 3),
-                      note=j["stats"].get("note", "")))
+                      note=j["stats"].get("note", ""), first_run_note=(j.get("run_notes") or [""])[0]))
         for c in peers:
             try:
                 a.runs = a.warm_runs
