@@ -47,7 +47,7 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
     start = time.perf_counter()
     # Whatever fails on one rank must reach the others through the gather below, never leave
     # them waiting in a collective: everything up to it runs inside this try.
-    error, plan, dest, entries, read, dev = None, None, None, {}, 0, None
+    error, plan, run, dest, entries, read, dev = None, None, None, None, {}, 0, None
     try:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
@@ -104,7 +104,10 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
     # 2. Every rank learns whether every other one succeeded, and that all planned the same.
     # NCCL stages object collectives on the current device: make it this rank's GPU.
     on_device = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else _nullcontext()
-    digest = None if plan is None else hashlib.sha256(repr([(p[0], p[1], list(p[2]), p[3], p[4]) for p in plan]).encode()).hexdigest()
+    # What all must agree on: the placement (it decides the collectives below), the layout and
+    # who reads what.
+    digest = None if plan is None else hashlib.sha256(
+        repr((placement, [(p[0], p[1], list(p[2]), p[3], p[4]) for p in plan], run)).encode()).hexdigest()
     states = [None] * world
     with on_device:
         dist.all_gather_object(states, (error, digest, read), group=group)
@@ -112,7 +115,8 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
     if failed:
         raise _hbmio.Error("; ".join(f"rank {r}: {msg}" for r, msg in failed))
     if len({s[1] for s in states}) != 1:
-        raise _hbmio.Error(f"the ranks see different checkpoints at {path!r} (tensor names, dtypes or shapes differ)")
+        raise _hbmio.Error(f"the ranks see different checkpoints at {path!r} or were given different options "
+                           "(tensor names, dtypes, shapes, placement or shard maps differ)")
 
     moved = 0
     if placement == "replicate":

@@ -24,7 +24,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -484,16 +483,8 @@ NB_MODULE(_hbmio, m) {
         nb::arg("verify") = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
         nb::arg("entries") = true,
         "Loads `checkpoint` (a path, or a SafeOpen: its headers are not read again) into `dest` (a writable "
-        "C-contiguous array, host or CUDA, of at least _load_size() bytes); "
+        "C-contiguous array, host or CUDA, that holds _plan()'s layout: last offset + bytes); "
         "returns [(name, dtype, shape, byte offset in dest)] in file order.");
-
-  m.def("_load_size", [](const std::string& path, std::optional<std::vector<std::string>> names, std::size_t alignment) {
-    hbmio::LoadOptions options = load_options("auto", false, std::move(names), nullptr);
-    options.alignment = alignment;
-    nb::gil_scoped_release release;
-    return hbmio::load_size(path, options);
-  }, nb::arg("path"), nb::arg("names") = nb::none(), nb::arg("alignment") = hbmio::LoadOptions{}.alignment,
-     "Bytes of the destination that _load_into needs for these tensors (each aligned as a load aligns it).");
 
   m.def("_tensor_bytes", [](const std::string& path, std::optional<std::vector<std::string>> names) {
     // The bytes a load reads (what its progress counter reaches), without alignment padding.

@@ -3,9 +3,10 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <atomic>
 #include <exception>
+#include <filesystem>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -246,25 +247,26 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   return result;
 }
 
+void detail::require_checksums(const std::vector<CheckpointFile>& files) {
+  for (const auto& file : files)
+    if (!has_checksums(file.header.metadata))
+      throw Error(errno_code(ENODATA), {.op = "verify", .path = file.path},
+                  "the file holds no hbmio checksums (add them with `hbmio ckpt checksum`)");
+}
+
 void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files) {
-  {
-    for (const auto& file : files) {
-      if (!detail::has_checksums(file.header.metadata))
-        throw Error(errno_code(ENODATA), {.op = "verify", .path = file.path},
-                    "the file holds no hbmio checksums (add them with `hbmio ckpt checksum`)");
-    }
-    std::vector<MemorySpan> spans;
-    for (const auto& tensor : result.tensors_) spans.push_back(tensor.data);
-    const std::vector<std::uint64_t> sums = detail::xxh3_of_each(spans);
-    for (std::size_t i = 0; i < result.tensors_.size(); ++i) {
-      const LoadedTensor& tensor = result.tensors_[i];
-      const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) { return f.path == tensor.file; });
-      if (auto bad = detail::check_tensor(file->header.metadata, tensor.name, tensor.file, tensor.file_offset, sums[i]))
-        throw Error(errno_code(EIO), {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size},
-                    *bad);
-    }
-    result.verified_ = true;
+  require_checksums(files);
+  std::vector<MemorySpan> spans;
+  for (const auto& tensor : result.tensors_) spans.push_back(tensor.data);
+  const std::vector<std::uint64_t> sums = detail::xxh3_of_each(spans);
+  for (std::size_t i = 0; i < result.tensors_.size(); ++i) {
+    const LoadedTensor& tensor = result.tensors_[i];
+    const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) { return f.path == tensor.file; });
+    if (auto bad = detail::check_tensor(file->header.metadata, tensor.name, tensor.file, tensor.file_offset, sums[i]))
+      throw Error(errno_code(EIO), {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size},
+                  *bad);
   }
+  result.verified_ = true;
 }
 
 namespace {
@@ -307,29 +309,13 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
   LoadOptions base = options.load;
   base.layout = TensorLayout::single_allocation;
   base.destination = {};
-  std::uint64_t allocation_size = 0;
-  const std::vector<Pick> picks = pick_tensors(path, files, base, allocation_size);
-  std::vector<std::uint64_t> sizes;
-  for (const auto& p : picks) sizes.push_back(p.info->size());
-  std::vector<std::size_t> run = detail::contiguous_runs(sizes, n);
-  if (options.placement == Placement::shard) {
-    std::size_t mapped = 0;
-    for (std::size_t i = 0; i < picks.size(); ++i) {
-      const auto it = options.shard_map.find(picks[i].info->name);
-      if (it == options.shard_map.end()) continue;
-      if (it->second >= n)
-        throw checkpoint_error(EINVAL, path, fmt::format("shard_map sends tensor '{}' to location {}, but there are {}",
-                                                         it->first, it->second, n));
-      run[i] = it->second;
-      ++mapped;
-    }
-    if (mapped != options.shard_map.size())
-      for (const auto& [name, location] : options.shard_map)
-        if (std::none_of(picks.begin(), picks.end(), [&](const Pick& p) { return p.info->name == name; }))
-          throw checkpoint_error(ENOENT, path, fmt::format("shard_map names tensor '{}', which the load does not hold", name));
-  }
+  const std::vector<PlannedTensor> plan = plan_load_files(path, files, base);
+  const std::uint64_t allocation_size = plan.empty() ? 0 : plan.back().memory_offset + plan.back().size;
+  const std::map<std::string, std::size_t> no_map;
+  const detail::RunSplit split = detail::split_runs(plan, n, options.placement == Placement::shard ? options.shard_map : no_map,
+                                                    {.op = "load", .path = path}, "location");
   std::vector<std::set<std::string>> names(n);
-  for (std::size_t i = 0; i < picks.size(); ++i) names[run[i]].insert(picks[i].info->name);
+  for (std::size_t i = 0; i < plan.size(); ++i) names[split.reader[i]].insert(plan[i].name);
 
   MultiLoadResult result;
   result.locations.resize(n);
@@ -357,12 +343,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
     });
     // Run j occupies one byte range of the layout (runs are contiguous in file order, and so in
     // the layout): one copy per (reader, other location).
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> range(n, {UINT64_MAX, 0});
-    for (std::size_t i = 0; i < picks.size(); ++i) {
-      auto& [begin, end] = range[run[i]];
-      begin = std::min(begin, picks[i].memory_offset);
-      end = std::max(end, picks[i].memory_offset + picks[i].info->size());
-    }
+    const auto& range = split.range;
     std::atomic<std::uint64_t> copied{0};
     on_threads(n, [&](std::size_t k) {
       for (std::size_t j = 0; j < n; ++j) {

@@ -2,12 +2,20 @@
 // processes (nccl_load.cpp) share.
 #pragma once
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <map>
 #include <set>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "hbmio/checkpoint.hpp"
+#include "hbmio/error.hpp"
 
 namespace hbmio::detail {
 
@@ -23,8 +31,50 @@ struct LoadAccess {
   static Stats& stats(LoadedCheckpoint& result) { return result.stats_; }
 };
 
+// Throws Error(ENODATA) naming the first file without hbmio checksums (nothing to verify against).
+void require_checksums(const std::vector<CheckpointFile>& files);
+
 // Splits tensors of these sizes (file order) into `n` contiguous runs of about equal bytes and
 // returns each tensor's run. Contiguous runs keep every reader's reads large.
 std::vector<std::size_t> contiguous_runs(const std::vector<std::uint64_t>& sizes, std::size_t n);
+
+// How a load divides a plan (plan_load_files) among n readers (locations or ranks).
+struct RunSplit {
+  std::vector<std::size_t> reader;  // per tensor of the plan
+  // Per reader, the byte range [first, second) of the layout its tensors occupy; first >= second
+  // when it has none. A range is one piece of the layout only for contiguous runs (no shard_map).
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> range;
+};
+
+// Contiguous runs (contiguous_runs), then the tensors `shard_map` names go to the reader it gives.
+// A reader out of range or a name the plan lacks is an Error (EINVAL, ENOENT) in `context`;
+// `reader_word` ("location", "rank") names the readers in it.
+template <typename Index>
+RunSplit split_runs(const std::vector<PlannedTensor>& plan, std::size_t n, const std::map<std::string, Index>& shard_map,
+                    const ErrorContext& context, std::string_view reader_word) {
+  std::vector<std::uint64_t> sizes;
+  for (const auto& t : plan) sizes.push_back(t.size);
+  RunSplit split{contiguous_runs(sizes, n), std::vector<std::pair<std::uint64_t, std::uint64_t>>(n, {UINT64_MAX, 0})};
+  std::size_t mapped = 0;
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    const auto it = shard_map.find(plan[i].name);
+    if (it == shard_map.end()) continue;
+    if (std::cmp_less(it->second, 0) || std::cmp_greater_equal(it->second, n))
+      throw Error(errno_code(EINVAL), context,
+                  fmt::format("shard_map sends tensor '{}' to {} {}, but there are {}", it->first, reader_word, it->second, n));
+    split.reader[i] = static_cast<std::size_t>(it->second);
+    ++mapped;
+  }
+  if (mapped != shard_map.size())
+    for (const auto& entry : shard_map)
+      if (std::none_of(plan.begin(), plan.end(), [&](const PlannedTensor& t) { return t.name == entry.first; }))
+        throw Error(errno_code(ENOENT), context, fmt::format("shard_map names tensor '{}', which the load does not hold", entry.first));
+  for (std::size_t i = 0; i < plan.size(); ++i) {
+    auto& [begin, end] = split.range[split.reader[i]];
+    begin = std::min(begin, plan[i].memory_offset);
+    end = std::max(end, plan[i].memory_offset + plan[i].size);
+  }
+  return split;
+}
 
 }  // namespace hbmio::detail

@@ -14,7 +14,6 @@
 #include <fmt/ranges.h>
 #include <xxhash.h>
 
-#include "checkpoint/integrity.hpp"
 #include "checkpoint/load_internal.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
@@ -50,7 +49,7 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
   std::exception_ptr failure;
   std::vector<CheckpointFile> files;
   std::vector<PlannedTensor> plan;
-  std::vector<std::size_t> run;
+  detail::RunSplit split;  // who reads what
   std::byte* base = nullptr;  // replicate: this rank's copy of the whole layout
   std::uint64_t digest = 0;
   try {
@@ -59,42 +58,25 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
       throw Error(errno_code(EINVAL), context,
                   fmt::format("LoadOptions::into is {}, but this rank's communicator is on cuda:{}", into.to_string(), device));
     files = open_checkpoint(path);
-    if (replicate && options.load.verify)  // found here, before any read, so every rank stops alike
-      for (const auto& file : files)
-        if (!detail::has_checksums(file.header.metadata))
-          throw Error(errno_code(ENODATA), {.op = "verify", .path = file.path},
-                      "the file holds no hbmio checksums (add them with `hbmio ckpt checksum`)");
+    // Found here, before any read, so every rank stops alike.
+    if (replicate && options.load.verify) detail::require_checksums(files);
     LoadOptions layout = options.load;
     layout.layout = TensorLayout::single_allocation;
     layout.destination = {};
     plan = plan_load_files(path, files, layout);
-    std::vector<std::uint64_t> sizes;
-    for (const auto& t : plan) sizes.push_back(t.size);
-    run = detail::contiguous_runs(sizes, static_cast<std::size_t>(world));
-    if (!replicate) {
-      std::size_t mapped = 0;
-      for (std::size_t i = 0; i < plan.size(); ++i) {
-        const auto it = options.shard_map.find(plan[i].name);
-        if (it == options.shard_map.end()) continue;
-        if (it->second < 0 || it->second >= world)
-          throw Error(errno_code(EINVAL), context, fmt::format("shard_map sends tensor '{}' to rank {}, but there are {}", it->first, it->second, world));
-        run[i] = static_cast<std::size_t>(it->second);
-        ++mapped;
-      }
-      if (mapped != options.shard_map.size())
-        throw Error(errno_code(ENOENT), context, "shard_map names a tensor the load does not hold");
-    }
+    const std::map<std::string, int> no_map;
+    split = detail::split_runs(plan, static_cast<std::size_t>(world), replicate ? no_map : options.shard_map, context, "rank");
     // What every rank must agree on: the options that decide what happens after step 2, the
     // layout and who reads what.
     std::string layout_text = fmt::format("{} verify={}\n", replicate ? "replicate" : "shard", options.load.verify);
     for (std::size_t i = 0; i < plan.size(); ++i)
       layout_text += fmt::format("{}|{}|{}|{}|{}|{}\n", plan[i].name, safetensors::to_string(plan[i].dtype),
-                                 fmt::join(plan[i].shape, ","), plan[i].size, plan[i].memory_offset, run[i]);
+                                 fmt::join(plan[i].shape, ","), plan[i].size, plan[i].memory_offset, split.reader[i]);
     digest = XXH3_64bits(layout_text.data(), layout_text.size());
 
     std::set<std::string> mine;
     for (std::size_t i = 0; i < plan.size(); ++i)
-      if (run[i] == static_cast<std::size_t>(rank)) mine.insert(plan[i].name);
+      if (split.reader[i] == static_cast<std::size_t>(rank)) mine.insert(plan[i].name);
     if (replicate) {
       const std::uint64_t size = plan.empty() ? 0 : plan.back().memory_offset + plan.back().size;
       Buffer whole = Buffer::allocate(into, std::max<std::uint64_t>(size, 1));
@@ -128,18 +110,12 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
 
   // 3. Replicate: every run from its reader to all, in one group so the broadcasts overlap.
   if (replicate && !plan.empty()) {
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> range(static_cast<std::size_t>(world), {UINT64_MAX, 0});
-    for (std::size_t i = 0; i < plan.size(); ++i) {
-      auto& [begin, end] = range[run[i]];
-      begin = std::min(begin, plan[i].memory_offset);
-      end = std::max(end, plan[i].memory_offset + plan[i].size);
-    }
     // One group, so the broadcasts of all runs proceed together. Every rank issues the same
     // broadcasts (same plan, agreed above); an enqueue error here is not agreed on, and leaves
     // the other ranks to NCCL's own error handling (NCCL_TIMEOUT, ncclCommAbort by the caller).
     shim::nccl_check(comm, nccl.group_start(), "ncclGroupStart");
     for (int src = 0; src < world; ++src) {
-      const auto [begin, end] = range[static_cast<std::size_t>(src)];
+      const auto [begin, end] = split.range[static_cast<std::size_t>(src)];
       if (begin >= end) continue;
       const shim::ncclResult_t r = nccl.broadcast(base + begin, base + begin, end - begin, shim::ncclUint8, src, comm, stream.handle());
       if (r != shim::ncclSuccess && r != shim::ncclInProgress) {

@@ -9,8 +9,9 @@
 //      cold one bypasses the cache).
 //   3. A chunk is cut into pieces of Options::bounce_buffer_size (at most 4 MiB through the page
 //      cache, see kPageCachePiece). A piece is read either straight into the destination (host
-//      memory that satisfies O_DIRECT's alignment, or any host memory through the page cache) or into one of the worker's pinned slots ("bounce buffers"),
-//      registered with the ring as fixed buffers so the kernel skips pinning pages per I/O.
+//      memory that satisfies O_DIRECT's alignment, or any host memory through the page cache) or
+//      into one of the worker's pinned slots ("bounce buffers"), registered with the ring as
+//      fixed buffers so the kernel skips pinning pages per I/O.
 //      Unaligned heads and tails read the aligned superset into a slot and copy the wanted bytes.
 //   4. When a slot's read completes, the worker starts cudaMemcpyAsync(slot -> GPU) on its stream
 //      and records the slot's event; the slot is reused only after that event has fired. So the
@@ -54,8 +55,8 @@ constexpr std::size_t kSlotAlignment = 4096;  // slots and grid; O_DIRECT needs 
 constexpr unsigned kMaxRetries = 1000;        // consecutive EAGAIN/EINTR on one I/O before giving up
 // Pieces read from the page cache are at most this big, while O_DIRECT pieces fill the slot
 // (Options::bounce_buffer_size, 8 MiB by default). Measured on the H200 machine (bench/RESULTS.md):
-// 8 MiB direct reads took cold 6 GiB loads from 0.81-0.82x to 0.87-1.0x of the O_DIRECT ceiling, while
-// 8 MiB page-cache copies made the warm load 15% slower than 4 MiB ones.
+// 8 MiB direct reads took cold 6 GiB loads from 0.81-0.82x to 0.87-1.0x of the O_DIRECT ceiling,
+// while 8 MiB page-cache copies made the warm load 15% slower than 4 MiB ones.
 constexpr std::uint64_t kPageCachePiece = std::uint64_t{4} << 20;
 
 std::uint64_t round_down(std::uint64_t v, std::uint64_t a) { return v / a * a; }
@@ -676,9 +677,11 @@ class UringEngine final : public Engine {
     if (job.chunks_cached + job.chunks_cold > 0)
       note += fmt::format("{}O_DIRECT auto: {} of {} chunks cold ({})", note.empty() ? "" : "; ", job.chunks_cold.load(),
                           job.chunks_cached + job.chunks_cold, job.residency_method.load());
-    if (const unsigned n = job.workers_set_up.load())
+    if (const unsigned n = job.workers_set_up.load()) {
+      const auto ms_each = [n](const std::atomic<std::uint64_t>& ns) { return static_cast<double>(ns.load()) * 1e-6 / n; };
       note += fmt::format("{}first-use set-up of {} worker(s): {:.0f} ms on average (bounce buffers {:.0f} ms, registering them {:.0f} ms)",
-                          note.empty() ? "" : "; ", n, job.setup_ns * 1e-6 / n, job.pinning_ns * 1e-6 / n, job.registering_ns * 1e-6 / n);
+                          note.empty() ? "" : "; ", n, ms_each(job.setup_ns), ms_each(job.pinning_ns), ms_each(job.registering_ns));
+    }
     if (const int err = job.fixed_buffer_errno.load())
       note += fmt::format("{}bounce buffers not registered with io_uring ({}): plain reads", note.empty() ? "" : "; ",
                           std::strerror(err));

@@ -72,6 +72,12 @@ int run_info(const CkptFlags& f) {
   return 0;
 }
 
+// The median of a benchmark's runs (the upper one of an even count); `runs` is not empty.
+double median_of(std::vector<double> runs) {
+  std::sort(runs.begin(), runs.end());
+  return runs[runs.size() / 2];
+}
+
 // "cuda:0,1" or "cuda:0,cuda:1" or "host,pinned": a bare number after a cuda location is the next GPU.
 std::vector<MemoryLocation> parse_locations(const std::string& text) {
   std::vector<MemoryLocation> out;
@@ -113,9 +119,7 @@ int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) 
     seconds.push_back(loaded->seconds);
     if (f.runs > 1 && f.json != "-") fmt::print("run {}/{}: {:.3f} s\n", run, f.runs, loaded->seconds);
   }
-  std::vector<double> sorted = seconds;
-  std::sort(sorted.begin(), sorted.end());
-  const double median = sorted[sorted.size() / 2];
+  const double median = median_of(seconds);
   const MultiLoadResult& r = *loaded;
   nlohmann::json locations = nlohmann::json::array();
   for (std::size_t k = 0; k < into.size(); ++k) {
@@ -181,9 +185,7 @@ int run_load(const CkptFlags& f) {
     notes.push_back(loaded->stats().note);  // the first run's says what first use cost
     if (f.runs > 1 && f.json != "-") fmt::print("run {}/{}: {}\n", run, f.runs, summary_line(loaded->stats()));
   }
-  std::vector<double> sorted = seconds;
-  std::sort(sorted.begin(), sorted.end());
-  const double median = sorted[sorted.size() / 2];
+  const double median = median_of(seconds);
   const Stats& s = loaded->stats();
   if (!f.json.empty()) {
     nlohmann::json tensors = nlohmann::json::array();
