@@ -86,10 +86,10 @@ save)
   mkdir -p $W2
   for r in 1 2 3; do
     "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 --json - | tee -a "$OUT/save.jsonl" |
-      python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"save run $r: {s['seconds']:.3f} s, {s['gib_per_second']:.2f} GiB/s, CPU {s['cpu_seconds']:.2f} s\")"
+      python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"save run $r: {s['seconds']:.3f} s, {s['gib_per_second']:.2f} GiB/s, CPU {s['cpu_seconds']:.2f} s; {s['note']}\")"
   done
   "$BIN/hbmio" ckpt save $W2/small.safetensors --count 3072 --tensor-size 2MiB --from cuda:0 --json - | tee -a "$OUT/save.jsonl" |
-    python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"save 3072 x 2 MiB: {s['seconds']:.3f} s, {s['gib_per_second']:.2f} GiB/s\")"
+    python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"save 3072 x 2 MiB: {s['seconds']:.3f} s, {s['gib_per_second']:.2f} GiB/s; {s['note']}\")"
   ;;
 load|load-big|load-small)
   # load: both files; every peer (hbmio's Python package among them), cold and warm, with the
@@ -107,7 +107,10 @@ load|load-big|load-small)
 pybench)
   install_wheels; build_python
   log "Python: hbmio.load_file vs safetensors.torch.load_file"
-  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/py_compare.py $W2/big.safetensors --rounds "${ROUNDS:-3}" --json "$OUT/py.jsonl" 2>&1 | cut -c1-400
+  for f in ${PYFILES:-big small}; do
+    log "Python: $f.safetensors"
+    PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/py_compare.py $W2/$f.safetensors --rounds "${ROUNDS:-3}" --json "$OUT/py-$f.jsonl" 2>&1 | cut -c1-400
+  done
   ;;
 multi)
   # Two GPUs (nvidia-h200-x2): a 12 GiB sharded checkpoint into both, each placement; C++

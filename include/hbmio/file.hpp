@@ -24,6 +24,11 @@ struct DirectIoInfo {
   bool supported = false;
   std::uint32_t memory_alignment = 0;  // buffer address alignment
   std::uint32_t offset_alignment = 0;  // file offset and length alignment
+  // The file system's block size (st_blksize). A direct write that is aligned to the device's
+  // logical block (offset_alignment, often 512) but not to this block is legal, yet ext4 and XFS
+  // serialise it: exclusive inode lock and a wait for every direct I/O in flight. Writers align
+  // to this instead.
+  std::uint32_t block_size = 0;
   std::string reason;                  // why not supported (e.g. "tmpfs refuses O_DIRECT: EINVAL")
 };
 

@@ -70,6 +70,7 @@ File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
     file.direct_.reason = fmt::format("{} refuses O_DIRECT: {}", file_system_type(path), std::strerror(errno));
   } else {
     file.direct_.supported = true;
+    file.direct_.block_size = static_cast<std::uint32_t>(st.st_blksize);
     if (!direct_io_alignment(file.direct_fd_, file.direct_.memory_alignment, file.direct_.offset_alignment)) {
       // Kernels before 6.1 do not report it; the logical block size of today's devices is at
       // most 4 KiB, so 4 KiB alignment is always accepted.

@@ -642,7 +642,12 @@ class UringEngine final : public Engine {
         part.device = true;
       }
       const DirectIoInfo& dio = request.file->direct_io();
-      const std::size_t alignment = std::max(dio.memory_alignment, dio.offset_alignment);
+      std::size_t alignment = std::max(dio.memory_alignment, dio.offset_alignment);
+      // Direct writes on file-system blocks: a sub-block one drains every direct I/O of the file
+      // first (ext4, XFS). Measured: 6 GiB saved as 48 tensors whose offsets are 512-aligned,
+      // not 4 KiB-aligned, wrote at 0.62x the rate of one aligned 6 GiB write (bench/RESULTS.md).
+      if (request.op == IoOp::write)
+        alignment = std::max<std::size_t>(alignment, std::min<std::size_t>(dio.block_size, kSlotAlignment));
       if (options_.direct_io != DirectIo::off) {
         std::string why;
         if (!dio.supported) why = fmt::format("O_DIRECT unavailable ({}): page cache used", dio.reason);
