@@ -45,7 +45,7 @@ std::uint64_t hash_span(MemorySpan data, Buffer& staging) {
 
 }  // namespace
 
-std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans) {
+std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans, unsigned max_threads) {
   std::vector<std::uint64_t> result(spans.size());
   std::atomic<std::size_t> next{0};
   std::mutex error_mutex;
@@ -60,8 +60,8 @@ std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans) {
       next = spans.size();
     }
   };
-  const unsigned threads = static_cast<unsigned>(
-      std::min<std::size_t>({spans.size(), std::max(1u, std::thread::hardware_concurrency()), 16}));
+  const unsigned threads = static_cast<unsigned>(std::min<std::size_t>(
+      {spans.size(), std::max(1u, std::thread::hardware_concurrency()), max_threads != 0 ? max_threads : 16}));
   {
     std::vector<std::jthread> pool;
     for (unsigned i = 1; i < threads; ++i) pool.emplace_back(work);
