@@ -397,6 +397,37 @@ def test_torch_cuda_loads_into_the_caching_allocator(counters_settle):
                       torch.Tensor)
 
 
+@cuda
+def test_torch_cuda_many_tensors_views_made_beside_the_read(tmp_path, counters_settle):
+    """From hbmio._VIEWS_BESIDE_LOAD tensors on, the views are made while another thread reads:
+    the result matches safetensors, and a failing read (a bad checksum) still raises here."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from safetensors.torch import load_file as ref_load
+
+    count = hbmio._VIEWS_BESIDE_LOAD + 36
+    gen = torch.Generator().manual_seed(3)
+    tensors = {f"layer.{i:03d}": torch.randn(17, i % 7 + 1, generator=gen).to([torch.bfloat16, torch.float32, torch.int64][i % 3])
+               for i in range(count)}
+    path = tmp_path / "many.safetensors"
+    hbmio.save_file(tensors, path)  # with checksums
+    ref = ref_load(str(path), device="cuda:0")
+    got = hbmio.load_file(path, device="cuda:0", verify=True)
+    assert list(got) == list(ref)
+    for name, t in got.items():
+        assert t.dtype == ref[name].dtype and t.shape == ref[name].shape, name
+        assert torch_bytes(t.cpu()) == torch_bytes(ref[name].cpu()), name
+    del got
+    with hbmio.open(path) as f:
+        victim = list(f.keys())[count // 2]
+    data = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    begin = json.loads(data[8:header])[victim]["data_offsets"][0]
+    data[header + begin] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(hbmio.Error, match=victim):
+        hbmio.load_file(path, device="cuda:0", verify=True)
+
+
 def torch_bytes(t) -> bytes:
     """The raw bytes of a host tensor, any dtype (NumPy lacks bfloat16/float8), scalars included."""
     import torch

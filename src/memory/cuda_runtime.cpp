@@ -132,13 +132,11 @@ void* malloc_device(std::size_t size, int device, const ErrorContext& context) {
 }
 void free_device(void* ptr) noexcept { if (ptr) (void)cudaFree(ptr); }
 
-void* malloc_host_pinned(std::size_t size, const ErrorContext& context) {
+void register_host(void* ptr, std::size_t size, const ErrorContext& context) {
   require_device(context);
-  void* ptr = nullptr;
-  check(cudaHostAlloc(&ptr, size, cudaHostAllocPortable), context, "cudaHostAlloc");
-  return ptr;
+  check(cudaHostRegister(ptr, size, cudaHostRegisterPortable), context, "cudaHostRegister");
 }
-void free_host_pinned(void* ptr) noexcept { if (ptr) (void)cudaFreeHost(ptr); }
+void unregister_host(void* ptr) noexcept { if (ptr) (void)cudaHostUnregister(ptr); }
 
 void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
   check(cudaMemcpy(dst, src, size, cudaMemcpyDefault), context, "cudaMemcpy");
@@ -231,8 +229,8 @@ void set_device(int, const ErrorContext& context) { no_cuda(context); }
 void check_device_pointer(const void*, int, const ErrorContext& context) { no_cuda(context); }
 void* malloc_device(std::size_t, int, const ErrorContext& context) { no_cuda(context); }
 void free_device(void*) noexcept {}
-void* malloc_host_pinned(std::size_t, const ErrorContext& context) { no_cuda(context); }
-void free_host_pinned(void*) noexcept {}
+void register_host(void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
+void unregister_host(void*) noexcept {}
 void memcpy_sync(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
 void memset_device(void*, int, std::size_t, const ErrorContext& context) { no_cuda(context); }
 Stream::Stream(int, const ErrorContext& context) { no_cuda(context); }

@@ -21,8 +21,10 @@ void check_device_pointer(const void* ptr, int device, const ErrorContext& conte
 
 void* malloc_device(std::size_t size, int device, const ErrorContext& context);
 void free_device(void* ptr) noexcept;
-void* malloc_host_pinned(std::size_t size, const ErrorContext& context);  // portable
-void free_host_pinned(void* ptr) noexcept;
+// Page-locks host memory for every CUDA context (cudaHostRegister, portable); undone by
+// unregister_host before the memory is unmapped.
+void register_host(void* ptr, std::size_t size, const ErrorContext& context);
+void unregister_host(void* ptr) noexcept;
 
 void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context);
 void memset_device(void* dst, int value, std::size_t size, const ErrorContext& context);
