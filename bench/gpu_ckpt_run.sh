@@ -11,6 +11,8 @@
 #   load     W2 loads into cuda:0, interleaved with the O_DIRECT ceiling and the peers
 #            (bench/peers/ckpt_compare.py; load-big / load-small: one file; env ROUNDS (3),
 #            WARM_RUNS (5), VARIANTS: "label=flags;..." engine tunings as further contenders)
+#   firstuse the first warm load of a process against its next ones, per backend (what a program
+#            that loads once pays; the first run's note itemises the set-up)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
 #            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
@@ -102,6 +104,16 @@ load|load-big|load-small)
     PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" \
       --rounds "${ROUNDS:-3}" --warm-runs "${WARM_RUNS:-5}" --mode both --peers safetensors,fastsafetensors,runai,hbmio.load_file "${vargs[@]}" \
       --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-300
+  done
+  ;;
+firstuse)
+  log "first warm load of a process vs the next, small.safetensors into cuda:0"
+  mkdir -p $W2
+  [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt save $W2/small.safetensors --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
+  cat $W2/small.safetensors >/dev/null
+  for backend in uring auto uring auto; do
+    "$BIN/hbmio" ckpt load $W2/small.safetensors --into cuda:0 --backend $backend --runs 3 --json - | python3 -c "import json,sys; j=json.load(sys.stdin); j.pop('tensors',None); print(json.dumps(j))" | tee -a "$OUT/firstuse.jsonl" |
+      python3 -c "import json,sys; j=json.load(sys.stdin); print('$backend', [round(x,3) for x in j['run_seconds']], '|', j['run_notes'][0][-220:])"
   done
   ;;
 pybench)

@@ -11,6 +11,8 @@
 #include <gtest/gtest.h>
 
 #include <dlfcn.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -24,6 +26,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"
@@ -298,6 +302,45 @@ TEST(CufileProbe, VerdictWithoutADeviceSaysWhy) {
   EXPECT_FALSE(verdict.direct);
   EXPECT_TRUE(verdict.mode.empty());
   EXPECT_TRUE(contains(verdict.reason, "no CUDA device")) << verdict.reason;
+}
+
+// The auto backend skips opening the cuFile driver where sysfs rules DMA out. A fake sysfs
+// tree gives the temporary file's device each shape that matters.
+TEST(CufileProbe, DmaIsRuledOutFromSysfsOnlyWhereNoPathCanExist) {
+  const TempFile temp(pattern(4096, 3));
+  const hbmio::File file = hbmio::File::open(temp.path(), hbmio::OpenMode::read);
+  struct stat st {};
+  ASSERT_EQ(::fstat(file.fd(), &st), 0);
+  const fs::path sys = fs::path(temp.path()).string() + ".sys";
+  struct Cleanup {
+    fs::path p;
+    ~Cleanup() { std::error_code ec; fs::remove_all(p, ec); }
+  } cleanup{sys};
+  if (major(st.st_dev) == 0) {  // the test directory is on no block device (tmpfs, overlay)
+    const auto why = hbmio::detail::cufile_dma_ruled_out(file, sys.string());
+    ASSERT_TRUE(why.has_value());
+    EXPECT_TRUE(contains(*why, "no block device")) << *why;
+    return;
+  }
+  const fs::path link = sys / "dev" / "block" / fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev));
+  fs::create_directories(link.parent_path());
+  const auto device_is = [&](const std::string& device_dir) {
+    std::error_code ec;
+    fs::remove(link, ec);
+    fs::create_directories(sys / device_dir);
+    fs::create_directory_symlink(sys / device_dir, link);
+    return hbmio::detail::cufile_dma_ruled_out(file, sys.string());
+  };
+  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, sys.string()).has_value()) << "no entry: ask the driver";
+  const auto virtio = device_is("devices/pci0000:00/0000:00:05.0/virtio3/block/vda/vda1");
+  ASSERT_TRUE(virtio.has_value());
+  EXPECT_TRUE(contains(*virtio, "vda1") && contains(*virtio, "not NVMe") && contains(*virtio, temp.path())) << *virtio;
+  EXPECT_FALSE(device_is("devices/pci0000:00/0000:00:04.0/nvme/nvme0/nvme0n1/nvme0n1p1").has_value());
+  EXPECT_FALSE(device_is("devices/virtual/block/dm-0").has_value());
+  EXPECT_FALSE(device_is("devices/virtual/block/md0").has_value());
+  ASSERT_TRUE(device_is("devices/platform/host0/target0:0:0/0:0:0:0/block/sda").has_value());
+  fs::create_directories(sys / "module" / "nvidia_fs");  // GDS present: only the driver knows
+  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, sys.string()).has_value());
 }
 
 TEST(CufileProbe, HandleNotRegisteredIsDiagnosed) {

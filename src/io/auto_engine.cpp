@@ -4,6 +4,7 @@
 // pread + copy that the uring pipeline beats), then uring, then posix. Every pass-over is
 // recorded with its reason in Stats::note, so "why did it not use GDS?" has an answer.
 #include <mutex>
+#include <optional>
 
 #include <fmt/format.h>
 
@@ -33,7 +34,7 @@ class AutoEngine final : public Engine {
     if (request.file == nullptr) validate_request(request, name());
     std::string reasons;
     if (request.memory.kind() == MemoryKind::device && request.memory.size > 0) {
-      const CufileVerdict verdict = cufile_verdict(*request.file);
+      const CufileVerdict verdict = verdict_for(*request.file);
       if (verdict.usable && verdict.direct) {
         if (Engine* cufile = cufile_engine()) {
           Stats stats = cufile->submit(request);
@@ -57,17 +58,26 @@ class AutoEngine final : public Engine {
       if (request.file == nullptr) validate_request(request, name());  // EBADF, not a crash below
     bool device = false;
     const File* checked = nullptr;  // requests of one file come in runs: ask cuFile once per run
+    std::string reason;  // the first file's, for the note
     for (const IoRequest& request : requests) {
       if (request.memory.kind() != MemoryKind::device || request.memory.size == 0 || request.file == checked) continue;
       device = true;
       checked = request.file;
-      const CufileVerdict verdict = cufile_verdict(*request.file);
+      const CufileVerdict verdict = verdict_for(*request.file);
       if (verdict.usable && verdict.direct && cufile_engine() != nullptr) return Engine::submit_batch(requests);
+      if (reason.empty()) reason = verdict.usable ? verdict.mode + ", no faster than uring" : verdict.reason;
     }
-    return fallback(requests, device ? "cufile: not by DMA for these files; " : "cufile: moves device memory only; ");
+    return fallback(requests, device ? "cufile: " + reason + "; " : "cufile: moves device memory only; ");
   }
 
  private:
+  // cuFile's verdict, without opening its driver where sysfs already rules DMA out: the driver's
+  // set-up would be paid by the first load only to learn that cuFile would pread + copy.
+  static CufileVerdict verdict_for(const File& file) {
+    if (std::optional<std::string> why = cufile_dma_ruled_out(file)) return {.reason = *why + " (cuFile not asked)"};
+    return cufile_verdict(file);
+  }
+
   Stats fallback(std::span<const IoRequest> requests, std::string reasons) {
     Engine& engine = uring_ ? *uring_ : *posix_;
     if (!uring_) reasons += "uring: " + uring_reason_ + "; ";

@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -454,6 +455,24 @@ std::string registration_test(const DriverSession& session) {
 }
 
 }  // namespace
+
+std::optional<std::string> cufile_dma_ruled_out(const File& file, const std::string& sysfs) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(sysfs + "/module/nvidia_fs", ec)) return std::nullopt;  // GDS: the driver decides
+  struct stat st {};
+  if (::fstat(file.fd(), &st) != 0) return std::nullopt;
+  const unsigned maj = major(st.st_dev), min = minor(st.st_dev);
+  if (maj == 0)
+    return fmt::format("{} is on {} (no block device) and nvidia-fs is not loaded: no DMA path", file.path(),
+                       file_system_type(file.path()));
+  const fs::path device = fs::canonical(fmt::format("{}/dev/block/{}:{}", sysfs, maj, min), ec);
+  if (ec) return std::nullopt;
+  const std::string name = device.filename().string();
+  if (device.string().find("/nvme") != std::string::npos || name.starts_with("md") || name.starts_with("dm-"))
+    return std::nullopt;
+  return fmt::format("{} is on {}, not NVMe, and nvidia-fs is not loaded: no DMA path", file.path(), name);
+}
 
 CufileVerdict cufile_verdict(const File& file) {
   CufileVerdict verdict;

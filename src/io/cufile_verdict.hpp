@@ -3,6 +3,7 @@
 // beats io_uring, since compatibility mode is pread + copy done inside libcufile.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "hbmio/file.hpp"
@@ -19,6 +20,14 @@ struct CufileVerdict {
 // Opens the cuFile driver if needed (once per process) and registers, then releases, a cuFile
 // handle for `file` (its O_DIRECT descriptor where it has one). Never throws. Thread-safe.
 CufileVerdict cufile_verdict(const File& file);
+
+// Why cuFile cannot move `file`'s data by DMA, judged from sysfs alone (microseconds; opening the
+// cuFile driver to ask costs about 0.3 s of a process's first load on the H200 machine, see
+// bench/RESULTS.md), or nullopt when DMA is conceivable and only the driver can say. Without
+// the nvidia-fs module, cuFile's one DMA path is PCI P2PDMA to an NVMe device; so a file on any
+// other block device (virtio, SCSI, ...) or on none (network, FUSE, overlay) is ruled out.
+// Composite devices (md, device mapper) are left to the driver. `sysfs` is for tests.
+std::optional<std::string> cufile_dma_ruled_out(const File& file, const std::string& sysfs = "/sys");
 
 // Why cuFileHandleRegister may have refused `fd` with CU_FILE_HANDLE_NOT_REGISTERED (5027):
 // libcufile needs the udev data of the file's block device even in compatibility mode. Inspects
