@@ -11,6 +11,8 @@
 #   load     W2 loads into cuda:0, interleaved with the O_DIRECT ceiling and the peers
 #            (bench/peers/ckpt_compare.py; load-big / load-small: one file; env ROUNDS (3),
 #            WARM_RUNS (5), VARIANTS: "label=flags;..." engine tunings as further contenders)
+#   savecmp  durable saves of 6 GiB from cuda:0 against the O_DIRECT write ceiling, rounds
+#            interleaved and rotated (bench/peers/save_compare.py; ROUNDS, default 3)
 #   firstuse the first warm load of a process against its next ones, per backend (what a program
 #            that loads once pays; the first run's note itemises the set-up)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
@@ -105,6 +107,12 @@ load|load-big|load-small)
       --rounds "${ROUNDS:-3}" --warm-runs "${WARM_RUNS:-5}" --mode both --peers safetensors,fastsafetensors,runai,hbmio.load_file "${vargs[@]}" \
       --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-300
   done
+  ;;
+savecmp)
+  install_wheels; build_python
+  log "saves from cuda:0 against the write ceiling, interleaved rounds"
+  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/save_compare.py --hbmio "$BIN/hbmio" --dir /var/tmp \
+    --rounds "${ROUNDS:-3}" --json "$OUT/save-compare.jsonl" 2>&1 | grep -v '"round"' | cut -c1-300
   ;;
 firstuse)
   log "first warm load of a process vs the next, small.safetensors into cuda:0"
