@@ -91,7 +91,7 @@ TEST(Files, DirectIoAlignmentIsReported) {
   if (f.direct_io().supported) {
     EXPECT_GT(f.direct_io().offset_alignment, 0u);
     EXPECT_LE(f.direct_io().offset_alignment, 4096u);
-    EXPECT_GE(f.direct_io().block_size, f.direct_io().offset_alignment);
+    EXPECT_GT(f.direct_io().block_size, 0u);
   } else {
     EXPECT_FALSE(f.direct_io().reason.empty());
   }

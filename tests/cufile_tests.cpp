@@ -317,6 +317,7 @@ TEST(CufileProbe, DmaIsRuledOutFromSysfsOnlyWhereNoPathCanExist) {
     ~Cleanup() { std::error_code ec; fs::remove_all(p, ec); }
   } cleanup{sys};
   if (major(st.st_dev) == 0) {  // the test directory is on no block device (tmpfs, overlay)
+    fs::create_directories(sys / "module");
     const auto why = hbmio::detail::cufile_dma_ruled_out(file, sys.string());
     ASSERT_TRUE(why.has_value());
     EXPECT_TRUE(contains(*why, "no block device")) << *why;
@@ -324,6 +325,8 @@ TEST(CufileProbe, DmaIsRuledOutFromSysfsOnlyWhereNoPathCanExist) {
   }
   const fs::path link = sys / "dev" / "block" / fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev));
   fs::create_directories(link.parent_path());
+  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, sys.string()).has_value()) << "no /sys/module: ask the driver";
+  fs::create_directories(sys / "module");
   const auto device_is = [&](const std::string& device_dir) {
     std::error_code ec;
     fs::remove(link, ec);
@@ -336,6 +339,7 @@ TEST(CufileProbe, DmaIsRuledOutFromSysfsOnlyWhereNoPathCanExist) {
   ASSERT_TRUE(virtio.has_value());
   EXPECT_TRUE(contains(*virtio, "vda1") && contains(*virtio, "not NVMe") && contains(*virtio, temp.path())) << *virtio;
   EXPECT_FALSE(device_is("devices/pci0000:00/0000:00:04.0/nvme/nvme0/nvme0n1/nvme0n1p1").has_value());
+  EXPECT_FALSE(device_is("devices/virtual/nvme-fabrics/ctl/nvme1/nvme1n1").has_value());
   EXPECT_FALSE(device_is("devices/virtual/block/dm-0").has_value());
   EXPECT_FALSE(device_is("devices/virtual/block/md0").has_value());
   ASSERT_TRUE(device_is("devices/platform/host0/target0:0:0/0:0:0:0/block/sda").has_value());

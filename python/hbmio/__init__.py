@@ -21,6 +21,7 @@ engines keep their pinned buffers until hbmio._release_engines() or interpreter 
 from __future__ import annotations
 
 import atexit as _atexit
+import contextlib as _contextlib
 import os as _os
 import re as _re
 import sys as _sys
@@ -198,18 +199,30 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
 
         def load_beside():
             try:
-                load()
+                # A new thread's current CUDA device is 0: make it the destination's, so that no
+                # context is created on GPU 0 by a rank that loads into another GPU.
+                with torch.cuda.device(dev) if dev.type == "cuda" else _contextlib.nullcontext():
+                    load()
             except BaseException as e:  # re-raised on the caller's thread below
                 failure.append(e)
 
         reader = _threading.Thread(target=load_beside, name="hbmio-load", daemon=True)
         reader.start()
+        interrupted = None
         try:
             out = make_views()
         finally:
-            reader.join()  # `dest` is written until the load returns, on every path
+            # `dest` is written until the load returns, on every path: wait for it even through
+            # Ctrl-C (join can be interrupted), then let the interruption through.
+            while reader.is_alive():
+                try:
+                    reader.join()
+                except KeyboardInterrupt as e:
+                    interrupted = e
+        if interrupted is not None:
+            raise interrupted
         if failure:
-            raise failure[0]
+            raise failure.pop()  # pop: no reference cycle keeps `dest` alive through the traceback
         return out
 
 

@@ -18,8 +18,8 @@ inline constexpr const char* kChecksumAlgorithmKey = "hbmio.checksum";  // value
 bool has_checksums(const std::map<std::string, std::string>& metadata);
 // XXH3-64 of each span, of any memory kind (device memory is copied to the host piece by piece),
 // on several threads (one tensor per thread at a time): a checkpoint of many tensors hashes at
-// memory speed rather than one core's XXH3 rate. At most `max_threads` threads (0: one per core,
-// up to 16).
+// memory speed rather than one core's XXH3 rate. One thread per core, at most 16 and at most
+// `max_threads` (0: no further limit).
 std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans, unsigned max_threads = 0);
 std::string to_hex(std::uint64_t value);
 // nullopt when the stored checksum of `tensor` equals `computed`, else the message naming the

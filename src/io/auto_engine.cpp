@@ -65,7 +65,10 @@ class AutoEngine final : public Engine {
       checked = request.file;
       const CufileVerdict verdict = verdict_for(*request.file);
       if (verdict.usable && verdict.direct && cufile_engine() != nullptr) return Engine::submit_batch(requests);
-      if (reason.empty()) reason = verdict.usable ? verdict.mode + ", no faster than uring" : verdict.reason;
+      if (reason.empty())
+        reason = !verdict.usable ? verdict.reason
+                 : verdict.direct ? cufile_reason_  // DMA possible, but the cufile engine failed to start
+                                  : verdict.mode + ", no faster than uring";
     }
     return fallback(requests, device ? "cufile: " + reason + "; " : "cufile: moves device memory only; ");
   }

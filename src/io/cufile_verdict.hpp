@@ -26,7 +26,8 @@ CufileVerdict cufile_verdict(const File& file);
 // bench/RESULTS.md), or nullopt when DMA is conceivable and only the driver can say. Without
 // the nvidia-fs module, cuFile's one DMA path is PCI P2PDMA to an NVMe device; so a file on any
 // other block device (virtio, SCSI, ...) or on none (network, FUSE, overlay) is ruled out.
-// Composite devices (md, device mapper) are left to the driver. `sysfs` is for tests.
+// Composite devices (md, device mapper), and machines whose /sys/module cannot be read, are left
+// to the driver. `sysfs` is for tests.
 std::optional<std::string> cufile_dma_ruled_out(const File& file, const std::string& sysfs = "/sys");
 
 // Why cuFileHandleRegister may have refused `fd` with CU_FILE_HANDLE_NOT_REGISTERED (5027):

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include <fmt/format.h>
@@ -37,6 +38,7 @@ void count(MemoryKind kind, std::size_t size, int sign) {
 std::byte* map_anonymous(std::size_t size, const ErrorContext& context) {
   constexpr std::size_t kHuge = std::size_t{2} << 20;
   const bool huge = size >= kHuge;
+  if (size > std::numeric_limits<std::size_t>::max() - kHuge) throw Error(errno_code(ENOMEM), context, "mmap");
   const std::size_t mapped = huge ? size + kHuge : size;  // room to move the start to a boundary
   void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw Error(errno_code(errno), context, "mmap");
@@ -105,13 +107,14 @@ Buffer Buffer::allocate(MemoryLocation where, std::size_t size) {
       break;
     case MemoryKind::pinned:
       if (cuda::available()) {
-        buffer.data_ = map_anonymous(size, context);
+        std::byte* data = map_anonymous(size, context);
         try {
-          cuda::register_host(buffer.data_, size, context);
+          cuda::register_host(data, size, context);
         } catch (...) {
-          ::munmap(buffer.data_, size);
+          ::munmap(data, size);  // `buffer` does not own it yet: its destructor frees nothing
           throw;
         }
+        buffer.data_ = data;
         buffer.cuda_registered_ = true;
       } else {
         // No GPU: page-locked memory is still what "pinned" promises to storage I/O. mlock may
