@@ -35,10 +35,11 @@ struct MemorySpan {
 };
 
 // An owning allocation. Move-only; the destructor frees (never throws).
-//  - host: page-aligned pageable memory.
-//  - pinned: page-locked host memory. With a CUDA device present it comes from cudaHostAlloc
-//    (portable, usable for async copies to any device); without one it is page-aligned memory
-//    locked with mlock where the limit allows (cuda_registered() tells which).
+//  - host: page-aligned pageable memory (2 MiB-aligned with transparent huge pages from 2 MiB).
+//  - pinned: page-locked host memory. With a CUDA device present it is host memory as above,
+//    registered with cudaHostRegister (portable, usable for async copies to any device; faster
+//    to set up than cudaHostAlloc); without one it is locked with mlock where the limit allows
+//    (cuda_registered() tells which).
 //  - device: cudaMalloc on the given device (256-byte aligned); throws when built without CUDA
 //    or when the device does not exist.
 class Buffer {
