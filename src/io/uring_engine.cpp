@@ -19,7 +19,10 @@
 //   5. Short transfers resume where they stopped; -EAGAIN/-EINTR resubmit; a read that finds the
 //      end of the file before the range is complete is an error (the file shrank).
 // Writes mirror this: GPU -> slot (copy), slot -> file (O_DIRECT where aligned; the unaligned
-// edges, under a block each, buffered after the direct writes have completed).
+// edges, under a block each, buffered after the direct writes have completed). Writes of host
+// memory laid end to end in one file (the tensors of a checkpoint) form one range: a piece
+// gathers the bytes of several requests into its slot, so only the range's two ends can be
+// unaligned and small tensors still make full-size writes.
 //
 // A batch (Engine::submit_batch) is one job: the chunks of all its requests are numbered in one
 // sequence, so the workers stay busy across request boundaries (a checkpoint of 3,000 tensors
@@ -37,6 +40,7 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <thread>
@@ -86,17 +90,41 @@ struct Slot {
   cuda::Event copied;  // device jobs only: fires when the slot's copy to the GPU is done
 };
 
-// One request of a job, with what its chunks need to know.
+// A file range of a job, with what its chunks need to know: one request, or several writes laid
+// end to end in one file (the tensors of a checkpoint), whose pieces then gather the bytes of
+// several requests into one slot, so that only the two ends of the run can be unaligned.
 struct Part {
-  const IoRequest* request = nullptr;
+  const IoRequest* request = nullptr;      // the first request: file, op
+  std::vector<const IoRequest*> requests;  // all of them, in file order, end to end
   ErrorContext context;         // built once: hot paths pass it by reference
+  std::uint64_t offset = 0, end_offset = 0;  // the file range [offset, end_offset)
   std::uint64_t grid_base = 0;  // round_down(offset, 4 KiB): chunk and piece boundaries lie on it
   std::uint64_t first_chunk = 0;  // this part's chunks are job chunks [first_chunk, first_chunk + chunks)
   std::uint64_t chunks = 0;
   std::size_t alignment = 0;    // O_DIRECT alignment of this file; 0 when O_DIRECT is off
   bool device = false;
 
-  std::uint64_t end() const { return request->offset + request->memory.size; }
+  std::uint64_t end() const { return end_offset; }
+
+  // Calls f(request, lo, hi) for each request overlapping [p, q) (within the part), where
+  // [lo, hi) is the overlap, in file order.
+  template <class F>
+  void for_each_request(std::uint64_t p, std::uint64_t q, F&& f) const {
+    auto it = std::prev(std::upper_bound(requests.begin(), requests.end(), p,
+                                         [](std::uint64_t v, const IoRequest* r) { return v < r->offset; }));
+    for (; it != requests.end() && (*it)->offset < q; ++it) {
+      const IoRequest& r = **it;
+      f(r, std::max(p, r.offset), std::min(q, r.offset + r.memory.size));
+    }
+  }
+
+  // The request holding all of [p, q), or nullptr when the range spans several.
+  const IoRequest* holding(std::uint64_t p, std::uint64_t q) const {
+    const IoRequest* found = nullptr;
+    int count = 0;
+    for_each_request(p, q, [&](const IoRequest& r, std::uint64_t, std::uint64_t) { found = &r, ++count; });
+    return count == 1 ? found : nullptr;
+  }
 };
 
 // One in-flight storage I/O.
@@ -113,6 +141,7 @@ struct Op {
   std::size_t wanted_offset = 0;  // read through a slot: wanted bytes start here in the slot
   std::byte* user = nullptr;      // read through a slot: where the wanted bytes go
   std::size_t wanted = 0;         // bytes of the request this piece covers
+  std::uint64_t begin = 0;        // where those bytes start in the file
   unsigned retries = 0;
 };
 
@@ -346,7 +375,7 @@ class Worker {
     part_ = &*std::prev(next);
     const IoRequest& request = *part_->request;
     const std::uint64_t k = index - part_->first_chunk;
-    const std::uint64_t begin = std::max<std::uint64_t>(request.offset, part_->grid_base + k * options_.chunk_size);
+    const std::uint64_t begin = std::max<std::uint64_t>(part_->offset, part_->grid_base + k * options_.chunk_size);
     const std::uint64_t end = std::min<std::uint64_t>(part_->end(), part_->grid_base + (k + 1) * options_.chunk_size);
     cursor_ = begin;
     chunk_end_ = end;
@@ -367,14 +396,17 @@ class Worker {
     const IoRequest& request = *part_->request;
     const std::uint64_t p = cursor_;
     const std::uint64_t q = piece_end(p);
-    std::byte* user = request.memory.data + (p - request.offset);
+    // The caller's memory for [p, q) when one request holds it all (always so for reads).
+    const IoRequest* whole = part_->holding(p, q);
+    std::byte* user = whole != nullptr ? whole->memory.data + (p - whole->offset) : nullptr;
     const std::size_t a = chunk_direct_ ? part_->alignment : 1;
-    const bool aligned = p % a == 0 && (q % a == 0) && reinterpret_cast<std::uintptr_t>(user) % a == 0;
+    const bool aligned = user != nullptr && p % a == 0 && (q % a == 0) && reinterpret_cast<std::uintptr_t>(user) % a == 0;
     const bool read = request.op == IoOp::read;
 
     Op op;
     op.part = part_;
     op.wanted = q - p;
+    op.begin = p;
     op.direct = chunk_direct_;
     op.fd = chunk_direct_ ? request.file->direct_fd() : request.file->fd();
     if (!part_->device && aligned) {
@@ -443,13 +475,14 @@ class Worker {
       op.file_pos = p;
       op.length = op.needed = q - p;
       const ErrorContext ctx = context(p, q - p);
-      if (part_->device) {
-        fault_point(FaultSite::device_copy, "cudaMemcpyAsync (device to host)");
-        stream_.copy_to_host_async(op.buffer, user, q - p, ctx);
-        stream_.synchronize(ctx);
-      } else {
-        std::memcpy(op.buffer, user, q - p);
-      }
+      if (part_->device) fault_point(FaultSite::device_copy, "cudaMemcpyAsync (device to host)");
+      part_->for_each_request(p, q, [&](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
+        std::byte* to = op.buffer + (lo - p);
+        const std::byte* from = r.memory.data + (lo - r.offset);
+        if (part_->device) stream_.copy_to_host_async(to, from, hi - lo, ctx);
+        else std::memcpy(to, from, hi - lo);
+      });
+      if (part_->device) stream_.synchronize(ctx);
       ++job_->bounce_copies;
     }
     slots_[slot].state = SlotState::reading;
@@ -584,7 +617,9 @@ class Worker {
         slot.state = SlotState::free;
       }
     }
-    if (part.request->progress) *part.request->progress += op.wanted;
+    part.for_each_request(op.begin, op.begin + op.wanted, [](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
+      if (r.progress) *r.progress += hi - lo;
+    });
   }
 
   Options options_;
@@ -627,13 +662,33 @@ class UringEngine final : public Engine {
 
     Job job;
     std::string note;
-    for (const IoRequest& request : requests) {
-      if (request.memory.size == 0) continue;
-      Part part{.request = &request, .context = context_of(request, name())};
+    // Writes laid end to end in one file join one part (see Part), in file order.
+    std::vector<const IoRequest*> order;
+    for (const IoRequest& request : requests)
+      if (request.memory.size != 0) order.push_back(&request);
+    const bool writes = !order.empty() && order.front()->op == IoOp::write;
+    if (writes)
+      std::stable_sort(order.begin(), order.end(), [](const IoRequest* x, const IoRequest* y) {
+        return std::less<const File*>()(x->file, y->file) || (x->file == y->file && x->offset < y->offset);
+      });
+    for (const IoRequest* r : order) {
+      const IoRequest& request = *r;
+      stats.bytes += request.memory.size;
+      // Only host memory is gathered so far: a gathered piece of device memory would take one
+      // copy from the GPU per request it spans, which is yet to be measured on a GPU machine.
+      if (writes && !job.parts.empty()) {
+        Part& last = job.parts.back();
+        if (last.request->file == request.file && last.end_offset == request.offset && !last.device &&
+            request.memory.kind() != MemoryKind::device) {
+          last.requests.push_back(&request);
+          last.end_offset = request.offset + request.memory.size;
+          continue;
+        }
+      }
+      Part part{.request = &request, .requests = {&request}, .context = context_of(request, name())};
+      part.offset = request.offset;
+      part.end_offset = request.offset + request.memory.size;
       part.grid_base = round_down(request.offset, kSlotAlignment);
-      part.first_chunk = job.chunks;
-      part.chunks = (part.end() - part.grid_base + options_.chunk_size - 1) / options_.chunk_size;
-      job.chunks += part.chunks;
       if (request.memory.kind() == MemoryKind::device) {
         // One stream per worker, on one device: a batch across GPUs is several batches.
         if (job.device >= 0 && job.device != request.memory.location.device)
@@ -656,7 +711,11 @@ class UringEngine final : public Engine {
         if (!why.empty() && note.find(why) == std::string::npos) note += (note.empty() ? "" : "; ") + why;
       }
       job.parts.push_back(std::move(part));
-      stats.bytes += request.memory.size;
+    }
+    for (Part& part : job.parts) {
+      part.first_chunk = job.chunks;
+      part.chunks = (part.end() - part.grid_base + options_.chunk_size - 1) / options_.chunk_size;
+      job.chunks += part.chunks;
     }
     if (job.parts.empty()) {
       timer.finish(stats);
@@ -701,20 +760,20 @@ class UringEngine final : public Engine {
   void write_edges(Job& job) {
     std::vector<std::byte> staging;
     for (const Job::Edge& edge : job.edges) {
-      const IoRequest& request = *edge.part->request;
+      const Part& part = *edge.part;
       const std::size_t n = edge.end - edge.begin;
-      const std::byte* source = request.memory.data + (edge.begin - request.offset);
-      ErrorContext context = edge.part->context;
+      ErrorContext context = part.context;
       context.offset = edge.begin;
       context.length = n;
-      if (edge.part->device) {
-        staging.resize(n);
-        cuda::set_device(request.memory.location.device, context);
-        cuda::memcpy_sync(staging.data(), source, n, context);
-        source = staging.data();
-      }
+      staging.resize(n);
+      if (part.device) cuda::set_device(part.request->memory.location.device, context);
+      part.for_each_request(edge.begin, edge.end, [&](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
+        const std::byte* from = r.memory.data + (lo - r.offset);
+        if (part.device) cuda::memcpy_sync(staging.data() + (lo - edge.begin), from, hi - lo, context);
+        else std::memcpy(staging.data() + (lo - edge.begin), from, hi - lo);
+      });
       for (std::size_t done = 0, retries = 0; done < n;) {
-        const ssize_t r = ::pwrite(request.file->fd(), source + done, n - done, static_cast<off_t>(edge.begin + done));
+        const ssize_t r = ::pwrite(part.request->file->fd(), staging.data() + done, n - done, static_cast<off_t>(edge.begin + done));
         const long long result = inject_io(faults_.get(), r < 0 ? -errno : r, n - done, "pwrite (unaligned edge)");
         if ((result == -EINTR || result == -EAGAIN) && ++retries <= kMaxRetries) continue;
         if (result < 0) throw Error(errno_code(static_cast<int>(-result)), context, "write of an unaligned edge");
@@ -722,7 +781,9 @@ class UringEngine final : public Engine {
         done += static_cast<std::size_t>(result);
       }
       job.bytes_buffered += n;
-      if (request.progress) *request.progress += n;
+      part.for_each_request(edge.begin, edge.end, [](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
+        if (r.progress) *r.progress += hi - lo;
+      });
     }
   }
 
