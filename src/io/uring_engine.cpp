@@ -662,26 +662,27 @@ class UringEngine final : public Engine {
 
     Job job;
     std::string note;
-    // Writes laid end to end in one file join one part (see Part), in file order.
+    // Writes laid end to end in one file join one part (see Part), in file order. Only batches of
+    // host memory so far: a gathered piece of device memory takes one copy from the GPU per
+    // request it spans, which is yet to be measured on a GPU machine.
     std::vector<const IoRequest*> order;
     for (const IoRequest& request : requests)
       if (request.memory.size != 0) order.push_back(&request);
-    const bool writes = !order.empty() && order.front()->op == IoOp::write;
-    if (writes)
+    const bool gather = !order.empty() && order.front()->op == IoOp::write &&
+                        std::none_of(order.begin(), order.end(), [](const IoRequest* r) { return r->memory.kind() == MemoryKind::device; });
+    if (gather)
       std::stable_sort(order.begin(), order.end(), [](const IoRequest* x, const IoRequest* y) {
         return std::less<const File*>()(x->file, y->file) || (x->file == y->file && x->offset < y->offset);
       });
     for (const IoRequest* r : order) {
       const IoRequest& request = *r;
       stats.bytes += request.memory.size;
-      // Only host memory is gathered so far: a gathered piece of device memory would take one
-      // copy from the GPU per request it spans, which is yet to be measured on a GPU machine.
-      if (writes && !job.parts.empty()) {
+      if (gather && !job.parts.empty()) {
         Part& last = job.parts.back();
-        if (last.request->file == request.file && last.end_offset == request.offset && !last.device &&
-            request.memory.kind() != MemoryKind::device) {
+        if (last.request->file == request.file && last.end_offset == request.offset) {
           last.requests.push_back(&request);
           last.end_offset = request.offset + request.memory.size;
+          last.context.length = last.end_offset - last.offset;  // errors without a piece name the range
           continue;
         }
       }
