@@ -504,6 +504,33 @@ void check_replicate(const std::vector<MemoryLocation>& into) {
   EXPECT_GE(r.bytes_between_locations, (into.size() - 1) * bytes_of(sample));
 }
 
+// `hbmio ckpt checksum` on a sharded checkpoint: every shard gains checksums, the index still
+// loads, every tensor is unchanged.
+TEST(Checkpoints, ChecksumsCanBeAddedToEveryShard) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string target = dir.file("model");
+  save_checkpoint(target, sample.tensors, {.checksums = false, .max_shard_size = 600000});
+  const std::vector<CheckpointFile> before = open_checkpoint(target);
+  ASSERT_GT(before.size(), 1u);
+  EXPECT_FALSE(verify_checkpoint(target).has_checksums);
+  add_checksums(target);
+  for (const CheckpointFile& file : open_checkpoint(target)) {
+    const VerifyResult r = verify_checkpoint(file.path);
+    EXPECT_TRUE(r.has_checksums) << file.path;
+    EXPECT_FALSE(r.first_bad.has_value()) << *r.first_bad;
+    EXPECT_EQ(r.tensors_checked, file.header.tensors.size()) << file.path;
+  }
+  const LoadedCheckpoint loaded = load_checkpoint(target, {.verify = true});
+  ASSERT_EQ(loaded.tensors().size(), sample.tensors.size());
+  for (std::size_t i = 0; i < sample.tensors.size(); ++i) {
+    const LoadedTensor* t = loaded.find(sample.tensors[i].name);
+    ASSERT_NE(t, nullptr) << sample.tensors[i].name;
+    ASSERT_EQ(t->data.size, sample.bytes[i].size());
+    EXPECT_EQ(std::memcmp(t->data.data, sample.bytes[i].data(), t->data.size), 0) << t->name;
+  }
+}
+
 }  // namespace multi
 
 TEST(MultiLoad, ShardPutsEveryTensorInOneLocation) { multi::check_shard({{MemoryKind::host}, {MemoryKind::pinned}, {MemoryKind::host}}); }

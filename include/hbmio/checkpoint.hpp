@@ -214,7 +214,9 @@ struct VerifyResult {
 };
 VerifyResult verify_checkpoint(const std::string& path);
 
-// Rewrites a single-file checkpoint with checksums added (crash-safe, as save_checkpoint).
+// Rewrites every file of a checkpoint (a file, a sharded index, or a directory holding either)
+// with checksums added, one file at a time, each crash-safe as save_checkpoint. The data is read
+// through a read-only mapping of the file, so memory use does not grow with the file's size.
 void add_checksums(const std::string& path);
 
 // XXH3-64 of host memory, as hex (16 digits): the checksum format stored in files.

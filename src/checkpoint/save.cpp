@@ -2,6 +2,8 @@
 // fsync of the directory. A crash at any point leaves either the old file or the new one under
 // the final name, never a mix (rename is atomic; the data is durable before it).
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <stdio.h>  // renameat2
 #include <unistd.h>
 
@@ -297,16 +299,60 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
 
 }  // namespace
 
+namespace {
+
+// A file mapped read-only: the source of a rewrite, read through the page cache, so a file larger
+// than memory can be rewritten (the kernel evicts pages as it goes) and nothing is copied twice.
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path) {
+    const ErrorContext context{.op = "add checksums", .path = path};
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw Error(errno_code(errno), context, "open");
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      const int err = errno;
+      ::close(fd);
+      throw Error(errno_code(err), context, "fstat");
+    }
+    size_ = static_cast<std::size_t>(st.st_size);
+    void* map = size_ == 0 ? nullptr : ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
+    const int err = errno;
+    ::close(fd);  // the mapping keeps the file
+    if (map == MAP_FAILED) throw Error(errno_code(err), context, "mmap");
+    data_ = static_cast<std::byte*>(map);
+    if (data_ != nullptr) (void)::madvise(data_, size_, MADV_SEQUENTIAL);
+  }
+  ~MappedFile() {
+    if (data_ != nullptr) ::munmap(data_, size_);
+  }
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  std::byte* data() const noexcept { return data_; }
+  std::size_t size() const noexcept { return size_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+}  // namespace
+
 void add_checksums(const std::string& path) {
-  const std::vector<CheckpointFile> files = open_checkpoint(path);
-  if (files.size() != 1)
-    throw Error(errno_code(ENOTSUP), {.op = "add checksums", .path = path}, "a sharded checkpoint: add checksums to each shard");
-  // The whole file in host memory, then a crash-safe rewrite: the original stays until the
-  // rewritten file is durable.
-  const LoadedCheckpoint loaded = load_checkpoint(files.front().path, {.into = {MemoryKind::host}, .backend = "posix"});
-  std::vector<TensorToSave> tensors;
-  for (const auto& t : loaded.tensors()) tensors.push_back({t.name, t.dtype, t.shape, t.data});
-  save_checkpoint(files.front().path, tensors, {.metadata = loaded.metadata(), .checksums = true});
+  // Each file on its own, crash-safe: after a crash every shard holds either its old bytes or its
+  // bytes with checksums, and both load. The index does not change (it maps names to shards).
+  for (const CheckpointFile& file : open_checkpoint(path)) {
+    const MappedFile source(file.path);
+    const std::uint64_t expected = file.header.data_offset + file.header.data_size;
+    if (source.size() != expected)
+      throw Error(errno_code(EIO), {.op = "add checksums", .path = file.path},
+                  fmt::format("the file changed while being read: {} bytes, its header says {}", source.size(), expected));
+    std::vector<TensorToSave> tensors;
+    for (const auto& t : file.header.tensors)
+      tensors.push_back({t.name, t.dtype, t.shape,
+                         MemorySpan{source.data() + file.header.data_offset + t.begin, t.size(), {MemoryKind::host}}});
+    save_checkpoint(file.path, tensors, {.metadata = file.header.metadata, .checksums = true});
+  }
 }
 
 }  // namespace hbmio

@@ -313,8 +313,8 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   verify->add_option("path", flags->path, path_help)->required();
   verify->callback([flags, &exit_status] { exit_status = run_verify(*flags); });
 
-  auto* checksum = ckpt->add_subcommand("checksum", "Add checksums to an existing file (crash-safe rewrite)");
-  checksum->add_option("path", flags->path, "A .safetensors file")->required();
+  auto* checksum = ckpt->add_subcommand("checksum", "Add checksums to an existing checkpoint (crash-safe rewrite of each file)");
+  checksum->add_option("path", flags->path, path_help)->required();
   checksum->callback([flags, &exit_status] {
     add_checksums(flags->path);
     fmt::print("{}: checksums added\n", flags->path);
