@@ -527,7 +527,8 @@ TEST(Checkpoints, ChecksumsCanBeAddedToEveryShard) {
     const LoadedTensor* t = loaded.find(sample.tensors[i].name);
     ASSERT_NE(t, nullptr) << sample.tensors[i].name;
     ASSERT_EQ(t->data.size, sample.bytes[i].size());
-    EXPECT_EQ(std::memcmp(t->data.data, sample.bytes[i].data(), t->data.size), 0) << t->name;
+    if (t->data.size > 0)  // empty tensors may have no pointer at all
+      EXPECT_EQ(std::memcmp(t->data.data, sample.bytes[i].data(), t->data.size), 0) << t->name;
   }
 }
 
