@@ -311,30 +311,32 @@ TEST(CufileProbe, DmaIsRuledOutFromSysfsOnlyWhereNoPathCanExist) {
   const hbmio::File file = hbmio::File::open(temp.path(), hbmio::OpenMode::read);
   struct stat st {};
   ASSERT_EQ(::fstat(file.fd(), &st), 0);
-  const fs::path sys = fs::path(temp.path()).string() + ".sys";
+  const fs::path base = fs::path(temp.path()).string() + ".root";  // stands for "/"
+  const fs::path sys = base / "sys";
+  const hbmio::doctor::Root root(base);
   struct Cleanup {
     fs::path p;
     ~Cleanup() { std::error_code ec; fs::remove_all(p, ec); }
-  } cleanup{sys};
+  } cleanup{base};
   if (major(st.st_dev) == 0) {  // the test directory is on no block device (tmpfs, overlay)
     fs::create_directories(sys / "module");
-    const auto why = hbmio::detail::cufile_dma_ruled_out(file, sys.string());
+    const auto why = hbmio::detail::cufile_dma_ruled_out(file, root);
     ASSERT_TRUE(why.has_value());
     EXPECT_TRUE(contains(*why, "no block device")) << *why;
     return;
   }
   const fs::path link = sys / "dev" / "block" / fmt::format("{}:{}", major(st.st_dev), minor(st.st_dev));
   fs::create_directories(link.parent_path());
-  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, sys.string()).has_value()) << "no /sys/module: ask the driver";
+  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, root).has_value()) << "no /sys/module: ask the driver";
   fs::create_directories(sys / "module");
   const auto device_is = [&](const std::string& device_dir) {
     std::error_code ec;
     fs::remove(link, ec);
     fs::create_directories(sys / device_dir);
     fs::create_directory_symlink(sys / device_dir, link);
-    return hbmio::detail::cufile_dma_ruled_out(file, sys.string());
+    return hbmio::detail::cufile_dma_ruled_out(file, root);
   };
-  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, sys.string()).has_value()) << "no entry: ask the driver";
+  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, root).has_value()) << "no entry: ask the driver";
   const auto virtio = device_is("devices/pci0000:00/0000:00:05.0/virtio3/block/vda/vda1");
   ASSERT_TRUE(virtio.has_value());
   EXPECT_TRUE(contains(*virtio, "vda1") && contains(*virtio, "not NVMe") && contains(*virtio, temp.path())) << *virtio;
@@ -343,8 +345,11 @@ TEST(CufileProbe, DmaIsRuledOutFromSysfsOnlyWhereNoPathCanExist) {
   EXPECT_FALSE(device_is("devices/virtual/block/dm-0").has_value());
   EXPECT_FALSE(device_is("devices/virtual/block/md0").has_value());
   ASSERT_TRUE(device_is("devices/platform/host0/target0:0:0/0:0:0:0/block/sda").has_value());
-  fs::create_directories(sys / "module" / "nvidia_fs");  // GDS present: only the driver knows
-  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, sys.string()).has_value());
+  fs::create_directories(base / "proc" / "driver" / "nvidia-fs");  // GDS present: only the driver knows
+  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, root).has_value());
+  fs::remove_all(base / "proc");
+  fs::create_directories(sys / "module" / "nvidia_fs");
+  EXPECT_FALSE(hbmio::detail::cufile_dma_ruled_out(file, root).has_value());
 }
 
 TEST(CufileProbe, HandleNotRegisteredIsDiagnosed) {

@@ -456,11 +456,11 @@ std::string registration_test(const DriverSession& session) {
 
 }  // namespace
 
-std::optional<std::string> cufile_dma_ruled_out(const File& file, const std::string& sysfs) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  // Without a readable /sys/module (a container may mask it) nvidia-fs cannot be ruled out.
-  if (!fs::is_directory(sysfs + "/module", ec) || fs::exists(sysfs + "/module/nvidia_fs", ec)) return std::nullopt;
+std::optional<std::string> cufile_dma_ruled_out(const File& file, const doctor::Root& root) {
+  // nvidia-fs loaded (its module, or its /proc entry, which `hbmio doctor` reads), or a
+  // /sys/module that cannot be read (a container may mask it): only the driver can say.
+  if (!root.is_directory("sys/module") || root.exists("sys/module/nvidia_fs") || root.exists("proc/driver/nvidia-fs"))
+    return std::nullopt;
   struct stat st {};
   if (::fstat(file.fd(), &st) != 0) return std::nullopt;
   const dev_t dev = S_ISBLK(st.st_mode) ? st.st_rdev : st.st_dev;  // a block device file is its own device
@@ -468,16 +468,13 @@ std::optional<std::string> cufile_dma_ruled_out(const File& file, const std::str
   if (maj == 0)
     return fmt::format("{} is on {} (no block device) and nvidia-fs is not loaded: no DMA path", file.path(),
                        file_system_type(file.path()));
-  const fs::path root = fs::canonical(sysfs, ec);
-  if (ec) return std::nullopt;
-  const fs::path device = fs::canonical(root / "dev" / "block" / fmt::format("{}:{}", maj, min), ec);
-  if (ec) return std::nullopt;
-  // The device's place in the sysfs tree (relative, so the root's own path cannot match):
-  // .../nvme/nvme0/nvme0n1/nvme0n1p1 for PCIe NVMe, .../nvme-fabrics/... or .../nvme-subsystem/...
-  // for NVMe-oF and multipath; .../virtio3/block/vda for virtio.
-  const std::string place = device.lexically_relative(root).string();
-  const std::string name = device.filename().string();
-  if (place.find("nvme") != std::string::npos || name.starts_with("md") || name.starts_with("dm-")) return std::nullopt;
+  // The device's place in the sysfs tree: sys/devices/.../nvme/nvme0/nvme0n1/nvme0n1p1 for PCIe
+  // NVMe, .../nvme-fabrics/... or .../nvme-subsystem/... for NVMe-oF and multipath,
+  // .../virtio3/block/vda for virtio.
+  const std::optional<std::string> place = root.resolve(fmt::format("sys/dev/block/{}:{}", maj, min));
+  if (!place) return std::nullopt;
+  const std::string name = doctor::name_of(*place);
+  if (place->find("nvme") != std::string::npos || name.starts_with("md") || name.starts_with("dm-")) return std::nullopt;
   return fmt::format("{} is on {}, not NVMe, and nvidia-fs is not loaded: no DMA path", file.path(), name);
 }
 

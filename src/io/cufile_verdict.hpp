@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 
+#include "doctor/sysfs.hpp"
 #include "hbmio/file.hpp"
 
 namespace hbmio::detail {
@@ -27,8 +28,8 @@ CufileVerdict cufile_verdict(const File& file);
 // the nvidia-fs module, cuFile's one DMA path is PCI P2PDMA to an NVMe device; so a file on any
 // other block device (virtio, SCSI, ...) or on none (network, FUSE, overlay) is ruled out.
 // Composite devices (md, device mapper), and machines whose /sys/module cannot be read, are left
-// to the driver. `sysfs` is for tests.
-std::optional<std::string> cufile_dma_ruled_out(const File& file, const std::string& sysfs = "/sys");
+// to the driver. `root` stands for "/" (tests give a recorded tree).
+std::optional<std::string> cufile_dma_ruled_out(const File& file, const doctor::Root& root = doctor::Root("/"));
 
 // Why cuFileHandleRegister may have refused `fd` with CU_FILE_HANDLE_NOT_REGISTERED (5027):
 // libcufile needs the udev data of the file's block device even in compatibility mode. Inspects
