@@ -94,17 +94,17 @@ struct Slot {
 // end to end in one file (the tensors of a checkpoint), whose pieces then gather the bytes of
 // several requests into one slot, so that only the two ends of the run can be unaligned.
 struct Part {
-  const IoRequest* request = nullptr;      // the first request: file, op
-  std::vector<const IoRequest*> requests;  // all of them, in file order, end to end
+  std::vector<const IoRequest*> requests;  // in file order, end to end; the first gives file and op
   ErrorContext context;         // built once: hot paths pass it by reference
-  std::uint64_t offset = 0, end_offset = 0;  // the file range [offset, end_offset)
   std::uint64_t grid_base = 0;  // round_down(offset, 4 KiB): chunk and piece boundaries lie on it
   std::uint64_t first_chunk = 0;  // this part's chunks are job chunks [first_chunk, first_chunk + chunks)
   std::uint64_t chunks = 0;
   std::size_t alignment = 0;    // O_DIRECT alignment of this file; 0 when O_DIRECT is off
   bool device = false;
 
-  std::uint64_t end() const { return end_offset; }
+  const IoRequest& first() const { return *requests.front(); }
+  std::uint64_t offset() const { return requests.front()->offset; }
+  std::uint64_t end() const { return requests.back()->offset + requests.back()->memory.size; }
 
   // Calls f(request, lo, hi) for each request overlapping [p, q) (within the part), where
   // [lo, hi) is the overlap, in file order.
@@ -373,9 +373,9 @@ class Worker {
     const auto next = std::upper_bound(job_->parts.begin(), job_->parts.end(), index,
                                        [](std::uint64_t i, const Part& p) { return i < p.first_chunk; });
     part_ = &*std::prev(next);
-    const IoRequest& request = *part_->request;
+    const IoRequest& request = part_->first();
     const std::uint64_t k = index - part_->first_chunk;
-    const std::uint64_t begin = std::max<std::uint64_t>(part_->offset, part_->grid_base + k * options_.chunk_size);
+    const std::uint64_t begin = std::max<std::uint64_t>(part_->offset(), part_->grid_base + k * options_.chunk_size);
     const std::uint64_t end = std::min<std::uint64_t>(part_->end(), part_->grid_base + (k + 1) * options_.chunk_size);
     cursor_ = begin;
     chunk_end_ = end;
@@ -393,7 +393,7 @@ class Worker {
   // is no piece left or no slot to put it in.
   bool start_next_piece() {
     if (cursor_ >= chunk_end_ && !next_chunk()) return false;
-    const IoRequest& request = *part_->request;
+    const IoRequest& request = part_->first();
     const std::uint64_t p = cursor_;
     const std::uint64_t q = piece_end(p);
     // The caller's memory for [p, q) when one request holds it all (always so for reads).
@@ -462,7 +462,7 @@ class Worker {
   bool bounce_into_slot(Op& op, std::uint64_t p, std::uint64_t q, std::size_t a, std::byte* user) {
     const int slot = acquire_slot();
     if (slot < 0) return false;
-    const IoRequest& request = *part_->request;
+    const IoRequest& request = part_->first();
     op.slot = slot;
     op.buffer = slots_[slot].data;
     op.user = user;
@@ -586,7 +586,7 @@ class Worker {
           return;
         }
         op.direct = false;
-        op.fd = part.request->file->fd();
+        op.fd = part.first().file->fd();
       }
       retry_.push_back(static_cast<int>(index));
       return;
@@ -679,16 +679,13 @@ class UringEngine final : public Engine {
       stats.bytes += request.memory.size;
       if (gather && !job.parts.empty()) {
         Part& last = job.parts.back();
-        if (last.request->file == request.file && last.end_offset == request.offset) {
+        if (last.first().file == request.file && last.end() == request.offset) {
           last.requests.push_back(&request);
-          last.end_offset = request.offset + request.memory.size;
-          last.context.length = last.end_offset - last.offset;  // errors without a piece name the range
+          last.context.length = last.end() - last.offset();  // errors without a piece name the range
           continue;
         }
       }
-      Part part{.request = &request, .requests = {&request}, .context = context_of(request, name())};
-      part.offset = request.offset;
-      part.end_offset = request.offset + request.memory.size;
+      Part part{.requests = {&request}, .context = context_of(request, name())};
       part.grid_base = round_down(request.offset, kSlotAlignment);
       if (request.memory.kind() == MemoryKind::device) {
         // One stream per worker, on one device: a batch across GPUs is several batches.
@@ -767,14 +764,14 @@ class UringEngine final : public Engine {
       context.offset = edge.begin;
       context.length = n;
       staging.resize(n);
-      if (part.device) cuda::set_device(part.request->memory.location.device, context);
+      if (part.device) cuda::set_device(part.first().memory.location.device, context);
       part.for_each_request(edge.begin, edge.end, [&](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
         const std::byte* from = r.memory.data + (lo - r.offset);
         if (part.device) cuda::memcpy_sync(staging.data() + (lo - edge.begin), from, hi - lo, context);
         else std::memcpy(staging.data() + (lo - edge.begin), from, hi - lo);
       });
       for (std::size_t done = 0, retries = 0; done < n;) {
-        const ssize_t r = ::pwrite(part.request->file->fd(), staging.data() + done, n - done, static_cast<off_t>(edge.begin + done));
+        const ssize_t r = ::pwrite(part.first().file->fd(), staging.data() + done, n - done, static_cast<off_t>(edge.begin + done));
         const long long result = inject_io(faults_.get(), r < 0 ? -errno : r, n - done, "pwrite (unaligned edge)");
         if ((result == -EINTR || result == -EAGAIN) && ++retries <= kMaxRetries) continue;
         if (result < 0) throw Error(errno_code(static_cast<int>(-result)), context, "write of an unaligned edge");
