@@ -12,7 +12,9 @@
 #            (bench/peers/ckpt_compare.py; load-big / load-small: one file; env ROUNDS (3),
 #            WARM_RUNS (5), VARIANTS: "label=flags;..." engine tunings as further contenders)
 #   savecmp  durable saves of 6 GiB from cuda:0 against the O_DIRECT write ceiling, rounds
-#            interleaved and rotated (bench/peers/save_compare.py; ROUNDS, default 3)
+#            interleaved and rotated (bench/peers/save_compare.py; ROUNDS, default 3; SAVE_ONLY:
+#            contenders to run; SAVE_VARIANTS "label:K=V ...;...": further ckpt save contenders
+#            under those environment variables, HBMIO=PATH naming another executable)
 #   firstuse the first warm load of a process against its next ones, per backend (what a program
 #            that loads once pays; the first run's note itemises the set-up)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
@@ -111,8 +113,12 @@ load|load-big|load-small)
 savecmp)
   install_wheels; build_python
   log "saves from cuda:0 against the write ceiling, interleaved rounds"
+  variants=()
+  IFS=';' read -ra vs <<<"${SAVE_VARIANTS:-}"
+  for v in "${vs[@]}"; do variants+=(--variant "$v"); done
   PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/save_compare.py --hbmio "$BIN/hbmio" --dir /var/tmp \
-    --rounds "${ROUNDS:-3}" --json "$OUT/save-compare.jsonl" 2>&1 | grep -v '"round"' | cut -c1-300
+    --rounds "${ROUNDS:-3}" ${SAVE_ONLY:+--only "$SAVE_ONLY"} "${variants[@]}" --json "$OUT/save-compare.jsonl" 2>&1 |
+    grep -v '"round"' | cut -c1-300
   ;;
 firstuse)
   log "first warm load of a process vs the next, small.safetensors into cuda:0"

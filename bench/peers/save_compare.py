@@ -11,6 +11,10 @@ median ceiling. Contenders:
   ckpt save small  hbmio ckpt save --count 3072
   hbmio.save_file  from torch tensors on <device>, 48 tensors (needs torch)
   safetensors      safetensors.torch.save_file + os.fsync, same tensors (needs torch and safetensors)
+  --variant 'LABEL:K=V ...' adds "ckpt save big LABEL" and "ckpt save small LABEL", run with those
+  environment variables (engine tunings such as HBMIO_BOUNCE_BUFFERS=8; HBMIO=PATH names another
+  hbmio executable, e.g. an earlier build), so a change is measured against its predecessor in the
+  same rounds.
 Each writes a new file in --dir, removed before the next contender runs (the disk holds one at a
 time). One JSON line per measurement on stdout and in --json, then one summary line per contender.
 """
@@ -30,8 +34,8 @@ def parse_size(text):
     return int(text)
 
 
-def run_json(cmd):
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+def run_json(cmd, env=None):
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out)
 
 
@@ -43,6 +47,8 @@ def main():
     p.add_argument("--size", default="6GiB", help="bytes per save")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", help="comma-separated contenders to run (default: all that can run here)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL:K=V ...",
+                   help="further ckpt save contenders under these environment variables (HBMIO=PATH: another executable)")
     p.add_argument("--json")
     a = p.parse_args()
     size = parse_size(a.size)
@@ -54,12 +60,19 @@ def main():
         return lambda: run_json([a.hbmio, "write", out, "--from", source, "--size", str(size), "--direct-io", "on",
                                  "--backend", "uring", "--sync", "--json", "-"])["stats"]
 
-    def ckpt_save(count):
-        return lambda: run_json([a.hbmio, "ckpt", "save", out, "--count", str(count), "--tensor-size",
-                                 str(size // count), "--from", a.device, "--json", "-"])["stats"]
+    def ckpt_save(count, env=None):
+        exe = (env or {}).get("HBMIO", a.hbmio)
+        cmd = [exe, "ckpt", "save", out, "--count", str(count), "--tensor-size", str(size // count), "--from", a.device,
+               "--json", "-"]
+        return lambda: run_json(cmd, env)["stats"]
 
     contenders = {"ceiling": hbmio_write("pinned"), "uring write": hbmio_write(a.device),
                   "ckpt save big": ckpt_save(big), "ckpt save small": ckpt_save(small)}
+    for variant in a.variant:
+        label, _, assignments = variant.partition(":")
+        env = dict(os.environ, **dict(kv.split("=", 1) for kv in assignments.split()))
+        contenders[f"ckpt save big {label}"] = ckpt_save(big, env)
+        contenders[f"ckpt save small {label}"] = ckpt_save(small, env)
     try:
         import torch
         import hbmio

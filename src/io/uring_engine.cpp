@@ -19,10 +19,10 @@
 //   5. Short transfers resume where they stopped; -EAGAIN/-EINTR resubmit; a read that finds the
 //      end of the file before the range is complete is an error (the file shrank).
 // Writes mirror this: GPU -> slot (copy), slot -> file (O_DIRECT where aligned; the unaligned
-// edges, under a block each, buffered after the direct writes have completed). Writes of host
-// memory laid end to end in one file (the tensors of a checkpoint) form one range: a piece
-// gathers the bytes of several requests into its slot, so only the range's two ends can be
-// unaligned and small tensors still make full-size writes.
+// edges, under a block each, buffered after the direct writes have completed). Writes laid end
+// to end in one file (the tensors of a checkpoint) form one range: a piece gathers the bytes of
+// several requests into its slot, so only the range's two ends can be unaligned and small
+// tensors still make full-size writes.
 //
 // A batch (Engine::submit_batch) is one job: the chunks of all its requests are numbered in one
 // sequence, so the workers stay busy across request boundaries (a checkpoint of 3,000 tensors
@@ -662,14 +662,12 @@ class UringEngine final : public Engine {
 
     Job job;
     std::string note;
-    // Writes laid end to end in one file join one part (see Part), in file order. Only batches of
-    // host memory so far: a gathered piece of device memory takes one copy from the GPU per
-    // request it spans, which is yet to be measured on a GPU machine.
+    // Writes laid end to end in one file join one part (see Part), in file order; a piece of
+    // device memory then takes one copy from the GPU per request it spans, into its slot.
     std::vector<const IoRequest*> order;
     for (const IoRequest& request : requests)
       if (request.memory.size != 0) order.push_back(&request);
-    const bool gather = !order.empty() && order.front()->op == IoOp::write &&
-                        std::none_of(order.begin(), order.end(), [](const IoRequest* r) { return r->memory.kind() == MemoryKind::device; });
+    const bool gather = !order.empty() && order.front()->op == IoOp::write;
     if (gather)
       std::stable_sort(order.begin(), order.end(), [](const IoRequest* x, const IoRequest* y) {
         return std::less<const File*>()(x->file, y->file) || (x->file == y->file && x->offset < y->offset);
@@ -677,23 +675,24 @@ class UringEngine final : public Engine {
     for (const IoRequest* r : order) {
       const IoRequest& request = *r;
       stats.bytes += request.memory.size;
+      const bool device = request.memory.kind() == MemoryKind::device;
+      if (device) {
+        // One stream per worker, on one device: a batch across GPUs is several batches.
+        if (job.device >= 0 && job.device != request.memory.location.device)
+          throw Error(errno_code(EINVAL), context_of(request, name()), "a uring batch moves memory of one GPU only");
+        job.device = request.memory.location.device;
+      }
       if (gather && !job.parts.empty()) {
         Part& last = job.parts.back();
-        if (last.first().file == request.file && last.end() == request.offset) {
+        // A part is all device memory or all host memory: its pieces take one path.
+        if (last.first().file == request.file && last.end() == request.offset && last.device == device) {
           last.requests.push_back(&request);
           last.context.length = last.end() - last.offset();  // errors without a piece name the range
           continue;
         }
       }
-      Part part{.requests = {&request}, .context = context_of(request, name())};
+      Part part{.requests = {&request}, .context = context_of(request, name()), .device = device};
       part.grid_base = round_down(request.offset, kSlotAlignment);
-      if (request.memory.kind() == MemoryKind::device) {
-        // One stream per worker, on one device: a batch across GPUs is several batches.
-        if (job.device >= 0 && job.device != request.memory.location.device)
-          throw Error(errno_code(EINVAL), part.context, "a uring batch moves memory of one GPU only");
-        job.device = request.memory.location.device;
-        part.device = true;
-      }
       const DirectIoInfo& dio = request.file->direct_io();
       std::size_t alignment = std::max(dio.memory_alignment, dio.offset_alignment);
       // Direct writes on file-system blocks: a sub-block one drains every direct I/O of the file
