@@ -10,7 +10,8 @@
 #            ceiling (`hbmio bench --write`); also writes the W2 files the load stage reads
 #   load     W2 loads into cuda:0, interleaved with the O_DIRECT ceiling and the peers
 #            (bench/peers/ckpt_compare.py; load-big / load-small: one file; env ROUNDS (3),
-#            WARM_RUNS (5), VARIANTS: "label=flags;..." engine tunings as further contenders)
+#            WARM_RUNS (5), MODE cold|warm|both, VARIANTS: "label=flags;..." engine tunings as
+#            further contenders; writes the W2 files first where they are missing)
 #   savecmp  durable saves of 6 GiB from cuda:0 against the O_DIRECT write ceiling, rounds
 #            interleaved and rotated (bench/peers/save_compare.py; ROUNDS, default 3; SAVE_ONLY:
 #            contenders to run; SAVE_VARIANTS "label:K=V ...;...": further ckpt save contenders
@@ -103,10 +104,13 @@ load|load-big|load-small)
   install_wheels; build_python
   files="big small"; [ $stage = load-big ] && files=big; [ $stage = load-small ] && files=small
   vargs=(); IFS=';' read -ra vs <<<"${VARIANTS:-}"; for v in "${vs[@]}"; do [ -n "$v" ] && vargs+=(--variant "$v"); done
+  mkdir -p $W2
+  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
+  [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt save $W2/small.safetensors --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
   for f in $files; do
-    log "load $f.safetensors into cuda:0: interleaved cold rounds, then warm"
+    log "load $f.safetensors into cuda:0: interleaved cold rounds, then warm (${MODE:-both})"
     PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" \
-      --rounds "${ROUNDS:-3}" --warm-runs "${WARM_RUNS:-5}" --mode both --peers safetensors,fastsafetensors,runai,hbmio.load_file "${vargs[@]}" \
+      --rounds "${ROUNDS:-3}" --warm-runs "${WARM_RUNS:-5}" --mode "${MODE:-both}" --peers safetensors,fastsafetensors,runai,hbmio.load_file "${vargs[@]}" \
       --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-300
   done
   ;;

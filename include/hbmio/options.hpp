@@ -8,7 +8,7 @@
 //   HBMIO_BACKEND               (make_engine)       auto      posix | uring | cufile | auto
 //   HBMIO_CHUNK_SIZE            chunk_size          16MiB     unit of work handed to a worker
 //   HBMIO_BOUNCE_BUFFER_SIZE    bounce_buffer_size  8MiB      one O_DIRECT I/O and one copy (page-cache
-//                                                             pieces: at most 4 MiB, see uring_engine.cpp)
+//                                                             pieces: at most 2 MiB, see uring_engine.cpp)
 //   HBMIO_BOUNCE_BUFFERS        bounce_buffers      4         pinned slots per worker
 //   HBMIO_QUEUE_DEPTH           queue_depth         8         I/Os in flight per worker ring
 //   HBMIO_WORKERS               workers             0 (auto)  threads; auto = min(cores, 16)

@@ -7,7 +7,7 @@
 //   2. Each chunk decides O_DIRECT or page cache (Options::direct_io; "auto" asks cachestat(2)
 //      or mincore(2) whether the chunk is already cached: a warm chunk is copied from memory, a
 //      cold one bypasses the cache).
-//   3. A chunk is cut into pieces of Options::bounce_buffer_size (at most 4 MiB through the page
+//   3. A chunk is cut into pieces of Options::bounce_buffer_size (at most 2 MiB through the page
 //      cache, see kPageCachePiece). A piece is read either straight into the destination (host
 //      memory that satisfies O_DIRECT's alignment, or any host memory through the page cache) or
 //      into one of the worker's pinned slots ("bounce buffers"), registered with the ring as
@@ -60,8 +60,11 @@ constexpr unsigned kMaxRetries = 1000;        // consecutive EAGAIN/EINTR on one
 // Pieces read from the page cache are at most this big, while O_DIRECT pieces fill the slot
 // (Options::bounce_buffer_size, 8 MiB by default). Measured on the H200 machine (bench/RESULTS.md):
 // 8 MiB direct reads took cold 6 GiB loads from 0.81-0.82x to 0.87-1.0x of the O_DIRECT ceiling,
-// while 8 MiB page-cache copies made the warm load 15% slower than 4 MiB ones.
-constexpr std::uint64_t kPageCachePiece = std::uint64_t{4} << 20;
+// while warm loads are fastest with small page-cache copies: 6 GiB from the page cache into
+// cuda:0 took 0.15-0.16 s with 2 MiB pieces, 0.17-0.20 s with 4 MiB, and used 40% less CPU (a
+// piece copied by the kernel is then read by the DMA engine: small pieces are more often still in
+// the CPU's caches); 1 MiB pieces were slower again.
+constexpr std::uint64_t kPageCachePiece = std::uint64_t{2} << 20;
 
 std::uint64_t round_down(std::uint64_t v, std::uint64_t a) { return v / a * a; }
 std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
@@ -305,7 +308,7 @@ class Worker {
       while (in_flight_ < options_.queue_depth && !job_->failed && start_next_piece()) {}
       if (in_flight_ == 0) break;  // no piece left (a slot is always found when none is reading)
       // While copies to the GPU are running, wake up after 0.1 ms even without a completion: a
-      // 4 MiB copy takes about that long, and its slot should carry the next read at once
+      // 2-8 MiB copy takes 0.04-0.16 ms, and its slot should carry the next read at once
       // rather than idle until some storage read completes (milliseconds on a disk).
       int r;
       if (copying_.empty()) {
