@@ -194,6 +194,9 @@ struct SaveOptions {
   // checkpoint: model-0000K-of-0000N.safetensors of at most this many tensor bytes each (a larger
   // tensor gets a shard of its own) and model.safetensors.index.json.
   std::uint64_t max_shard_size = 0;
+  // Tensor bytes written so far (every shard's, headers and index not counted), for a progress
+  // display; it reaches the sum of the tensors' sizes when the save returns.
+  std::atomic<std::uint64_t>* progress = nullptr;
 };
 
 // Writes a safetensors file that the reference reader accepts, crash-safe: a temporary file in the

@@ -362,7 +362,7 @@ def _parse_size(size) -> int:
     return int(float(number) * ((1024 if binary else 1000) ** power))
 
 
-def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", max_shard_size=None):
+def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", max_shard_size=None, progress=False):
     """Writes {name: array} as a safetensors file, crash-safe (temporary file, fsync, rename,
     directory fsync): on any error the previous file at `path` is untouched.
 
@@ -371,9 +371,15 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", m
     With checksums=True the XXH3-64 of each tensor goes into __metadata__ ("hbmio.xxh3.<name>").
     max_shard_size (bytes, or text like "5GB"/"2GiB"): `path` is then a directory that receives a
     Hugging Face sharded checkpoint (model-0000K-of-0000N.safetensors and
-    model.safetensors.index.json), each shard at most that many tensor bytes."""
+    model.safetensors.index.json), each shard at most that many tensor bytes.
+    progress=True draws `done/total GiB  rate GiB/s` on stderr while the tensors are written."""
     shard = 0 if max_shard_size is None else _parse_size(max_shard_size)
     if max_shard_size is not None and shard == 0:
         raise ValueError("max_shard_size must be at least 1 byte")
-    _hbmio.save_file(dict(tensors), _os.fspath(path), None if metadata is None else dict(metadata),
-                     checksums=checksums, backend=backend, max_shard_size=shard)
+    tensors = dict(tensors)
+    # The bar's total: every array type save_file takes (torch, NumPy, CuPy, JAX, memoryview)
+    # has nbytes.
+    total = sum(int(getattr(t, "nbytes", 0)) for t in tensors.values()) if progress else 0
+    with _ProgressBar(total, progress) as bar:
+        _hbmio.save_file(tensors, _os.fspath(path), None if metadata is None else dict(metadata),
+                         checksums=checksums, backend=backend, max_shard_size=shard, progress=bar.counter)

@@ -396,7 +396,7 @@ nb::dict write_from(const std::string& path, nb::handle array, std::uint64_t off
 }
 
 void save(nb::dict tensors, const std::string& path, std::optional<std::map<std::string, std::string>> metadata,
-          bool checksums, const std::string& backend, std::uint64_t max_shard_size) {
+          bool checksums, const std::string& backend, std::uint64_t max_shard_size, Progress* progress) {
   using In = nb::ndarray<nb::ro, nb::c_contig>;
   std::vector<In> keep;  // holds every input alive (and contiguous) while the GIL is released
   std::vector<hbmio::TensorToSave> list;
@@ -433,6 +433,7 @@ void save(nb::dict tensors, const std::string& path, std::optional<std::map<std:
   options.checksums = checksums;
   options.backend = backend;
   options.max_shard_size = max_shard_size;
+  if (progress) options.progress = &progress->done;
   nb::gil_scoped_release release;
   hbmio::save_checkpoint(path, list, options);
 }
@@ -537,6 +538,7 @@ NB_MODULE(_hbmio, m) {
 
   m.def("save_file", &save, nb::arg("tensors"), nb::arg("path"), nb::arg("metadata") = nb::none(), nb::kw_only(),
         nb::arg("checksums") = true, nb::arg("backend") = "auto", nb::arg("max_shard_size") = 0,
+        nb::arg("progress").none() = nb::none(),
         "Writes {name: array} (anything supporting DLPack or the buffer protocol, host or CUDA) as a "
         "safetensors file, crash-safe (temporary file, fsync, rename, directory fsync).");
 

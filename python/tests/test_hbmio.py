@@ -660,6 +660,23 @@ def test_progress_bar_on_stderr(tmp_path, capfd, counters_settle):
     assert capfd.readouterr().err == "", "no output without progress=True"
 
 
+@pytest.mark.parametrize("max_shard_size", [None, 5000])
+def test_save_progress(tmp_path, capfd, max_shard_size):
+    state = {f"t{i}": np.arange(1000 * (i + 1), dtype=np.float32) for i in range(4)}
+    total = sum(a.nbytes for a in state.values()) / (1 << 20)
+    counter = hbmio._hbmio._Progress()
+    hbmio._hbmio.save_file(state, str(tmp_path / "c.safetensors"), None, max_shard_size=max_shard_size or 0,
+                           progress=counter)
+    assert counter.done == sum(a.nbytes for a in state.values()), "every tensor byte once, headers not counted"
+    capfd.readouterr()
+    hbmio.save_file(state, tmp_path / "bar", max_shard_size=max_shard_size, progress=True)
+    out, err = capfd.readouterr()
+    assert out == "" and err.endswith("\n")
+    assert err.rstrip("\n").split("\r")[-1].startswith(f"{total:.2f}/{total:.2f} MiB  "), err
+    hbmio.save_file(state, tmp_path / "quiet", max_shard_size=max_shard_size)
+    assert capfd.readouterr().err == "", "no output without progress=True"
+
+
 # --- sharded saves ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("max_shard_size", [1000, "2KB", "1KiB"])

@@ -165,7 +165,8 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
       std::map<std::string_view, MemorySpan> data_of;
       for (const auto& t : tensors) data_of.emplace(t.name, t.data);
       for (const auto& info : infos)
-        writes.push_back({.op = IoOp::write, .file = &file, .offset = header.size() + info.begin, .memory = data_of.at(info.name)});
+        writes.push_back({.op = IoOp::write, .file = &file, .offset = header.size() + info.begin, .memory = data_of.at(info.name),
+                          .progress = options.progress});
       Clock::time_point phase = Clock::now();
       total.add_part(engine->submit_batch(writes));
       data = seconds_since(phase);

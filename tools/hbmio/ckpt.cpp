@@ -226,10 +226,12 @@ int run_save(const CkptFlags& f) {
     copy_memory(buffers.back().span(), staging.span());
     tensors.push_back({fmt::format("layers.{}.weight", i), *dtype, shape, buffers.back().span()});
   }
+  Progress progress(fmt::format("save {} -> {}", f.from, f.path), bytes * f.count);
   const Stats s = save_checkpoint(f.path, tensors,
                                   {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt save"}},
                                    .checksums = !f.no_checksums, .backend = f.backend, .engine_options = f.tuning.resolve(),
-                                   .max_shard_size = f.max_shard_size.empty() ? 0 : parse_size(f.max_shard_size)});
+                                   .max_shard_size = f.max_shard_size.empty() ? 0 : parse_size(f.max_shard_size),
+                                   .progress = progress.counter()});
   if (!f.json.empty()) {
     write_json({{"path", f.path}, {"from", f.from}, {"tensors", f.count}, {"stats", to_json(s)}}, f.json);
     if (f.json == "-") return 0;
