@@ -13,6 +13,7 @@ debian_packages=(
   libxxhash-dev         # per-tensor checksums
   libgtest-dev          # tests
   fio                   # the storage ceiling the benchmarks compare against
+  strace                # tests/durability_test.sh: the order of a save's fsyncs and renames
   python3-pip
   python3-dev python3-venv  # the Python package (nanobind extension, tested in a venv)
 )

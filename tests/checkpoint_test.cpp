@@ -274,6 +274,25 @@ TEST(CrashSafety, StaleTemporariesAreRemovedAndModeFollowsTheUmask) {
   EXPECT_EQ(temporaries_in(dir.path()), 0u);
   EXPECT_EQ(fs::status(path).permissions() & fs::perms::all,
             fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read);
+  // Two masks (so no fixed mode passes), for a file and for every file of a sharded checkpoint.
+  for (const mode_t mask : {mode_t{022}, mode_t{077}, mode_t{002}}) {
+    SCOPED_TRACE(fmt::format("umask {:03o}", mask));
+    const std::string one = dir.file(fmt::format("u{:03o}.safetensors", mask));
+    const std::string sharded = dir.file(fmt::format("u{:03o}", mask));
+    const mode_t previous = ::umask(mask);
+    save_checkpoint(one, sample.tensors);
+    save_checkpoint(sharded, sample.tensors, {.max_shard_size = 600000});
+    ::umask(previous);
+    const auto mode = [](const std::string& p) { return static_cast<mode_t>(fs::status(p).permissions() & fs::perms::all); };
+    EXPECT_EQ(mode(one), 0666 & ~mask);
+    EXPECT_EQ(mode(sharded), 0777 & ~mask) << "the checkpoint directory";
+    std::size_t files = 0;
+    for (const auto& entry : fs::directory_iterator(sharded)) {
+      EXPECT_EQ(mode(entry.path().string()), 0666 & ~mask) << entry.path();
+      ++files;
+    }
+    EXPECT_GT(files, 2u);
+  }
 }
 
 TEST(CrashSafety, RefusesASymlinkSwappedInForTheTemporaryName) {
@@ -617,6 +636,33 @@ TEST(Checkpoints, AnIndexWithoutShardsIsRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("names no shard"), std::string::npos) << e.what();
   }
+}
+
+// An index that maps a tensor to a shard not holding it is refused, naming the tensor and the
+// shard, by every way of opening the checkpoint (not left to fail, or silently skip, later).
+TEST(Checkpoints, ATensorMissingFromItsShardIsRefused) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string target = dir.file("model");
+  save_checkpoint(target, sample.tensors, {.max_shard_size = 600000});
+  const std::string index_path = target + "/model.safetensors.index.json";
+  nlohmann::json index = nlohmann::json::parse(std::ifstream(index_path));
+  const std::string shard = index["weight_map"]["norm"];
+  index["weight_map"]["ghost.weight"] = shard;
+  std::ofstream(index_path) << index.dump(2);
+  const auto expect_refused = [&](const char* how, auto&& open) {
+    SCOPED_TRACE(how);
+    try {
+      open();
+      ADD_FAILURE() << "an index naming a tensor its shard lacks was accepted";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("'ghost.weight' is missing from its shard '" + shard + "'"), std::string::npos) << what;
+    }
+  };
+  expect_refused("open_checkpoint", [&] { open_checkpoint(target); });
+  expect_refused("load_checkpoint", [&] { load_checkpoint(target); });
+  expect_refused("load of a subset", [&] { load_checkpoint(target, {.names = {"norm"}}); });
 }
 
 // A shard missing from the directory fails every placement with an error naming it, before any

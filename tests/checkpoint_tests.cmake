@@ -19,6 +19,8 @@ set_tests_properties(checkpoint checkpoint_gpu PROPERTIES ENVIRONMENT "${_hbmio_
 set_tests_properties(checkpoint_gpu PROPERTIES LABELS gpu)
 if(HBMIO_BUILD_TOOLS)
   add_test(NAME ckpt_cli COMMAND ${CMAKE_CURRENT_LIST_DIR}/ckpt_cli_test.sh $<TARGET_FILE:hbmio_cli>)
-  set_tests_properties(ckpt_cli PROPERTIES ENVIRONMENT "${_hbmio_ckpt_env}")
+  # The order of a save's fsyncs and renames, watched with strace.
+  add_test(NAME durability COMMAND ${CMAKE_CURRENT_LIST_DIR}/durability_test.sh $<TARGET_FILE:hbmio_cli>)
+  set_tests_properties(ckpt_cli durability PROPERTIES ENVIRONMENT "${_hbmio_ckpt_env}")
 endif()
 unset(_hbmio_ckpt_env)

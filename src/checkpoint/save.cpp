@@ -261,7 +261,10 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
   const fs::path temp = target.parent_path() / fmt::format("{}{:08x}{:08x}", temp_prefix(target), random(), random());
   Stats total;
   try {
-    fs::create_directory(temp);
+    // A name already there (even a symlink to a directory) is never built into: the random
+    // suffix makes that a sign of interference, not a leftover (those were removed above).
+    if (!fs::create_directory(temp))
+      throw Error(errno_code(EEXIST), context, fmt::format("temporary directory {} already exists", temp.string()));
     nlohmann::json weight_map = nlohmann::json::object();
     SaveOptions single = options;
     single.max_shard_size = 0;

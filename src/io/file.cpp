@@ -65,7 +65,18 @@ File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
   const int direct_flags = (flags & ~(O_CREAT | O_TRUNC | O_EXCL | O_NOFOLLOW)) | O_DIRECT;
   const std::string self = fmt::format("/proc/self/fd/{}", file.fd_);
   file.direct_fd_ = ::open(self.c_str(), direct_flags);
-  if (file.direct_fd_ < 0) file.direct_fd_ = ::open(path.c_str(), direct_flags);
+  if (file.direct_fd_ < 0) {
+    // No /proc: the path again, but only if it still names the file opened above (a file or a
+    // symlink swapped in meanwhile must not receive the writes meant for the opened one).
+    file.direct_fd_ = ::open(path.c_str(), direct_flags);
+    struct stat again {};
+    if (file.direct_fd_ >= 0 && (::fstat(file.direct_fd_, &again) != 0 || again.st_dev != st.st_dev || again.st_ino != st.st_ino)) {
+      ::close(file.direct_fd_);
+      file.direct_fd_ = -1;
+      file.direct_.reason = "the path names another file than the one opened: O_DIRECT not used";
+      return file;
+    }
+  }
   if (file.direct_fd_ < 0) {
     file.direct_.reason = fmt::format("{} refuses O_DIRECT: {}", file_system_type(path), std::strerror(errno));
   } else {

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# A save is durable only if its system calls come in the right order: the data of every new file
+# fsynced before the rename that publishes it, the directory fsynced after the rename (else the
+# new name can vanish in a crash). Tests that kill or fail a save cannot see a missing fsync, so
+# this one watches the calls themselves with strace: a single file, a new sharded checkpoint
+# (rename of the directory) and a replaced one (renameat2 RENAME_EXCHANGE).
+set -euo pipefail
+hbmio="$1"
+command -v strace >/dev/null || { echo "SKIP: strace is not installed (scripts/install-deps.sh installs it)"; exit 0; }
+dir=$(mktemp -d "${HBMIO_TEST_DIR:-/var/tmp}/hbmio-durable-XXXXXX")
+trap 'rm -rf "$dir"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# -y prints each descriptor's path, so "fsync(3</dir/.x.hbmio-tmp-...>)" names what was synced.
+traced() {
+  local log=$1; shift
+  strace -f -y -qq -e trace=fsync,fdatasync,rename,renameat,renameat2 -o "$log" "$@" >/dev/null ||
+    fail "strace $* (is ptrace allowed here?)"
+}
+
+# check LOG PUBLISHED PARENT: every file written under the temporary name(s) is fsynced before
+# the rename that publishes PUBLISHED, and PARENT is fsynced after it.
+check() {
+  python3 - "$@" <<'PY' || exit 1
+import re, sys
+log, published, parent = sys.argv[1:4]
+calls = []
+for line in open(log):
+    m = re.match(r"\s*\d+\s+(\w+)\((.*)\)\s+=\s+(-?\d+)", line)
+    if m:
+        calls.append((m.group(1), m.group(2), int(m.group(3))))
+def fail(why):
+    print(f"FAIL: {why}\n" + "".join(open(log).readlines()[-40:]), file=sys.stderr)
+    sys.exit(1)
+if any(r != 0 for _, _, r in calls):
+    fail("a traced call failed")
+renames = [i for i, (name, args, _) in enumerate(calls)
+           if name.startswith("rename") and re.search(r'"%s"' % re.escape(published), args.split(",", 2)[-1] if name == "rename" else args)]
+if not renames:
+    fail(f"no rename onto {published}")
+publish = renames[-1]
+# The temporary name the rename published: its first path argument.
+temp = re.findall(r'"([^"]+)"', calls[publish][1])[0]
+synced_before = [re.search(r"<([^>]+)>", args).group(1) for name, args, _ in calls[:publish] if name in ("fsync", "fdatasync")]
+synced_after = [re.search(r"<([^>]+)>", args).group(1) for name, args, _ in calls[publish + 1:] if name in ("fsync", "fdatasync")]
+# The published thing itself (a file), or every file and the directory itself (a sharded
+# checkpoint built under the temporary directory name), must be synced before the rename.
+if temp not in synced_before:
+    fail(f"{temp} was not fsynced before the rename publishing it")
+# Files inside a temporary directory: fsynced under their own name, or (a shard, itself saved
+# crash-safely) under their temporary name and renamed to their name, all before the publish.
+for name in sys.argv[4:]:
+    final = f"{temp}/{name}"
+    if final in synced_before:
+        continue
+    renamed_from = [re.findall(r'"([^"]+)"', args)[0] for n, args, _ in calls[:publish]
+                    if n.startswith("rename") and args.rstrip().endswith(f'"{final}"')]
+    if not renamed_from or renamed_from[-1] not in synced_before:
+        fail(f"{final} was not fsynced before the rename publishing {published}")
+if parent not in synced_after:
+    fail(f"the directory {parent} was not fsynced after the rename")
+print(f"ok: {len(synced_before)} fsync(s) before publishing {published}, {parent} fsynced after")
+PY
+}
+
+# A single file.
+traced "$dir/one.log" "$hbmio" ckpt save "$dir/m.safetensors" --count 4 --tensor-size 1MiB
+check "$dir/one.log" "$dir/m.safetensors" "$dir"
+# The same name again: replaced, the same order.
+traced "$dir/again.log" "$hbmio" ckpt save "$dir/m.safetensors" --count 2 --tensor-size 1MiB --seed 9
+check "$dir/again.log" "$dir/m.safetensors" "$dir"
+
+# A new sharded checkpoint (3 shards + index): every shard and the index synced inside the
+# temporary directory, the directory synced, then renamed into place, then its parent synced.
+shards=(model-00001-of-00003.safetensors model-00002-of-00003.safetensors model-00003-of-00003.safetensors
+        model.safetensors.index.json)
+traced "$dir/sharded.log" "$hbmio" ckpt save "$dir/ckpt" --count 6 --tensor-size 1MiB --max-shard-size 2MiB
+check "$dir/sharded.log" "$dir/ckpt" "$dir" "${shards[@]}"
+# Replacing it swaps the directories with renameat2(RENAME_EXCHANGE): the same order.
+traced "$dir/swap.log" "$hbmio" ckpt save "$dir/ckpt" --count 6 --tensor-size 1MiB --max-shard-size 2MiB --seed 5
+grep -q "RENAME_EXCHANGE" "$dir/swap.log" || fail "a replaced sharded checkpoint is not swapped in with RENAME_EXCHANGE"
+check "$dir/swap.log" "$dir/ckpt" "$dir" "${shards[@]}"
+"$hbmio" ckpt verify "$dir/ckpt" >/dev/null || fail "the swapped-in checkpoint does not verify"
+echo "durability: all saves sync before they publish and sync the directory after"
