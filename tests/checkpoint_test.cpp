@@ -312,7 +312,7 @@ class Corruption : public testing::Test {
   st::Header header_;
   void SetUp() override {
     const Sample sample = make_sample({MemoryKind::host});
-    save_checkpoint(path_, sample.tensors);
+    save_checkpoint(path_, sample.tensors, {.metadata = {{"format", "pt"}}});
     header_ = st::read_header(path_);
     ASSERT_FALSE(verify_checkpoint(path_).first_bad.has_value());
   }
@@ -330,13 +330,19 @@ TEST_F(Corruption, FlippedDataByteNamesTheTensor) {
   patch(at, byte);
   const VerifyResult r = verify_checkpoint(path_);
   ASSERT_TRUE(r.first_bad.has_value());
-  EXPECT_NE(r.first_bad->find("embed.weight"), std::string::npos) << *r.first_bad;
-  EXPECT_THROW(load_checkpoint(path_, {.verify = true}), Error);
+  const std::string named = fmt::format("tensor 'embed.weight' in {} at byte {}", path_, header_.data_offset + t->begin);
+  EXPECT_NE(r.first_bad->find(named), std::string::npos) << *r.first_bad;
+  try {
+    load_checkpoint(path_, {.verify = true});
+    ADD_FAILURE() << "a load with verify accepted a flipped byte";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(named), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(Corruption, SwappedTensorsAreDetected) {
   // The 72 bytes of "idx" trade places with the first 72 bytes of "big": every size stays valid,
-  // only the bytes move, so only the checksums can tell.
+  // only the bytes move, so only the checksums can tell. The first of the two in the file is named.
   const st::TensorInfo* a = header_.find("idx");
   const st::TensorInfo* b = header_.find("big");
   const auto a_bytes = pread_range(path_, header_.data_offset + a->begin, a->size());
@@ -345,23 +351,93 @@ TEST_F(Corruption, SwappedTensorsAreDetected) {
   patch(header_.data_offset + b->begin, a_bytes);
   const VerifyResult r = verify_checkpoint(path_);
   ASSERT_TRUE(r.first_bad.has_value());
+  const st::TensorInfo* first = a->begin < b->begin ? a : b;
+  EXPECT_NE(r.first_bad->find(fmt::format("tensor '{}' in {} at byte {}", first->name, path_, header_.data_offset + first->begin)),
+            std::string::npos)
+      << *r.first_bad;
 }
 
-TEST_F(Corruption, FlippedHeaderByteOrTruncationIsRefused) {
+// Every single-bit flip anywhere in the header (length, JSON, padding; two different bits per
+// byte) is caught: refused by the parser, or named by verify through the header's own checksum,
+// which also sees what the tensors' checksums cannot (a metadata value, a checksum's letter case).
+TEST_F(Corruption, EveryFlippedHeaderBitIsDetected) {
   const auto original = read_all(path_);
-  auto flipped = original;
-  flipped[8 + header_.header_size / 2] ^= std::byte{0x20};
-  write_file(path_, flipped);
-  bool detected = false;
-  try {
-    detected = verify_checkpoint(path_).first_bad.has_value();
-  } catch (const Error&) {
-    detected = true;
+  EXPECT_EQ(verify_checkpoint(path_).headers_checked, 1u);
+  std::size_t refused = 0, named = 0;
+  for (std::uint64_t at = 0; at < header_.data_offset; ++at)
+    for (const std::byte bit : {std::byte{0x01}, std::byte{0x20}}) {
+      auto flipped = original;
+      flipped[at] ^= bit;
+      write_file(path_, flipped);
+      try {
+        const VerifyResult r = verify_checkpoint(path_);
+        ASSERT_TRUE(r.first_bad.has_value()) << "flip of bit " << std::to_integer<int>(bit) << " at byte " << at << " undetected";
+        ++named;
+      } catch (const Error&) {
+        ++refused;
+      }
+    }
+  EXPECT_GT(named, 0u);  // both ways of catching a flip were exercised
+  EXPECT_GT(refused, 0u);
+  // A metadata value changed in case only: valid JSON, same sizes; the header checksum names it.
+  auto edited = original;
+  const std::string text(reinterpret_cast<const char*>(original.data()), header_.data_offset);
+  const std::size_t value = text.find("\"format\":\"pt\"") + 10;
+  ASSERT_NE(value, std::string::npos + 10);
+  edited[value] = static_cast<std::byte>(std::toupper(static_cast<int>(edited[value])));
+  ASSERT_NE(edited[value], original[value]);
+  write_file(path_, edited);
+  const VerifyResult r = verify_checkpoint(path_);
+  ASSERT_TRUE(r.first_bad.has_value());
+  EXPECT_NE(r.first_bad->find(fmt::format("header of {} (bytes 0 to {})", path_, header_.data_offset)), std::string::npos) << *r.first_bad;
+  EXPECT_THROW(load_checkpoint(path_, {.verify = true}), Error);
+  EXPECT_NO_THROW(load_checkpoint(path_)) << "without verify the header is only parsed";
+}
+
+TEST_F(Corruption, TruncationIsRefused) {
+  const auto original = read_all(path_);
+  for (const std::size_t cut : {std::size_t{1}, std::size_t{7}, original.size() - header_.data_offset}) {
+    write_file(path_, std::vector<std::byte>(original.begin(), original.end() - static_cast<std::ptrdiff_t>(cut)));
+    EXPECT_THROW(verify_checkpoint(path_), Error) << cut;
+    EXPECT_THROW(load_checkpoint(path_), Error) << cut;
   }
-  EXPECT_TRUE(detected);
-  write_file(path_, std::vector<std::byte>(original.begin(), original.end() - 7));
-  EXPECT_THROW(verify_checkpoint(path_), Error);
-  EXPECT_THROW(load_checkpoint(path_), Error);
+}
+
+// A header rewritten without its own checksum: refused while "hbmio.checksum" says it is there
+// (a damaged entry name must not pass), accepted with the tensors-only algorithm of files hbmio
+// wrote before headers had a checksum.
+TEST_F(Corruption, AHeaderChecksumIsRequiredWhereTheAlgorithmSaysSo) {
+  const auto original = read_all(path_);
+  const auto rewrite = [&](const std::map<std::string, std::string>& metadata) {
+    std::vector<st::TensorInfo> infos = header_.tensors;
+    const std::string header = st::serialize_header(infos, metadata);
+    std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(header.data()),
+                                 reinterpret_cast<const std::byte*>(header.data()) + header.size());
+    bytes.insert(bytes.end(), original.begin() + static_cast<std::ptrdiff_t>(header_.data_offset), original.end());
+    write_file(path_, bytes);
+  };
+  std::map<std::string, std::string> metadata = header_.metadata;
+  EXPECT_EQ(metadata.at("hbmio.checksum"), "xxh3-64+header");
+  ASSERT_EQ(metadata.erase("hbmio.header_xxh3"), 1u);
+  rewrite(metadata);
+  VerifyResult r = verify_checkpoint(path_);
+  ASSERT_TRUE(r.first_bad.has_value());
+  EXPECT_NE(r.first_bad->find("\"hbmio.header_xxh3\" is missing"), std::string::npos) << *r.first_bad;
+  EXPECT_THROW(load_checkpoint(path_, {.verify = true}), Error);
+
+  metadata["hbmio.checksum"] = "xxh3-64";
+  rewrite(metadata);
+  r = verify_checkpoint(path_);
+  EXPECT_FALSE(r.first_bad.has_value()) << *r.first_bad;
+  EXPECT_EQ(r.headers_checked, 0u);
+  EXPECT_EQ(r.tensors_checked, header_.tensors.size());
+  EXPECT_TRUE(load_checkpoint(path_, {.verify = true}).verified());
+
+  metadata["hbmio.checksum"] = "crc32";
+  rewrite(metadata);
+  r = verify_checkpoint(path_);
+  ASSERT_TRUE(r.first_bad.has_value());
+  EXPECT_NE(r.first_bad->find("unknown checksum algorithm \"crc32\""), std::string::npos) << *r.first_bad;
 }
 
 TEST(Checkpoints, ChecksumsCanBeAddedToAReferenceFile) {

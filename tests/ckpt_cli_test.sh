@@ -45,7 +45,7 @@ import sys
 from safetensors import safe_open
 with safe_open(sys.argv[1], framework="numpy") as f:
     meta = f.metadata()
-    assert meta["hbmio.checksum"] == "xxh3-64", meta
+    assert meta["hbmio.checksum"] == "xxh3-64+header" and len(meta["hbmio.header_xxh3"]) == 16, meta
     names = sorted(f.keys())
     assert names == [f"layers.{i}.weight" for i in range(5)], names
     for n in names:

@@ -73,6 +73,70 @@ std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans, un
 
 std::string to_hex(std::uint64_t value) { return fmt::format("{:016x}", value); }
 
+namespace {
+// Where the 16 characters of the header checksum's value start, if the entry is there once. In
+// JSON text a quote inside a string is always escaped, so this pattern (unescaped quotes around
+// the key and the value) can only be the metadata entry itself.
+std::optional<std::size_t> header_checksum_value(std::string_view json) {
+  const std::string pattern = fmt::format("\"{}\":\"", kHeaderChecksumKey);
+  const std::size_t at = json.find(pattern);
+  if (at == std::string_view::npos || json.find(pattern, at + 1) != std::string_view::npos) return std::nullopt;
+  const std::size_t value = at + pattern.size();
+  if (value + 17 > json.size() || json[value + 16] != '"') return std::nullopt;
+  return value;
+}
+}  // namespace
+
+std::optional<std::uint64_t> header_checksum(std::string_view header) {
+  const auto value = header_checksum_value(header);
+  if (!value) return std::nullopt;
+  std::string zeroed(header);
+  zeroed.replace(*value, 16, 16, '0');
+  return XXH3_64bits(zeroed.data(), zeroed.size());
+}
+
+std::optional<std::string> check_header(const CheckpointFile& file) {
+  const auto& metadata = file.header.metadata;
+  const auto algorithm = metadata.find(kChecksumAlgorithmKey);
+  if (algorithm != metadata.end() && algorithm->second != kChecksumAlgorithm && algorithm->second != kTensorsOnlyAlgorithm)
+    return fmt::format("header of {}: unknown checksum algorithm \"{}\" (hbmio writes \"{}\")", file.path, algorithm->second,
+                       kChecksumAlgorithm);
+  const auto stored = metadata.find(kHeaderChecksumKey);
+  if (stored == metadata.end()) {
+    if (algorithm != metadata.end() && algorithm->second == kChecksumAlgorithm)
+      return fmt::format("header of {}: its checksum entry \"{}\" is missing, though \"{}\" says it is there", file.path,
+                         kHeaderChecksumKey, kChecksumAlgorithmKey);
+    return std::nullopt;
+  }
+  // The header as stored: its length and the JSON text, read again (what was parsed is not the
+  // bytes: parsing drops what it does not need).
+  std::string bytes(file.header.data_offset, '\0');
+  const File handle = File::open(file.path, OpenMode::read, /*with_direct_io=*/false);
+  for (std::size_t done = 0; done < bytes.size();) {
+    const ssize_t r = ::pread(handle.fd(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      throw Error(errno_code(r < 0 ? errno : EIO), {.op = "verify", .path = file.path, .offset = done, .length = bytes.size() - done},
+                  r == 0 ? "file ends inside the header" : "");
+    done += static_cast<std::size_t>(r);
+  }
+  const auto computed = header_checksum(bytes);
+  if (!computed)
+    return fmt::format("header of {}: its checksum entry is not in the form hbmio writes (was the header rewritten by "
+                       "another tool?)", file.path);
+  if (stored->second != to_hex(*computed))
+    return fmt::format("header of {} (bytes 0 to {}): stored checksum {}, computed {}", file.path, file.header.data_offset,
+                       stored->second, to_hex(*computed));
+  return std::nullopt;
+}
+
+void seal_header(std::string& header) {
+  const auto value = header_checksum_value(header);
+  if (!value || header.compare(*value, 16, to_hex(0)) != 0)
+    throw Error(errno_code(EPROTO), {.op = "save"}, "the header has no header checksum placeholder to fill in");
+  header.replace(*value, 16, to_hex(*header_checksum(header)));
+}
+
 std::optional<std::string> check_tensor(const std::map<std::string, std::string>& metadata, const std::string& tensor,
                                         const std::string& file, std::uint64_t offset, std::uint64_t computed) {
   const auto it = metadata.find(kChecksumPrefix + tensor);
@@ -91,6 +155,15 @@ std::string xxh3_hex(const std::byte* data, std::size_t size) { return detail::t
 VerifyResult verify_checkpoint(const std::string& path) {
   VerifyResult result;
   const std::vector<CheckpointFile> files = open_checkpoint(path);
+  // Headers first, every file's: when one is damaged, what it says about its tensors (and even
+  // whether it has checksums) cannot be trusted.
+  for (const auto& file : files) {
+    if (auto bad = detail::check_header(file)) {
+      result.first_bad = *bad;
+      return result;
+    }
+    result.headers_checked += file.header.metadata.contains(detail::kHeaderChecksumKey) ? 1 : 0;
+  }
   result.has_checksums = std::all_of(files.begin(), files.end(), [](const CheckpointFile& f) { return detail::has_checksums(f.header.metadata); });
   if (!result.has_checksums) return result;
   // Hashes the bytes on disk with plain reads, one tensor at a time, in 16 MiB pieces.

@@ -256,6 +256,11 @@ void detail::require_checksums(const std::vector<CheckpointFile>& files) {
 
 void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files) {
   require_checksums(files);
+  // Each header against its own checksum (a few KiB to MiB read again): the tensors' checksums
+  // cannot see a damaged name, dtype or metadata value.
+  for (const auto& file : files)
+    if (auto bad = detail::check_header(file))
+      throw Error(errno_code(EIO), {.op = "verify", .path = file.path, .offset = 0, .length = file.header.data_offset}, *bad);
   std::vector<MemorySpan> spans;
   for (const auto& tensor : result.tensors_) spans.push_back(tensor.data);
   const std::vector<std::uint64_t> sums = detail::xxh3_of_each(spans);

@@ -118,13 +118,16 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
 
   std::map<std::string, std::string> metadata = options.metadata;
   for (auto it = metadata.begin(); it != metadata.end();)  // stale checksums would lie
-    it = it->first.starts_with(kChecksumPrefix) || it->first == detail::kChecksumAlgorithmKey ? metadata.erase(it) : std::next(it);
+    it = it->first.starts_with(kChecksumPrefix) || it->first == detail::kChecksumAlgorithmKey || it->first == detail::kHeaderChecksumKey
+             ? metadata.erase(it)
+             : std::next(it);
   // Checksums are computed while the tensors are written (both only read the tensors' memory),
   // and the header, which holds them, is written last. Checksums have a fixed width, so a header
   // with placeholders has the final header's size and fixes where the data goes.
   std::vector<MemorySpan> spans;
   if (options.checksums) {
-    metadata[detail::kChecksumAlgorithmKey] = "xxh3-64";
+    metadata[detail::kChecksumAlgorithmKey] = detail::kChecksumAlgorithm;
+    metadata[detail::kHeaderChecksumKey] = detail::to_hex(0);  // sealed once the tensors' are in
     for (const auto& t : tensors) {
       metadata[kChecksumPrefix + t.name] = detail::to_hex(0);
       spans.push_back(t.data);
@@ -176,6 +179,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
         wait = seconds_since(phase);
         for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
         std::string final_header = st::serialize_header(infos, metadata);
+        detail::seal_header(final_header);
         if (final_header.size() != header.size())
           throw Error(errno_code(EPROTO), context, fmt::format("header changed size with its checksums ({} -> {} bytes)",
                                                                header.size(), final_header.size()));

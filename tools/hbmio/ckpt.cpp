@@ -242,15 +242,16 @@ int run_save(const CkptFlags& f) {
 
 int run_verify(const CkptFlags& f) {
   const VerifyResult r = verify_checkpoint(f.path);
+  if (r.first_bad) {  // also where the damage hides the checksums themselves
+    fmt::print(stderr, "hbmio: verify FAILED: {}\n", *r.first_bad);
+    return 1;
+  }
   if (!r.has_checksums) {
     fmt::print(stderr, "hbmio: {} holds no hbmio checksums: nothing to verify (add them with `hbmio ckpt checksum`)\n", f.path);
     return 1;
   }
-  if (r.first_bad) {
-    fmt::print(stderr, "hbmio: verify FAILED: {}\n", *r.first_bad);
-    return 1;
-  }
-  fmt::print("{}: {} tensors verified (XXH3-64)\n", f.path, r.tensors_checked);
+  fmt::print("{}: {} tensors verified (XXH3-64){}\n", f.path, r.tensors_checked,
+             r.headers_checked ? fmt::format(", and the header of {} file(s)", r.headers_checked) : "");
   return 0;
 }
 
