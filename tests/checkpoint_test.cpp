@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <cstdio>
 
 #include <fmt/format.h>
@@ -232,34 +233,47 @@ std::size_t temporaries_in(const std::string& dir) {
   return n;
 }
 
-// Every write and the fsync failing in turn (EIO and ENOSPC): the old checkpoint stays intact,
-// and the temporary file is gone.
+// Every call of a save that can fail (each write, the file's fsync, the directory's fsync) failing
+// in turn, with EIO and with ENOSPC: the save throws that error, never reports success once a
+// fault fired, and the name holds the complete old or (a failure after the rename: the
+// directory's fsync) the complete new checkpoint. Temporary files are gone after the next save.
 TEST(CrashSafety, InjectedWriteAndFsyncFailuresKeepTheOldCheckpoint) {
   TempDir dir;
   const std::string path = dir.file("model.safetensors");
   const Sample old_sample = make_sample({MemoryKind::host});
-  save_checkpoint(path, old_sample.tensors);
-  const auto old_bytes = read_all(path);
   Sample new_sample = make_sample({MemoryKind::host});
   for (auto& b : new_sample.buffers) fill_memory(b.span(), std::byte{0x42});
+  save_checkpoint(path, new_sample.tensors);
+  const auto new_bytes = read_all(path);
+  save_checkpoint(path, old_sample.tensors);
+  const auto old_bytes = read_all(path);
   for (int err : {EIO, ENOSPC}) {
     bool succeeded = false;
+    std::set<std::string> failed;  // what the injected faults hit
     for (std::uint64_t n = 1; n < 200 && !succeeded; ++n) {
       SCOPED_TRACE(fmt::format("errno {} at call {}", err, n));
       auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = n, .fail_errno = err});
       try {
         save_checkpoint(path, new_sample.tensors, {.backend = "uring", .faults = faults});
         succeeded = true;
+        EXPECT_FALSE(faults->fired()) << "a save whose call " << n << " failed reported success";
       } catch (const Error& e) {
+        EXPECT_TRUE(faults->fired()) << e.what();
         EXPECT_EQ(e.code().value(), err) << e.what();
-        EXPECT_EQ(first_mismatch(read_all(path), old_bytes), -1) << "the old checkpoint changed";
-        EXPECT_EQ(temporaries_in(dir.path()), 0u);
+        const auto now = read_all(path);
+        EXPECT_TRUE(now == old_bytes || now == new_bytes) << "neither the old nor the new checkpoint after " << e.what();
+        for (const std::string& line : faults->log()) failed.insert(line.substr(line.find(':') + 2));
       }
+      save_checkpoint(path, old_sample.tensors);  // the old one again for the next call
     }
     EXPECT_TRUE(succeeded);
-    EXPECT_NE(first_mismatch(read_all(path), old_bytes), -1);
-    EXPECT_FALSE(verify_checkpoint(path).first_bad.has_value());
-    save_checkpoint(path, old_sample.tensors);  // back to the old one for the next errno
+    const auto hit = [&](const std::string& what) {
+      return std::any_of(failed.begin(), failed.end(), [&](const std::string& f) { return f.starts_with(what + " "); });
+    };
+    EXPECT_TRUE(hit("fsync")) << "the file's fsync was never failed";
+    EXPECT_TRUE(hit("fsync of the directory")) << "the directory's fsync was never failed";
+    EXPECT_TRUE(hit("io_uring write")) << "no data write was failed";
+    EXPECT_EQ(temporaries_in(dir.path()), 0u);
   }
 }
 
@@ -510,19 +524,50 @@ TEST(ShardedSave, RoundTripsAndReplacesTheWholeDirectory) {
   EXPECT_FALSE(verify_checkpoint(target).first_bad.has_value());
 }
 
+// The same for a sharded checkpoint, whose save has more calls that can fail (every shard's
+// writes and fsyncs, the index's write and fsync, the new directory's fsync, the parent's after
+// the swap): after each failure the directory holds all old or all new shards, never a mix, and
+// loads with every checksum right.
 TEST(ShardedSave, AFailureLeavesTheOldDirectoryIntact) {
   TempDir dir;
   const std::string target = dir.file("model");
-  const Sample sample = make_sample({MemoryKind::host});
-  save_checkpoint(target, sample.tensors, {.max_shard_size = 600000});
-  const auto before = read_all(target + "/model.safetensors.index.json");
-  auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = 5, .fail_errno = ENOSPC});
-  EXPECT_THROW(save_checkpoint(target, sample.tensors, {.backend = "uring", .faults = faults, .max_shard_size = 300000}), Error);
-  EXPECT_EQ(first_mismatch(read_all(target + "/model.safetensors.index.json"), before), -1);
-  EXPECT_FALSE(verify_checkpoint(target).first_bad.has_value());
+  const Sample old_sample = make_sample({MemoryKind::host});
+  Sample new_sample = make_sample({MemoryKind::host});
+  for (auto& b : new_sample.buffers) fill_memory(b.span(), std::byte{0x42});
+  for (auto& b : new_sample.bytes) std::fill(b.begin(), b.end(), std::byte{0x42});
+  const auto holds = [&](const Sample& sample) {
+    const LoadedCheckpoint loaded = load_checkpoint(target, {.verify = true});
+    for (std::size_t i = 0; i < sample.tensors.size(); ++i) {
+      const LoadedTensor* t = loaded.find(sample.tensors[i].name);
+      if (t == nullptr || t->data.size != sample.bytes[i].size()) return false;
+      if (t->data.size > 0 && std::memcmp(t->data.data, sample.bytes[i].data(), t->data.size) != 0) return false;
+    }
+    return true;
+  };
+  save_checkpoint(target, old_sample.tensors, {.max_shard_size = 600000});
+  std::set<std::string> failed;
+  bool succeeded = false;
+  for (std::uint64_t n = 1; n < 400 && !succeeded; ++n) {
+    SCOPED_TRACE(fmt::format("call {}", n));
+    auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = n, .fail_errno = ENOSPC});
+    try {
+      save_checkpoint(target, new_sample.tensors, {.backend = "uring", .faults = faults, .max_shard_size = 300000});
+      succeeded = true;
+      EXPECT_FALSE(faults->fired());
+      EXPECT_TRUE(holds(new_sample));
+    } catch (const Error& e) {
+      EXPECT_TRUE(faults->fired()) << e.what();
+      EXPECT_EQ(e.code().value(), ENOSPC) << e.what();
+      EXPECT_TRUE(holds(old_sample) || holds(new_sample)) << "a mix of old and new after " << e.what();
+      for (const std::string& line : faults->log()) failed.insert(line.substr(line.find(':') + 2));
+      save_checkpoint(target, old_sample.tensors, {.max_shard_size = 600000});
+    }
+  }
+  EXPECT_TRUE(succeeded);
+  for (const char* what : {"fsync ", "fsync of the directory ", "write of the index ", "fsync of the index ", "io_uring write "})
+    EXPECT_TRUE(std::any_of(failed.begin(), failed.end(), [&](const std::string& f) { return f.starts_with(what); })) << what;
   EXPECT_EQ(temporaries_in(dir.path()), 0u);
 }
-
 
 // ---------------------------------------------------------------------------------------------
 // One checkpoint into several locations (load_checkpoint_multi)

@@ -47,7 +47,9 @@ void remove_stale_temporaries(const fs::path& target) {
 
 // The directory entry made by rename is durable only once the directory itself is fsynced
 // (fsync(2); PostgreSQL's durable_rename and RocksDB #10573 lost files without it).
-void sync_directory(const fs::path& dir, const std::string& target) {
+void sync_directory(const fs::path& dir, const std::string& target, FaultInjector* faults) {
+  if (const int err = detail::inject(faults, FaultSite::io, "fsync of the directory"))
+    throw Error(errno_code(err), {.op = "save", .path = target}, "fsync of its directory (injected)");
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) throw Error(errno_code(errno), {.op = "save", .path = target}, "open of its directory to fsync it");
   const int r = ::fsync(fd);
@@ -204,7 +206,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
     fs::remove(temp, ec);
     throw;
   }
-  sync_directory(target.parent_path(), path);
+  sync_directory(target.parent_path(), path, options.faults.get());
   const double all = seconds_since(started);
   std::string engine_note = total.note;
   total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}; data writes {:.3f} s{}, header {:.3f} s, "
@@ -224,14 +226,18 @@ bool is_checkpoint_file(const std::string& name) {
 }
 
 // Writes small bytes (the index) to a new file and makes them durable.
-void write_durably(const fs::path& file, const std::string& bytes) {
+void write_durably(const fs::path& file, const std::string& bytes, FaultInjector* faults) {
   File out = File::open(file.string(), OpenMode::create_new);
+  if (const int err = detail::inject(faults, FaultSite::io, "write of the index"))
+    throw Error(errno_code(err), {.op = "save", .path = file.string()}, "write (injected)");
   for (std::size_t done = 0; done < bytes.size();) {
     const ssize_t r = ::pwrite(out.fd(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) throw Error(errno_code(r < 0 ? errno : ENOSPC), {.op = "save", .path = file.string(), .offset = done});
     done += static_cast<std::size_t>(r);
   }
+  if (const int err = detail::inject(faults, FaultSite::io, "fsync of the index"))
+    throw Error(errno_code(err), {.op = "save", .path = file.string()}, "fsync (injected)");
   out.sync();
 }
 
@@ -278,13 +284,13 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
       for (const auto& t : shards[k]) weight_map[t.name] = name;
     }
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-    write_durably(temp / "model.safetensors.index.json", index.dump(2) + "\n");
+    write_durably(temp / "model.safetensors.index.json", index.dump(2) + "\n", options.faults.get());
     // Whatever else the directory holds (config.json, tokenizer files) comes along.
     if (fs::exists(target))
       for (const auto& entry : fs::directory_iterator(target))
         if (!is_checkpoint_file(entry.path().filename().string()))
           fs::copy(entry.path(), temp / entry.path().filename(), fs::copy_options::recursive | fs::copy_options::create_hard_links);
-    sync_directory(temp, path);
+    sync_directory(temp, path, options.faults.get());
     if (fs::exists(target)) {
       // One atomic step: the new directory takes the name, the old one takes the temporary name.
       if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0)
@@ -297,7 +303,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
     fs::remove_all(temp, ec);
     throw;
   }
-  sync_directory(target.parent_path(), path);
+  sync_directory(target.parent_path(), path, options.faults.get());
   std::error_code ec;
   fs::remove_all(temp, ec);  // the old checkpoint, after the exchange
   total.note = fmt::format("{} tensors in {} shard(s) + index, swapped in atomically", tensors.size(), shards.size());
