@@ -3,7 +3,10 @@
 # fsynced before the rename that publishes it, the directory fsynced after the rename (else the
 # new name can vanish in a crash). Tests that kill or fail a save cannot see a missing fsync, so
 # this one watches the calls themselves with strace: a single file, a new sharded checkpoint
-# (rename of the directory) and a replaced one (renameat2 RENAME_EXCHANGE).
+# (rename of the directory) and a replaced one (renameat2 RENAME_EXCHANGE). Then it kills the
+# saver with SIGKILL at each of those steps (strace -e inject: the signal arrives as the call is
+# entered, so the step does not happen) and at data writes: the name must hold, byte for byte,
+# the complete old or the complete new checkpoint, and the next save must clean up.
 set -euo pipefail
 hbmio="$1"
 command -v strace >/dev/null || { echo "SKIP: strace is not installed (scripts/install-deps.sh installs it)"; exit 0; }
@@ -82,3 +85,46 @@ grep -q "RENAME_EXCHANGE" "$dir/swap.log" || fail "a replaced sharded checkpoint
 check "$dir/swap.log" "$dir/ckpt" "$dir" "${shards[@]}"
 "$hbmio" ckpt verify "$dir/ckpt" >/dev/null || fail "the swapped-in checkpoint does not verify"
 echo "durability: all saves sync before they publish and sync the directory after"
+
+# The bytes of a checkpoint: one file, or every file of a directory (names and contents).
+digest() { if [ -d "$1" ]; then (cd "$1" && find . -type f | sort | xargs sha256sum) | sha256sum; else sha256sum <"$1"; fi; }
+
+# kill_at LABEL TARGET SYSCALL WHEN SAVE-ARGS...: SIGKILL at the WHEN-th call of SYSCALL of a save
+# of seed 2 over the seed-1 checkpoint at TARGET; the name must then hold seed 1 or seed 2 whole.
+killed=0
+kill_at() {
+  local label=$1 target=$2 call=$3 when=$4; shift 4
+  rm -rf "$target" "$dir/new"
+  "$hbmio" ckpt save "$dir/new" "$@" --seed 2 >/dev/null  # what a finished save writes
+  local new_digest; new_digest=$(digest "$dir/new")
+  "$hbmio" ckpt save "$target" "$@" --seed 1 >/dev/null
+  local old_digest; old_digest=$(digest "$target")
+  (strace -f -qq -o "$dir/kill.log" -e trace="$call" -e inject="$call":signal=KILL:when="$when" \
+    "$hbmio" ckpt save "$target" "$@" --seed 2 >/dev/null 2>&1) 2>/dev/null || true  # quiet: no "Killed" line
+  if grep -q "killed by SIGKILL" "$dir/kill.log"; then
+    killed=$((killed + 1))
+  else
+    fail "$label: the save made fewer than $when $call calls: no kill there (adjust the test)"
+  fi
+  local now; now=$(digest "$target")
+  [ "$now" = "$old_digest" ] || [ "$now" = "$new_digest" ] ||
+    fail "$label: killed at $call #$when, $target holds neither the old nor the new checkpoint"
+  "$hbmio" ckpt verify "$target" >/dev/null || fail "$label: killed at $call #$when, the checkpoint does not verify"
+  "$hbmio" ckpt save "$target" "$@" --seed 3 >/dev/null || fail "$label: the save after the kill failed"
+  [ -z "$(ls -A "$(dirname "$target")" | grep hbmio-tmp || true)" ] || fail "$label: temporaries left after the next save"
+  echo "ok: $label, killed at $call #$when: $([ "$now" = "$old_digest" ] && echo old || echo new) checkpoint whole"
+}
+one=(--count 4 --tensor-size 1MiB)
+kill_at "file, during the data writes" "$dir/k.safetensors" io_uring_enter 2 "${one[@]}"
+kill_at "file, before its fsync" "$dir/k.safetensors" fsync 1 "${one[@]}"
+kill_at "file, before the rename" "$dir/k.safetensors" rename 1 "${one[@]}"
+kill_at "file, before the directory's fsync" "$dir/k.safetensors" fsync 2 "${one[@]}"
+many=(--count 6 --tensor-size 1MiB --max-shard-size 2MiB)  # 3 shards + index
+kill_at "sharded, during a shard's writes" "$dir/kdir" io_uring_enter 3 "${many[@]}"
+kill_at "sharded, before the second shard's fsync" "$dir/kdir" fsync 3 "${many[@]}"
+kill_at "sharded, before the third shard's rename" "$dir/kdir" rename 3 "${many[@]}"
+kill_at "sharded, before the index's fsync" "$dir/kdir" fsync 7 "${many[@]}"
+kill_at "sharded, before the directory's fsync" "$dir/kdir" fsync 8 "${many[@]}"
+kill_at "sharded, before the swap" "$dir/kdir" renameat2 1 "${many[@]}"
+kill_at "sharded, before the parent's fsync" "$dir/kdir" fsync 9 "${many[@]}"
+echo "durability: $killed kills, each left a whole old or new checkpoint"
