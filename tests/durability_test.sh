@@ -100,7 +100,7 @@ kill_at() {
   "$hbmio" ckpt save "$target" "$@" --seed 1 >/dev/null
   local old_digest; old_digest=$(digest "$target")
   (strace -f -qq -o "$dir/kill.log" -e trace="$call" -e inject="$call":signal=KILL:when="$when" \
-    "$hbmio" ckpt save "$target" "$@" --seed 2 >/dev/null 2>&1) 2>/dev/null || true  # quiet: no "Killed" line
+    "$hbmio" ckpt save "$target" "$@" --seed 2 >/dev/null 2>&1; true) 2>/dev/null  # the subshell reports "Killed", quietly
   if grep -q "killed by SIGKILL" "$dir/kill.log"; then
     killed=$((killed + 1))
   else
