@@ -99,8 +99,9 @@ kill_at() {
   local new_digest; new_digest=$(digest "$dir/new")
   "$hbmio" ckpt save "$target" "$@" --seed 1 >/dev/null
   local old_digest; old_digest=$(digest "$target")
-  (strace -f -qq -o "$dir/kill.log" -e trace="$call" -e inject="$call":signal=KILL:when="$when" \
-    "$hbmio" ckpt save "$target" "$@" --seed 2 >/dev/null 2>&1; true) 2>/dev/null  # the subshell reports "Killed", quietly
+  strace -f -qq -o "$dir/kill.log" -e trace="$call" -e inject="$call":signal=KILL:when="$when" \
+    "$hbmio" ckpt save "$target" "$@" --seed 2 >/dev/null 2>&1 &
+  wait $! 2>/dev/null || true  # its status is the kill; bash's "Killed" notice goes to wait's stderr
   if grep -q "killed by SIGKILL" "$dir/kill.log"; then
     killed=$((killed + 1))
   else
