@@ -10,6 +10,7 @@
 set -euo pipefail
 hbmio="$1"
 command -v strace >/dev/null || { echo "SKIP: strace is not installed (scripts/install-deps.sh installs it)"; exit 0; }
+strace -qq -o /dev/null true 2>/dev/null || { echo "SKIP: strace cannot trace here (ptrace refused, e.g. by a container's seccomp profile)"; exit 0; }
 dir=$(mktemp -d "${HBMIO_TEST_DIR:-/var/tmp}/hbmio-durable-XXXXXX")
 trap 'rm -rf "$dir"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
