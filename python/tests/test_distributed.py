@@ -104,15 +104,18 @@ def test_shard_map_places_named_tensors(tmp_path):
     assert names[0] in results[1]["tensors"] and names[-1] in results[0]["tensors"]
 
 
-def test_a_failing_rank_fails_every_rank(tmp_path):
+@pytest.mark.parametrize("placement", ["replicate", "shard"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failing_rank_fails_every_rank(tmp_path, world, placement):
     broken = tmp_path / "broken"
     shutil.copytree(SHARDED, broken)
     shard = sorted(p for p in broken.iterdir() if p.suffix == ".safetensors")[-1]
-    shard.unlink()  # rank 1's "node" lacks a shard
-    results = run_ranks(tmp_path, 2, "replicate", paths=[str(SHARDED), str(broken)])
-    for r in results:
+    shard.unlink()  # the last rank's "node" lacks a shard
+    last = world - 1
+    results = run_ranks(tmp_path, world, placement, paths=[str(SHARDED)] * last + [str(broken)])
+    for r in results:  # every rank returned (none hung past gloo's 60 s timeout) with hbmio.Error
         assert "error" in r, f"rank {r['rank']} did not raise"
-        assert "rank 1" in r["error"] and shard.name in r["error"], r["error"]
+        assert f"rank {last}" in r["error"] and shard.name in r["error"], r["error"]
 
 
 def test_a_rank_that_cannot_allocate_fails_every_rank(tmp_path):
