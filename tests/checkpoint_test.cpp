@@ -6,7 +6,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <set>
+#include <thread>
 #include <cstdio>
 
 #include <fmt/format.h>
@@ -567,6 +569,52 @@ TEST(ShardedSave, AFailureLeavesTheOldDirectoryIntact) {
   for (const char* what : {"fsync ", "fsync of the directory ", "write of the index ", "fsync of the index ", "io_uring write "})
     EXPECT_TRUE(std::any_of(failed.begin(), failed.end(), [&](const std::string& f) { return f.starts_with(what); })) << what;
   EXPECT_EQ(temporaries_in(dir.path()), 0u);
+}
+
+// Many loads at once, as a server restoring several models does: 16 threads, each loading 4 of 8
+// files (one or sharded, every backend) with verification, through engines of their own and one
+// shared engine. Every tensor must be right; under the sanitizer build this also checks for
+// memory errors and leaks across threads.
+TEST(ConcurrentLoads, SixteenThreadsLoadEightCheckpointsAtOnce) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  std::vector<std::string> paths;
+  for (int i = 0; i < 8; ++i) {
+    paths.push_back(dir.file(fmt::format("m{}", i)));
+    save_checkpoint(paths.back(), sample.tensors, {.max_shard_size = i % 2 ? std::uint64_t{600000} : 0});
+  }
+  const std::vector<std::string> backends = {"posix", "uring", "auto"};
+  const std::unique_ptr<Engine> shared = make_engine("uring", Options{});
+  std::atomic<int> loads{0}, wrong{0};
+  std::mutex errors_mutex;
+  std::vector<std::string> errors;
+  {
+    std::vector<std::jthread> threads;
+    for (int t = 0; t < 16; ++t)
+      threads.emplace_back([&, t] {
+        try {
+          for (int k = 0; k < 4; ++k) {
+            const std::string& path = paths[(t + 3 * k) % paths.size()];
+            LoadOptions options{.backend = backends[(t + k) % backends.size()], .verify = true};
+            if (t % 4 == 0) options.engine = shared.get();  // engines may be shared (requests queue)
+            const LoadedCheckpoint loaded = load_checkpoint(path, options);
+            for (std::size_t i = 0; i < sample.tensors.size(); ++i) {
+              const LoadedTensor* got = loaded.find(sample.tensors[i].name);
+              if (got == nullptr || got->data.size != sample.bytes[i].size() ||
+                  (got->data.size > 0 && std::memcmp(got->data.data, sample.bytes[i].data(), got->data.size) != 0))
+                ++wrong;
+            }
+            ++loads;
+          }
+        } catch (const std::exception& e) {
+          std::lock_guard lock(errors_mutex);
+          errors.push_back(e.what());
+        }
+      });
+  }
+  EXPECT_TRUE(errors.empty()) << errors.front();
+  EXPECT_EQ(loads.load(), 64);
+  EXPECT_EQ(wrong.load(), 0);
 }
 
 // ---------------------------------------------------------------------------------------------
