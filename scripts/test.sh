@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, then builds and tests hbmio three ways
-# (with CUDA, without CUDA, under ASan+UBSan), builds the example against the installed
+# (with CUDA, without CUDA, under ASan+UBSan) and its library tests under TSan, builds the example against the installed
 # package, and builds and tests the Python package (python/). GPU tests (ctest label "gpu",
 # pytest's cuda marks) skip with the reason where there is no GPU.
 set -euo pipefail
@@ -10,7 +10,7 @@ bash scripts/install-deps.sh
 run() { echo "+ $*" >&2; "$@"; }
 jobs=$(nproc)
 
-for preset in default nocuda asan; do
+for preset in default nocuda asan tsan; do
   echo "=== $preset ==="
   run cmake --preset "$preset" >/dev/null
   run cmake --build --preset "$preset" -j "$jobs"
