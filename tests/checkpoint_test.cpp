@@ -115,8 +115,19 @@ Sample make_sample(MemoryLocation where) {
   const std::vector<std::tuple<std::string, st::Dtype, std::vector<std::uint64_t>>> specs = {
       {"embed.weight", st::Dtype::BF16, {300, 129}}, {"norm", st::Dtype::F32, {77}},     {"scalar", st::Dtype::F64, {}},
       {"empty", st::Dtype::I32, {0, 5}},              {"mask", st::Dtype::BOOL, {13}},   {"q8", st::Dtype::I8, {4097}},
-      {"big", st::Dtype::F16, {1024, 513}},           {"idx", st::Dtype::I64, {3, 3}}, {"u16", st::Dtype::U16, {5}}};
+      {"big", st::Dtype::F16, {1024, 513}},           {"idx", st::Dtype::I64, {3, 3}}, {"u16", st::Dtype::U16, {5}},
+      {"e5m2", st::Dtype::F8_E5M2, {31}},             {"e4m3", st::Dtype::F8_E4M3, {2, 17}},
+      {"e8m0", st::Dtype::F8_E8M0, {9}},              {"e4m3fnuz", st::Dtype::F8_E4M3FNUZ, {3}},
+      {"e5m2fnuz", st::Dtype::F8_E5M2FNUZ, {1}},      {"i16", st::Dtype::I16, {7, 1}},
+      {"u32", st::Dtype::U32, {11}},                   {"c64", st::Dtype::C64, {2, 3}},
+      {"u64", st::Dtype::U64, {}},                     {"f4", st::Dtype::F4, {6}},  // packed: 3 bytes
+      {"f6a", st::Dtype::F6_E2M3, {4, 3}},             {"f6b", st::Dtype::F6_E3M2, {8}},
+      {"f32_empty", st::Dtype::F32, {7, 0}},          {"u8", st::Dtype::U8, {1}}};
   std::uint64_t seed = 1;
+  // Every dtype of the format appears at least once.
+  std::set<st::Dtype> seen;
+  for (const auto& spec : specs) seen.insert(std::get<1>(spec));
+  EXPECT_EQ(seen.size(), static_cast<std::size_t>(st::Dtype::F6_E3M2) + 1);  // the enum's last
   for (const auto& [name, dtype, shape] : specs) {
     std::uint64_t elements = 1;
     for (auto d : shape) elements *= d;

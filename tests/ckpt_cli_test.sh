@@ -67,6 +67,63 @@ import sys, numpy as np
 from safetensors.numpy import load_file
 a, b = load_file('$dir/ref.safetensors'), load_file('$dir/ref2.safetensors')
 assert a.keys() == b.keys() and all((a[k] == b[k]).all() and a[k].dtype == b[k].dtype for k in a)" || fail "checksum rewrite changed data"
+  # Every dtype of the format, the sub-byte and float8 ones included, both ways through the
+  # reference's framework-free (de)serializer: it reads hbmio's files with the dtype and shape
+  # hbmio reports; hbmio loads, checksums (a crash-safe rewrite) and verifies the reference's,
+  # and the rewrite leaves every tensor's bytes as the reference wrote them.
+  dtypes="BOOL U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64 F4 F6_E2M3 F6_E3M2"
+  for dt in $dtypes; do
+    "$hbmio" ckpt save "$dir/dt.safetensors" --count 2 --tensor-size 3KiB --dtype "$dt" --seed 5 >/dev/null \
+      || fail "save --dtype $dt"
+    "$hbmio" ckpt info "$dir/dt.safetensors" --json "$dir/dt.json" >/dev/null || fail "info --dtype $dt"
+    python3 - "$dir/dt.safetensors" "$dir/dt.json" "$dt" <<'PY' || fail "the reference reads hbmio's $dt file wrongly"
+import json, sys, safetensors
+path, info, dtype = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3]
+ref = dict(safetensors.deserialize(open(path, "rb").read()))
+assert sorted(ref) == sorted(t["name"] for t in info["tensors"]), (sorted(ref), info)
+for t in info["tensors"]:
+    r = ref[t["name"]]
+    assert r["dtype"] == dtype == t["dtype"] and r["shape"] == t["shape"], (r["dtype"], r["shape"], t)
+    assert len(r["data"]) == 3072, len(r["data"])
+PY
+  done
+  python3 - "$dir/every.safetensors" <<'PY' || fail "writing a reference file of every dtype"
+# The reference writes every dtype but F6_* (it has no writer for those); since 0.8 through
+# TensorSpec (torch-style names; F4 as float4_e2m1fn_x2, two values a byte, storage shape
+# [3, 4] -> logical [3, 8]), before that through plain dicts.
+import ctypes, random, sys, safetensors
+names = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
+         "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+         "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
+         "F32": "float32", "C64": "complex64", "F64": "float64", "I64": "int64", "U64": "uint64", "F4": "float4_e2m1fn_x2"}
+bits = {"BOOL": 8, "U8": 8, "I8": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+        "C64": 64, "F64": 64, "I64": 64, "U64": 64, "F4": 4}
+rng = random.Random(11)
+data = {d: rng.randbytes(24 * bits.get(d, 8) // 8) for d in names}
+data["BOOL"] = bytes(b & 1 for b in data["BOOL"])
+keep = {d: ctypes.create_string_buffer(b, len(b)) for d, b in data.items()}  # alive while serializing
+if hasattr(safetensors, "TensorSpec"):
+    tensors = {f"t.{d}": safetensors.TensorSpec(dtype=names[d], shape=[3, 4] if d == "F4" else [3, 8],
+                                                data_ptr=ctypes.addressof(keep[d]), data_len=len(data[d]))
+               for d in names}
+else:
+    tensors = {f"t.{d}": {"dtype": d, "shape": [3, 8], "data": data[d]} for d in names}
+safetensors.serialize_file(tensors, sys.argv[1], metadata={"k": "v"})
+got = dict(safetensors.deserialize(open(sys.argv[1], "rb").read()))
+assert {k: (v["dtype"], v["shape"], bytes(v["data"])) for k, v in got.items()} == {
+    f"t.{d}": (d, [3, 8], data[d]) for d in names}, "the reference does not read back what it wrote"
+PY
+  "$hbmio" ckpt load "$dir/every.safetensors" --into pinned >/dev/null || fail "loading the reference's file of every dtype"
+  cp "$dir/every.safetensors" "$dir/every2.safetensors"
+  "$hbmio" ckpt checksum "$dir/every2.safetensors" >/dev/null && "$hbmio" ckpt verify "$dir/every2.safetensors" >/dev/null \
+    || fail "checksum of the reference's file of every dtype"
+  python3 - "$dir/every.safetensors" "$dir/every2.safetensors" <<'PY' || fail "the checksum rewrite changed a tensor"
+import sys, safetensors
+a, b = (dict(safetensors.deserialize(open(p, "rb").read())) for p in sys.argv[1:])
+assert a.keys() == b.keys() and len(a) == 20
+for k in a:
+    assert a[k] == b[k], k
+PY
 else
   echo "note: python3 safetensors/numpy not installed: interop checks skipped"
 fi

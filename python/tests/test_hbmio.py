@@ -522,6 +522,51 @@ def test_torch_matches_safetensors_torch(tmp_path, counters_settle):
     same(ht.load_file(FIXTURES / "dtypes.safetensors"), ref_load(str(FIXTURES / "dtypes.safetensors")))
 
 
+
+def test_every_torch_dtype_both_ways_with_the_reference(tmp_path, counters_settle):
+    """hbmio writes, the reference reads (and the other way) every dtype the two share through torch:
+    bf16, the float8 family with the FNUZ variants, complex64, unsigned ints; scalars and empty tensors.
+    Random bytes in every tensor, so that a swapped or reinterpreted tensor cannot compare equal."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from safetensors.torch import load_file as ref_load, save_file as ref_save
+    import safetensors.torch as st_torch
+
+    # The reference's own table of names -> torch dtypes (those this torch has).
+    shared = {name: dt for name, dt in st_torch._TYPES.items() if dt is not None}
+    for must in ("BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "C64", "U16", "U32", "U64"):
+        assert must in shared, f"torch {torch.__version__} or safetensors lacks {must}"
+    gen = torch.Generator().manual_seed(7)
+    tensors = {}
+    for i, (name, dt) in enumerate(sorted(shared.items())):
+        for suffix, shape in (("", (3 + i % 4, 5)), ("_scalar", ()), ("_empty", (0, 2))):
+            itemsize = torch.empty((), dtype=dt).element_size()
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            raw = torch.randint(0, 256, (count * itemsize,), dtype=torch.uint8, generator=gen)
+            if dt == torch.bool:
+                raw = raw & 1  # only 0 and 1 are bools
+            tensors[f"t_{name}{suffix}"] = raw.view(dt).reshape(shape)
+
+    def same(got, want, who):
+        assert sorted(got) == sorted(want), who
+        for key, t in want.items():
+            g = got[key]
+            assert g.dtype == t.dtype and tuple(g.shape) == tuple(t.shape), (who, key, g.dtype, t.dtype)
+            assert torch_bytes(g) == torch_bytes(t), (who, key)
+
+    ours = tmp_path / "hbmio.safetensors"
+    hbmio.save_file(tensors, ours)
+    same(ref_load(str(ours)), tensors, "reference reads hbmio's file")
+    same(hbmio.load_file(ours, framework="torch", verify=True), tensors, "hbmio reads its own file")
+    with open(ours, "rb") as f:  # the dtype names written are the reference's names
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert {k: v["dtype"] for k, v in header.items() if k != "__metadata__"} == {
+        f"t_{n}{s}": n for n in shared for s in ("", "_scalar", "_empty")}
+
+    theirs = tmp_path / "reference.safetensors"
+    ref_save(tensors, str(theirs))
+    same(hbmio.load_file(theirs, framework="torch"), tensors, "hbmio reads the reference's file")
+
+
 # --- the engine pool ----------------------------------------------------------------------------
 
 def test_engines_are_reused_and_released(counters_settle):
