@@ -377,9 +377,14 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", m
     if max_shard_size is not None and shard == 0:
         raise ValueError("max_shard_size must be at least 1 byte")
     tensors = dict(tensors)
+    if metadata is not None:
+        metadata = dict(metadata)
+        for key, value in metadata.items():  # the format holds text only; say which entry is not
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"metadata maps str to str: {key!r}: {value!r} ({type(value).__name__}) is not")
     # The bar's total: every array type save_file takes (torch, NumPy, CuPy, JAX, memoryview)
     # has nbytes.
     total = sum(int(getattr(t, "nbytes", 0)) for t in tensors.values()) if progress else 0
     with _ProgressBar(total, progress) as bar:
-        _hbmio.save_file(tensors, _os.fspath(path), None if metadata is None else dict(metadata),
+        _hbmio.save_file(tensors, _os.fspath(path), metadata,
                          checksums=checksums, backend=backend, max_shard_size=shard, progress=bar.counter)

@@ -293,6 +293,20 @@ def test_bad_files_and_arguments(tmp_path, counters_settle):
     with pytest.raises(TypeError):
         hbmio.save_file({"a": "not an array"}, tmp_path / "x.safetensors")
     assert not list(tmp_path.glob("x.safetensors*")), "a failed save leaves nothing behind"
+    with pytest.raises(TypeError, match=r"'layers': 3 \(int\)"):
+        hbmio.save_file({"a": np.zeros(3)}, tmp_path / "x.safetensors", {"ok": "yes", "layers": 3})
+    with pytest.raises(TypeError, match="7"):
+        hbmio.save_file({"a": np.zeros(3)}, tmp_path / "x.safetensors", {7: "seven"})
+    assert not list(tmp_path.glob("x.safetensors*"))
+    # Integrity entries given by the caller (e.g. metadata() of a file read earlier) describe
+    # other bytes: the save replaces or drops them, so what it writes verifies and never lies.
+    stale = {"hbmio.checksum": "xxh3-64+header", "hbmio.xxh3.a": "0000000000000000", "note": "kept"}
+    hbmio.save_file({"a": np.arange(3)}, tmp_path / "y.safetensors", stale, checksums=False)
+    assert hbmio.open(tmp_path / "y.safetensors").metadata() == {"note": "kept"}
+    hbmio.save_file({"a": np.arange(3)}, tmp_path / "y.safetensors", stale)
+    meta = hbmio.open(tmp_path / "y.safetensors").metadata()
+    assert meta["note"] == "kept" and meta["hbmio.xxh3.a"] != "0000000000000000"
+    hbmio.load_file(tmp_path / "y.safetensors", verify=True)
 
 
 def test_failed_save_keeps_previous_file(tmp_path, counters_settle):
