@@ -5,7 +5,9 @@
 #   warm: warm loads of both W2 files into cuda:0 (INTO: other memory) (`hbmio ckpt load --runs 6`, median of the last 5)
 #   under WARM_VARIANTS "label:K=V ...;..." (environment variables; HBMIO=PATH another executable,
 #   e.g. one built with other constants), rounds interleaved.
-#   usage: bench/tune_run.sh read|save|warm ...   env: VARIANTS "label=flags;..." for read
+#   hybrid: warm big.safetensors into cuda:0 by registration + DMA of a fraction of the file beside
+#   pread copies of the rest (.gpu/page_cache_dma; HYBRID fractions, COPIERS thread counts).
+#   usage: bench/tune_run.sh read|save|warm|hybrid ...   env: VARIANTS "label=flags;..." for read
 set -uo pipefail
 BIN=$PWD/.gpu
 W2=/var/tmp/w2
@@ -50,6 +52,11 @@ warm)
       done
     done
   done
+  ;;
+hybrid)
+  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
+  cat $W2/big.safetensors >/dev/null
+  HYBRID="${HYBRID:-0 0.3 0.4 0.5}" COPIERS="${COPIERS:-8 14}" "$BIN/page_cache_dma" $W2/big.safetensors
   ;;
 esac
 done

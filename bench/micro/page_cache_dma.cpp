@@ -5,6 +5,7 @@
 // (bench/RESULTS.md, warm loads). Build:
 //   nvcc -O2 -std=c++20 -o page_cache_dma bench/micro/page_cache_dma.cpp   (static CUDA runtime)
 // Run: page_cache_dma FILE [threads] [piece MiB]
+//      HYBRID="0 0.3 0.5" COPIERS="8 14" page_cache_dma FILE   (registration beside pread copies)
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -95,6 +96,77 @@ void pipelined(const std::byte* map, std::byte* dev, size_t size, size_t piece, 
               "unregistered after %.3f s\n", threads, piece / kMiB, data, static_cast<double>(size) / kGiB / data,
               static_cast<double>(reg_ns.load()) * 1e-9, all);
 }
+
+// Hybrid: the file's first `fraction` goes by registration and DMA (one thread, pipelined as
+// above: registration serializes in the kernel, so more threads do not help), the rest the
+// engine's way at the same time: `copiers` threads pread 2 MiB pieces from the page cache into
+// pinned buffers (two per thread, alternating) and copy them to the GPU on their own streams.
+// Does registration run beside the copies, so that the two paths add up? Prints when the data is
+// in GPU memory and when the registered part is unregistered.
+void hybrid(int fd, const std::byte* map, std::byte* dev, size_t size, double fraction, unsigned copiers) {
+  constexpr size_t kPiece = 2 * kMiB, kRegPiece = 256 * kMiB;
+  const size_t split = static_cast<size_t>(static_cast<double>(size) * fraction) / kRegPiece * kRegPiece;
+  std::vector<std::byte*> pinned(2 * copiers);
+  for (auto& p : pinned) check(cudaHostAlloc(reinterpret_cast<void**>(&p), kPiece, cudaHostAllocDefault), "cudaHostAlloc");
+  std::atomic<size_t> next{split / kPiece};
+  const double start = now();
+  double registered_done = start, copied_done = start;
+  std::vector<void*> registered;
+  std::thread registrar([&] {
+    if (split == 0) return;
+    cudaStream_t s;
+    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+    for (size_t off = 0; off < split; off += kRegPiece) {
+      void* p = const_cast<std::byte*>(map + off);
+      check(cudaHostRegister(p, kRegPiece, cudaHostRegisterReadOnly), "cudaHostRegister(ReadOnly) of the mapping");
+      check(cudaMemcpyAsync(dev + off, p, kRegPiece, cudaMemcpyHostToDevice, s), "copy");
+      registered.push_back(p);
+    }
+    check(cudaStreamSynchronize(s), "sync");
+    check(cudaStreamDestroy(s), "stream destroy");
+    registered_done = now();
+  });
+  std::vector<std::thread> pool;
+  std::vector<double> ends(copiers, start);
+  for (unsigned t = 0; t < copiers; ++t)
+    pool.emplace_back([&, t] {
+      cudaStream_t s;
+      cudaEvent_t done[2];
+      check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+      for (auto& e : done) check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event");
+      bool used[2] = {false, false};
+      for (size_t k = 0, i; (i = next.fetch_add(1)) * kPiece < size; ++k) {
+        const size_t off = i * kPiece, n = std::min(kPiece, size - off), b = k % 2;
+        if (used[b]) check(cudaEventSynchronize(done[b]), "event wait");  // its last copy is done
+        std::byte* buf = pinned[2 * t + b];
+        for (size_t got = 0; got < n;) {
+          const ssize_t r = pread(fd, buf + got, n - got, static_cast<off_t>(off + got));
+          if (r <= 0) {
+            std::perror("pread");
+            std::exit(1);
+          }
+          got += static_cast<size_t>(r);
+        }
+        check(cudaMemcpyAsync(dev + off, buf, n, cudaMemcpyHostToDevice, s), "copy");
+        check(cudaEventRecord(done[b], s), "event");
+        used[b] = true;
+      }
+      check(cudaStreamSynchronize(s), "sync");
+      for (auto& e : done) check(cudaEventDestroy(e), "event destroy");
+      check(cudaStreamDestroy(s), "stream destroy");
+      ends[t] = now();
+    });
+  for (auto& t : pool) t.join();
+  registrar.join();
+  for (double e : ends) copied_done = std::max(copied_done, e);
+  const double data = std::max(registered_done, copied_done) - start;
+  for (void* p : registered) check(cudaHostUnregister(p), "cudaHostUnregister");
+  const double all = now() - start;
+  for (auto* p : pinned) check(cudaFreeHost(p), "free");
+  std::printf("hybrid %.2f registered + %u copier(s): data in GPU after %.3f s (%.1f GiB/s; registered part done at %.3f s, "
+              "copied part at %.3f s), unregistered after %.3f s\n", static_cast<double>(split) / static_cast<double>(size),
+              copiers, data, static_cast<double>(size) / kGiB / data, registered_done - start, copied_done - start, all);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -133,6 +205,26 @@ int main(int argc, char** argv) {
     check(cudaFreeHost(pinned), "free");
   }
 
+  if (const char* fractions = std::getenv("HYBRID")) {  // e.g. HYBRID="0 0.3 0.5" COPIERS="8 14"
+    const char* copiers_env = std::getenv("COPIERS");
+    for (int round = 0; round < 2; ++round)
+      for (const char* f = fractions; *f;) {
+        char* end = nullptr;
+        const double fraction = std::strtod(f, &end);
+        if (end == f) break;
+        f = end;
+        for (const char* c = copiers_env ? copiers_env : "8"; *c;) {
+          char* cend = nullptr;
+          const auto copiers = static_cast<unsigned>(std::strtoul(c, &cend, 10));
+          if (cend == c) break;
+          c = cend;
+          auto* map = static_cast<std::byte*>(mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0));
+          hybrid(fd, map, dev, size, fraction, copiers);
+          munmap(map, size);
+        }
+      }
+    return 0;
+  }
   for (int round = 0; round < 2; ++round)
     for (auto [t, mib] : {std::pair{1u, 256}, std::pair{2u, 256}, std::pair{4u, 256}, std::pair{4u, 1024}, std::pair{8u, 128}}) {
       auto* map = static_cast<std::byte*>(mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0));
