@@ -2,6 +2,10 @@
 // save -> load round trips across memory kinds and backends; saving is crash-safe under injected
 // write and fsync failures; verify catches flipped, swapped and truncated data.
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -484,6 +488,111 @@ TEST(Checkpoints, ChecksumsCanBeAddedToAReferenceFile) {
   for (const auto& t : a.tensors()) EXPECT_EQ(tensor_sha(t), tensor_sha(*b.find(t.name))) << t.name;
 }
 
+// Temporaries that a running save holds (a flock on the file, or on the directory of a sharded
+// save) are left alone by another save of the same name; unheld ones are removed.
+TEST(CrashSafety, ARunningSavesTemporaryIsLeftAlone) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string held_file = dir.file(".m.safetensors.hbmio-tmp-0000000000000001");
+  const std::string stale_file = dir.file(".m.safetensors.hbmio-tmp-0000000000000002");
+  const std::string held_dir = dir.file(".model.hbmio-tmp-0000000000000003");
+  write_file(held_file, random_bytes(10, 1));
+  write_file(stale_file, random_bytes(10, 2));
+  fs::create_directory(held_dir);
+  write_file(held_dir + "/model-00001-of-00002.safetensors", random_bytes(10, 3));
+  const int file_fd = ::open(held_file.c_str(), O_RDWR | O_CLOEXEC);
+  const int dir_fd = ::open(held_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  ASSERT_GE(file_fd, 0);
+  ASSERT_GE(dir_fd, 0);
+  ASSERT_EQ(::flock(file_fd, LOCK_EX | LOCK_NB), 0);
+  ASSERT_EQ(::flock(dir_fd, LOCK_EX | LOCK_NB), 0);
+  save_checkpoint(dir.file("m.safetensors"), sample.tensors);
+  save_checkpoint(dir.file("model"), sample.tensors, {.max_shard_size = 600000});
+  EXPECT_TRUE(fs::exists(held_file)) << "a held temporary file was removed";
+  EXPECT_TRUE(fs::exists(held_dir + "/model-00001-of-00002.safetensors")) << "a held temporary directory was removed";
+  EXPECT_FALSE(fs::exists(stale_file)) << "an unheld temporary was kept";
+  ::close(file_fd);  // the "save" ends without cleaning up (a crash): the next save removes both
+  ::close(dir_fd);
+  save_checkpoint(dir.file("m.safetensors"), sample.tensors);
+  save_checkpoint(dir.file("model"), sample.tensors, {.max_shard_size = 600000});
+  EXPECT_EQ(temporaries_in(dir.path()), 0u);
+}
+
+// A save to a symbolic link (the Hugging Face cache's snapshots are links to blobs) replaces the
+// file it names and keeps the link. `add_checksums` keeps the mode (and, as root, the owner) of
+// what it rewrites; refuses a file with other hard links; refuses to certify damaged data unless
+// forced; leaves files whose checksums hold alone.
+TEST(Checkpoints, ChecksumRewritesKeepLinksModeAndOwnerAndRefuseDamage) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  fs::create_directory(dir.file("blobs"));
+  fs::create_directory(dir.file("snapshot"));
+  const std::string blob = dir.file("blobs/abc123"), link = dir.file("snapshot/model.safetensors");
+  fs::create_symlink("../blobs/abc123", link);
+  save_checkpoint(link, sample.tensors, {.checksums = false});  // through the link, dangling until now
+  ASSERT_TRUE(fs::is_symlink(link));
+  ASSERT_TRUE(fs::is_regular_file(blob));
+  ASSERT_EQ(::chmod(blob.c_str(), 0640), 0);
+  const bool root = ::geteuid() == 0;
+  if (root) ASSERT_EQ(::chown(blob.c_str(), 65534, 65534), 0);
+
+  // Another hard link: refused, nothing changed.
+  fs::create_hard_link(blob, dir.file("other-link"));
+  try {
+    add_checksums(link);
+    ADD_FAILURE() << "a file with two hard links was rewritten";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), std::errc::too_many_links) << e.what();
+    EXPECT_NE(std::string(e.what()).find("2 hard links"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(verify_checkpoint(link).has_checksums);
+  fs::remove(dir.file("other-link"));
+
+  AddChecksumsResult r = add_checksums(link);
+  EXPECT_EQ(r.files_rewritten, 1u);
+  EXPECT_TRUE(fs::is_symlink(link)) << "the link was replaced by a file";
+  struct stat st {};
+  ASSERT_EQ(::stat(blob.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+  if (root) EXPECT_EQ(st.st_uid, 65534u);
+  EXPECT_EQ(st.st_nlink, 1u);
+  EXPECT_FALSE(verify_checkpoint(link).first_bad.has_value());
+  EXPECT_TRUE(verify_checkpoint(link).has_checksums);
+
+  // Checksums that hold: nothing rewritten (the same inode stays).
+  const ino_t before = st.st_ino;
+  r = add_checksums(link);
+  EXPECT_EQ(r.files_rewritten, 0u);
+  EXPECT_EQ(r.files_already_valid, 1u);
+  ASSERT_EQ(::stat(blob.c_str(), &st), 0);
+  EXPECT_EQ(st.st_ino, before);
+
+  // A damaged byte: refused, naming the tensor; forced, recomputed.
+  const CheckpointFile file = open_checkpoint(link).front();
+  const auto& victim = file.header.tensors.back();
+  ASSERT_GT(victim.size(), 0u);
+  {
+    std::fstream f(blob, std::ios::in | std::ios::out | std::ios::binary);
+    const auto at = static_cast<std::streamoff>(file.header.data_offset + victim.begin);
+    f.seekg(at);
+    const char c = static_cast<char>(f.get());
+    f.seekp(at);
+    f.put(static_cast<char>(c ^ 1));
+  }
+  ASSERT_TRUE(verify_checkpoint(link).first_bad.has_value());
+  try {
+    add_checksums(link);
+    ADD_FAILURE() << "checksums were recomputed over damaged data";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), std::errc::bad_message) << e.what();
+    EXPECT_NE(std::string(e.what()).find(victim.name), std::string::npos) << e.what();
+  }
+  ASSERT_TRUE(verify_checkpoint(link).first_bad.has_value()) << "a refused rewrite changed the file";
+  r = add_checksums(link, /*force=*/true);
+  EXPECT_EQ(r.files_rewritten, 1u);
+  EXPECT_FALSE(verify_checkpoint(link).first_bad.has_value());
+}
+
 TEST(Checkpoints, BadPathsAreClearErrors) {
   TempDir dir;
   EXPECT_THROW(open_checkpoint(dir.file("missing.safetensors")), Error);
@@ -713,7 +822,16 @@ TEST(Checkpoints, ChecksumsCanBeAddedToEveryShard) {
   const std::vector<CheckpointFile> before = open_checkpoint(target);
   ASSERT_GT(before.size(), 1u);
   EXPECT_FALSE(verify_checkpoint(target).has_checksums);
-  add_checksums(target);
+  EXPECT_FALSE(verify_checkpoint(target).first_bad.has_value()) << "no checksums anywhere is not damage";
+  // Checksums in the first shard only: verify names a shard without them.
+  add_checksums(before.front().path);
+  const VerifyResult mixed = verify_checkpoint(target);
+  EXPECT_FALSE(mixed.has_checksums);
+  ASSERT_TRUE(mixed.first_bad.has_value());
+  EXPECT_NE(mixed.first_bad->find(before[1].path), std::string::npos) << *mixed.first_bad;
+  const AddChecksumsResult r = add_checksums(target);
+  EXPECT_EQ(r.files_already_valid, 1u);
+  EXPECT_EQ(r.files_rewritten, before.size() - 1);
   for (const CheckpointFile& file : open_checkpoint(target)) {
     const VerifyResult r = verify_checkpoint(file.path);
     EXPECT_TRUE(r.has_checksums) << file.path;

@@ -139,6 +139,20 @@ python3 -c "
 import sys; d=bytearray(open('$dir/a.safetensors','rb').read()); d[-100]^=1; open('$dir/bad.safetensors','wb').write(d)"
 out=$("$hbmio" ckpt verify "$dir/bad.safetensors" 2>&1) && fail "flipped byte not detected"
 grep -q "layers.4.weight\|layers.0.weight\|layers" <<<"$out" || fail "flipped-byte message: $out"
+# checksum: refuses to certify the damage, recomputes with --force; leaves matching files alone.
+out=$("$hbmio" ckpt checksum "$dir/bad.safetensors" 2>&1) && fail "checksum certified a damaged file"
+grep -q "do not match" <<<"$out" && grep -q -- "bad.safetensors" <<<"$out" || fail "checksum of a damaged file: $out"
+"$hbmio" ckpt checksum "$dir/bad.safetensors" --force | grep -q "checksums added to 1 file" || fail "checksum --force"
+"$hbmio" ckpt verify "$dir/bad.safetensors" >/dev/null || fail "verify after checksum --force"
+"$hbmio" ckpt checksum "$dir/bad.safetensors" | grep -q "already present and matching" || fail "checksum of a good file"
+# Usage errors exit 1, like every other error; --max-shard-size 0 is one.
+set +e
+"$hbmio" ckpt save "$dir/z.safetensors" --count 1 --tensor-size 4KiB --max-shard-size 0 >/dev/null 2>&1; rc1=$?
+"$hbmio" ckpt load "$dir/a.safetensors" --no-such-flag >/dev/null 2>&1; rc2=$?
+"$hbmio" frobnicate >/dev/null 2>&1; rc3=$?
+set -e
+[ "$rc1 $rc2 $rc3" = "1 1 1" ] || fail "usage errors exit 1 (got $rc1 $rc2 $rc3)"
+[ ! -e "$dir/z.safetensors" ] || fail "--max-shard-size 0 wrote something"
 
 # Crash safety: kill -9 the saver at many points; the final name always holds a complete old or
 # new checkpoint (verify passes), and the next save leaves no temporary file.

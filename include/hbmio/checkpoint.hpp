@@ -197,13 +197,19 @@ struct SaveOptions {
   // Tensor bytes written so far (every shard's, headers and index not counted), for a progress
   // display; it reaches the sum of the tensors' sizes when the save returns.
   std::atomic<std::uint64_t>* progress = nullptr;
+  // The new file takes the mode, and where permitted the owner and group, of the file it replaces
+  // (a rewrite of the same checkpoint, as add_checksums does, should not change who may read it).
+  // Off: mode 0666 less the umask, owned by the caller, as any new file.
+  bool keep_attributes = false;
 };
 
 // Writes a safetensors file that the reference reader accepts, crash-safe: a temporary file in the
 // same directory (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0666 so the umask applies), fsync, rename over
 // `path`, fsync of the directory. On any error the previous file at `path` is untouched, the
 // temporary file is removed, and the error (never retried: an fsync failure is final) is thrown.
-// Temporary files left by a crashed earlier save of the same name are removed first.
+// Temporary files left by a crashed earlier save of the same name are removed first (those of a
+// save still running are not: each holds a lock on its temporary file or directory).
+// A symbolic link at `path` is followed: the file it names is replaced, and the link stays.
 // Sharded (options.max_shard_size > 0): the whole directory is built beside the target and
 // swapped in with one renameat2(RENAME_EXCHANGE), so readers see all old or all new shards, never
 // a mix; other files in the directory (config.json, tokenizer files) are carried over as hard links.
@@ -220,9 +226,17 @@ struct VerifyResult {
 VerifyResult verify_checkpoint(const std::string& path);
 
 // Rewrites every file of a checkpoint (a file, a sharded index, or a directory holding either)
-// with checksums added, one file at a time, each crash-safe as save_checkpoint. The data is read
-// through a read-only mapping of the file, so memory use does not grow with the file's size.
-void add_checksums(const std::string& path);
+// with checksums added, one file at a time, each crash-safe as save_checkpoint and keeping the
+// file's mode, owner and group. The data is read through a read-only mapping of the file, so
+// memory use does not grow with the file's size. A file whose stored checksums all match its
+// bytes is left as it is. A file whose stored checksums do not match is refused (Error EBADMSG
+// naming the tensor), since new checksums would certify damaged data, unless `force`. A file with
+// more than one hard link is refused (the rewrite would give only this name the new file).
+struct AddChecksumsResult {
+  std::uint64_t files_rewritten = 0;
+  std::uint64_t files_already_valid = 0;  // checksums present and matching: not rewritten
+};
+AddChecksumsResult add_checksums(const std::string& path, bool force = false);
 
 // XXH3-64 of host memory, as hex (16 digits): the checksum format stored in files.
 std::string xxh3_hex(const std::byte* data, std::size_t size);

@@ -164,8 +164,17 @@ VerifyResult verify_checkpoint(const std::string& path) {
     }
     result.headers_checked += file.header.metadata.contains(detail::kHeaderChecksumKey) ? 1 : 0;
   }
-  result.has_checksums = std::all_of(files.begin(), files.end(), [](const CheckpointFile& f) { return detail::has_checksums(f.header.metadata); });
-  if (!result.has_checksums) return result;
+  const auto without = std::find_if(files.begin(), files.end(), [](const CheckpointFile& f) { return !detail::has_checksums(f.header.metadata); });
+  result.has_checksums = without == files.end();
+  if (!result.has_checksums) {
+    // Some shards with checksums and some without is not "a checkpoint without checksums": one
+    // was replaced, or a rewrite stopped part way. Name it.
+    if (std::any_of(files.begin(), files.end(), [](const CheckpointFile& f) { return detail::has_checksums(f.header.metadata); }))
+      result.first_bad = fmt::format("{} holds no hbmio checksums, though other files of this checkpoint do "
+                                     "(add them with `hbmio ckpt checksum`)",
+                                     without->path);
+    return result;
+  }
   // Hashes the bytes on disk with plain reads, one tensor at a time, in 16 MiB pieces.
   std::vector<std::byte> piece(std::size_t{16} << 20);
   for (const auto& file : files) {

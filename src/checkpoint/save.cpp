@@ -2,6 +2,7 @@
 // fsync of the directory. A crash at any point leaves either the old file or the new one under
 // the final name, never a mix (rename is atomic; the data is durable before it).
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <stdio.h>  // renameat2
@@ -38,11 +39,65 @@ namespace {
 // system (so rename is atomic), hidden, and recognisable for clean-up after a crash.
 std::string temp_prefix(const fs::path& target) { return "." + target.filename().string() + ".hbmio-tmp-"; }
 
+// A descriptor held for the whole save, with an exclusive flock(2) on the temporary file or
+// directory: a second save of the same name, from this process or another, sees the lock and
+// leaves that temporary alone. The lock dies with the process, so a crashed save's temporary is
+// unlocked and is removed by the next save.
+class TempLock {
+ public:
+  explicit TempLock(int fd) : fd_(fd) {
+    if (fd_ >= 0) (void)::flock(fd_, LOCK_EX | LOCK_NB);  // just made by us: nobody else holds it
+  }
+  ~TempLock() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  TempLock(const TempLock&) = delete;
+  TempLock& operator=(const TempLock&) = delete;
+
+ private:
+  int fd_;
+};
+
+// Removes the temporaries of earlier saves of `target` that no running save holds. (The one
+// window: a save that has created its temporary but not yet locked it, a few microseconds. A
+// removal there makes that save fail at its rename, with the old checkpoint intact.)
 void remove_stale_temporaries(const fs::path& target) {
   const std::string prefix = temp_prefix(target);
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(target.parent_path(), ec))
-    if (entry.path().filename().string().starts_with(prefix)) fs::remove_all(entry.path(), ec);
+  for (const auto& entry : fs::directory_iterator(target.parent_path(), ec)) {
+    if (!entry.path().filename().string().starts_with(prefix)) continue;
+    const int fd = ::open(entry.path().c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0 && errno != ELOOP) continue;  // gone, or not ours to judge
+    const bool in_use = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+    if (!in_use) fs::remove_all(entry.path(), ec);  // (a symbolic link there is removed, not followed)
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+// The name a save replaces. A symbolic link there is followed, so that the link stays and the file
+// it names is replaced (the Hugging Face cache's snapshot entries are links to blobs); a rename
+// over the link itself would swap the link for a copy.
+fs::path final_target(const std::string& path) {
+  fs::path p = fs::absolute(path);
+  std::error_code ec;
+  for (int hops = 0; fs::is_symlink(fs::symlink_status(p, ec)); ++hops) {
+    if (hops == 40) throw Error(errno_code(ELOOP), {.op = "save", .path = path}, "too many levels of symbolic links");
+    const fs::path to = fs::read_symlink(p, ec);
+    if (ec) throw Error(ec, {.op = "save", .path = p.string()}, "readlink");
+    p = to.is_absolute() ? to : p.parent_path() / to;
+  }
+  return p;
+}
+
+// The new file takes the mode, owner and group of the one it replaces (SaveOptions::keep_attributes).
+// Owner first: chown clears the set-user-ID bits that chmod then restores. Not permitted to chown
+// (the file was someone else's): the file is the caller's, with the old mode.
+void take_attributes(const fs::path& from, int fd, const ErrorContext& context) {
+  struct stat old {};
+  if (::stat(from.c_str(), &old) != 0) return;  // nothing replaced
+  if ((old.st_uid != ::geteuid() || old.st_gid != ::getegid()) && ::fchown(fd, old.st_uid, old.st_gid) != 0 && errno != EPERM)
+    throw Error(errno_code(errno), context, "fchown of the temporary file to the replaced file's owner");
+  if (::fchmod(fd, old.st_mode & 07777) != 0) throw Error(errno_code(errno), context, "fchmod of the temporary file to the replaced file's mode");
 }
 
 // The directory entry made by rename is durable only once the directory itself is fsynced
@@ -100,7 +155,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   if (options.max_shard_size > 0) return save_sharded(path, tensors, options);
   detail::TransferTimer timer;
-  const fs::path target = fs::absolute(path);
+  const fs::path target = final_target(path);
   const ErrorContext context{.op = "save", .path = path};
 
   // Check everything before touching the disk.
@@ -143,6 +198,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   auto engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()), options.faults);
   Stats total;
   std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
+  std::optional<TempLock> lock;
   // Where the time goes, for the Stats note: a save is its writes plus what makes them durable.
   using Clock = std::chrono::steady_clock;
   const auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
@@ -151,6 +207,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   try {
     {
       File file = File::open(temp.string(), OpenMode::create_new);
+      lock.emplace(::fcntl(file.fd(), F_DUPFD_CLOEXEC, 0));  // a descriptor of its own: held past the file's close, to the rename
       // Hashing runs beside the writes; the future's destructor waits for it on every path, so
       // no hashing thread reads the tensors after a failed save returns.
       std::future<std::vector<std::uint64_t>> sums;
@@ -193,6 +250,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
       phase = Clock::now();
       total.add_part(engine->submit_batch({&header_request, 1}));
       header_write = seconds_since(phase);
+      if (options.keep_attributes) take_attributes(target, file.fd(), context);
       if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
         throw Error(errno_code(err), context, "fsync (injected)");
       phase = Clock::now();
@@ -243,7 +301,7 @@ void write_durably(const fs::path& file, const std::string& bytes, FaultInjector
 
 Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   detail::TransferTimer timer;
-  const fs::path target = fs::absolute(path);
+  const fs::path target = final_target(path);
   const ErrorContext context{.op = "save sharded checkpoint", .path = path};
   if (fs::exists(target) && !fs::is_directory(target))
     throw Error(errno_code(ENOTDIR), context, "a sharded checkpoint is saved into a directory, and this is a file");
@@ -275,6 +333,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
     // suffix makes that a sign of interference, not a leftover (those were removed above).
     if (!fs::create_directory(temp))
       throw Error(errno_code(EEXIST), context, fmt::format("temporary directory {} already exists", temp.string()));
+    const TempLock lock(::open(temp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     nlohmann::json weight_map = nlohmann::json::object();
     SaveOptions single = options;
     single.max_shard_size = 0;
@@ -352,21 +411,52 @@ class MappedFile {
 
 }  // namespace
 
-void add_checksums(const std::string& path) {
+AddChecksumsResult add_checksums(const std::string& path, bool force) {
   // Each file on its own, crash-safe: after a crash every shard holds either its old bytes or its
   // bytes with checksums, and both load. The index does not change (it maps names to shards).
+  AddChecksumsResult result;
   for (const CheckpointFile& file : open_checkpoint(path)) {
+    const ErrorContext context{.op = "add checksums", .path = file.path};
+    struct stat st {};
+    if (::stat(file.path.c_str(), &st) != 0) throw Error(errno_code(errno), context, "stat");
+    if (st.st_nlink > 1)
+      throw Error(errno_code(EMLINK), context,
+                  fmt::format("the file has {} hard links, and a crash-safe rewrite would give only this name the new "
+                              "file: copy it, then add checksums to the copy",
+                              st.st_nlink));
     const MappedFile source(file.path);
     const std::uint64_t expected = file.header.data_offset + file.header.data_size;
     if (source.size() != expected)
-      throw Error(errno_code(EIO), {.op = "add checksums", .path = file.path},
+      throw Error(errno_code(EIO), context,
                   fmt::format("the file changed while being read: {} bytes, its header says {}", source.size(), expected));
     std::vector<TensorToSave> tensors;
-    for (const auto& t : file.header.tensors)
-      tensors.push_back({t.name, t.dtype, t.shape,
-                         MemorySpan{source.data() + file.header.data_offset + t.begin, t.size(), {MemoryKind::host}}});
-    save_checkpoint(file.path, tensors, {.metadata = file.header.metadata, .checksums = true});
+    std::vector<MemorySpan> spans;
+    for (const auto& t : file.header.tensors) {
+      spans.push_back({source.data() + file.header.data_offset + t.begin, t.size(), {MemoryKind::host}});
+      tensors.push_back({t.name, t.dtype, t.shape, spans.back()});
+    }
+    if (detail::has_checksums(file.header.metadata)) {
+      // Checksums already there: either they hold (nothing to do) or the data or header no longer
+      // matches them, and new ones would certify the damage.
+      std::optional<std::string> bad = detail::check_header(file);
+      const std::vector<std::uint64_t> sums = bad ? std::vector<std::uint64_t>{} : detail::xxh3_of_each(spans);
+      for (std::size_t i = 0; !bad && i < sums.size(); ++i)
+        bad = detail::check_tensor(file.header.metadata, file.header.tensors[i].name, file.path,
+                                   file.header.data_offset + file.header.tensors[i].begin, sums[i]);
+      if (!bad) {
+        ++result.files_already_valid;
+        continue;
+      }
+      if (!force)
+        throw Error(errno_code(EBADMSG), context,
+                    fmt::format("its stored checksums do not match ({}); new ones would certify damaged data "
+                                "(force recomputes them)",
+                                *bad));
+    }
+    save_checkpoint(file.path, tensors, {.metadata = file.header.metadata, .checksums = true, .keep_attributes = true});
+    ++result.files_rewritten;
   }
+  return result;
 }
 
 }  // namespace hbmio

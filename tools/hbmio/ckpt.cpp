@@ -18,7 +18,7 @@ namespace st = safetensors;
 
 struct CkptFlags {
   std::string path, into = "host", backend = "auto", json, names, layout = "single", placement = "shard";
-  bool verify = false, no_checksums = false, reuse_memory = false, drop_cache = false;
+  bool verify = false, no_checksums = false, reuse_memory = false, drop_cache = false, force = false;
   unsigned runs = 1;
   // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each
   unsigned count = 8;
@@ -207,8 +207,15 @@ int run_load(const CkptFlags& f) {
 
 int run_save(const CkptFlags& f) {
   const auto dtype = st::parse_dtype(f.dtype);
-  if (!dtype) throw Error(errno_code(EINVAL), {.op = "ckpt save"}, fmt::format("unknown dtype '{}'", f.dtype));
+  if (!dtype)
+    throw Error(errno_code(EINVAL), {.op = "ckpt save --dtype"},
+                fmt::format("unknown dtype '{}' (one of BOOL U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 "
+                            "BF16 I32 U32 F32 C64 F64 I64 U64 F4 F6_E2M3 F6_E3M2, as written)",
+                            f.dtype));
   const std::uint64_t bytes = parse_size(f.tensor_size);
+  std::uint64_t max_shard_size = 0;
+  if (!f.max_shard_size.empty() && (max_shard_size = parse_size(f.max_shard_size)) == 0)
+    throw Error(errno_code(EINVAL), {.op = "ckpt save --max-shard-size"}, "must be at least 1 byte (leave it out for one file)");
   const unsigned bits = st::bits_per_element(*dtype);
   if (bytes * 8 % bits != 0)
     throw Error(errno_code(EINVAL), {.op = "ckpt save"}, fmt::format("{} bytes is not a whole number of {} elements", bytes, f.dtype));
@@ -230,7 +237,7 @@ int run_save(const CkptFlags& f) {
   const Stats s = save_checkpoint(f.path, tensors,
                                   {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt save"}},
                                    .checksums = !f.no_checksums, .backend = f.backend, .engine_options = f.tuning.resolve(),
-                                   .max_shard_size = f.max_shard_size.empty() ? 0 : parse_size(f.max_shard_size),
+                                   .max_shard_size = max_shard_size,
                                    .progress = progress.counter()});
   if (!f.json.empty()) {
     write_json({{"path", f.path}, {"from", f.from}, {"tensors", f.count}, {"stats", to_json(s)}}, f.json);
@@ -316,11 +323,21 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   verify->add_option("path", flags->path, path_help)->required();
   verify->callback([flags, &exit_status] { exit_status = run_verify(*flags); });
 
-  auto* checksum = ckpt->add_subcommand("checksum", "Add checksums to an existing checkpoint (crash-safe rewrite of each file)");
+  auto* checksum = ckpt->add_subcommand(
+      "checksum",
+      "Add checksums to an existing checkpoint: a crash-safe rewrite of each file that lacks them, keeping its mode "
+      "and owner (a symbolic link, as in the Hugging Face cache, is followed: the file it names is rewritten). "
+      "Files whose checksums already match are left alone; files whose checksums do not match are refused");
   checksum->add_option("path", flags->path, path_help)->required();
+  checksum->add_flag("--force", flags->force,
+                     "Recompute the checksums of files whose stored ones do not match (the data is taken as it is now)");
   checksum->callback([flags, &exit_status] {
-    add_checksums(flags->path);
-    fmt::print("{}: checksums added\n", flags->path);
+    const AddChecksumsResult r = add_checksums(flags->path, flags->force);
+    if (r.files_rewritten == 0)
+      fmt::print("{}: checksums already present and matching ({} file(s)); nothing rewritten\n", flags->path, r.files_already_valid);
+    else
+      fmt::print("{}: checksums added to {} file(s){}\n", flags->path, r.files_rewritten,
+                 r.files_already_valid ? fmt::format(", {} already had matching ones", r.files_already_valid) : "");
     exit_status = 0;
   });
 }

@@ -18,7 +18,7 @@ namespace hbmio::cli {
 
 void TuningFlags::add_to(CLI::App* app) {
   app->add_option("--chunk-size", chunk_size, "Work unit per worker (e.g. 16MiB)")->group("Tuning");
-  app->add_option("--bounce-buffer-size", bounce_buffer_size, "Size of one storage I/O and copy (e.g. 4MiB)")->group("Tuning");
+  app->add_option("--bounce-buffer-size", bounce_buffer_size, "Size of one storage I/O and copy (default 8MiB)")->group("Tuning");
   app->add_option("--bounce-buffers", bounce_buffers, "Pinned bounce buffers per worker")->group("Tuning");
   app->add_option("--queue-depth", queue_depth, "I/Os in flight per worker")->group("Tuning");
   app->add_option("--workers", workers, "Worker threads (0: min(cores, 16))")->group("Tuning");

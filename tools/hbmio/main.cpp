@@ -165,7 +165,7 @@ int main(int argc, char** argv) {
 
   app.footer(
       "Environment overrides (defaults in brackets): HBMIO_BACKEND [auto], HBMIO_CHUNK_SIZE [16MiB],\n"
-      "HBMIO_BOUNCE_BUFFER_SIZE [4MiB], HBMIO_BOUNCE_BUFFERS [4], HBMIO_QUEUE_DEPTH [8],\n"
+      "HBMIO_BOUNCE_BUFFER_SIZE [8MiB], HBMIO_BOUNCE_BUFFERS [4], HBMIO_QUEUE_DEPTH [8],\n"
       "HBMIO_WORKERS [min(cores,16)], HBMIO_DIRECT_IO [auto].");
 
   try {
@@ -178,7 +178,9 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("doctor")) return doctor_status;
     if (app.got_subcommand("ckpt")) return ckpt_status;
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // CLI11 prints the message (and --help its page); its own codes (104-109) would tell a
+    // script nothing the message does not: a usage error exits 1 like every other error.
+    return app.exit(e) == 0 ? 0 : 1;
   } catch (const hbmio::Error& e) {
     fmt::print(stderr, "hbmio: {}\n", e.what());
     return 1;
