@@ -324,9 +324,16 @@ ShardIndex parse_index_json(const nlohmann::json& root, const std::string& path)
 // --- file reading ---------------------------------------------------------------------------------
 
 // An open file descriptor, closed at scope exit.
+// Opens `path` read-only; a FIFO is refused first, since its open would wait for a writer.
+int refuse_fifo(const std::string& path) {
+  if (struct stat st {}; ::stat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode))
+    throw Error(errno_code(EINVAL), {.op = "open", .path = path}, "not a regular file");
+  return ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+}
+
 class ReadOnlyFile {
  public:
-  explicit ReadOnlyFile(const std::string& path) : path_(path), fd_(::open(path.c_str(), O_RDONLY | O_CLOEXEC)) {
+  explicit ReadOnlyFile(const std::string& path) : path_(path), fd_(refuse_fifo(path)) {
     if (fd_ < 0) throw Error(errno_code(errno), {.op = "open", .path = path_});
   }
   ~ReadOnlyFile() { ::close(fd_); }

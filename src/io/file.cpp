@@ -45,6 +45,10 @@ File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
     case OpenMode::read_write: flags |= O_RDWR | O_CREAT; break;
     case OpenMode::create_new: flags |= O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW; break;
   }
+  // A FIFO's open would wait for the other end (O_NONBLOCK would avoid that but makes open fail
+  // where a file lease is held): refuse it before opening. The fstat below checks again.
+  if (struct stat before {}; ::stat(path.c_str(), &before) == 0 && (S_ISFIFO(before.st_mode) || S_ISSOCK(before.st_mode)))
+    throw Error(errno_code(EINVAL), context, "not a regular file or block device");
   File file;
   file.path_ = path;
   file.mode_ = mode;

@@ -921,8 +921,8 @@ void add_bench_command(CLI::App& app, int& exit_status) {
   bench->add_flag("--both", flags->both, "Cold and warm reads (the default)");
   bench->add_option("--runs", flags->runs, "Timed runs per row; latency is their median and p99 (use >= 5 for figures to quote)")
       ->capture_default_str();
-  bench->add_option("--json", flags->json, "Write every figure and the machine description as JSON to FILE ('-' for stdout)");
-  bench->add_option("--chart", flags->chart, "Write an SVG bar chart of throughput and CPU load per backend to FILE.svg");
+  add_json_option(bench, flags->json, "Write every figure and the machine description");
+  bench->add_option("--chart", flags->chart, "Write an SVG bar chart of throughput and CPU load per backend to FILE.svg")->type_name("FILE")->check(writable_file());
   flags->tuning.add_to(bench);
   bench->footer(
       "Ceilings, measured in the same run with the same tuning: storage read (io_uring, O_DIRECT, cold, into pinned\n"

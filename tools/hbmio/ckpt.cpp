@@ -272,7 +272,7 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
 
   auto* info = ckpt->add_subcommand("info", "List the tensors (name, dtype, shape, bytes) and whether checksums are stored");
   info->add_option("path", flags->path, path_help)->required();
-  info->add_option("--json", flags->json, "Write the listing as JSON to FILE ('-' for stdout)");
+  add_json_option(info, flags->json, "Write the listing");
   info->callback([flags, &exit_status] { exit_status = run_info(*flags); });
 
   auto* load = ckpt->add_subcommand("load", "Load every tensor (or --names) into memory and report the throughput");
@@ -300,7 +300,7 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   load->add_flag("--drop-cache", flags->drop_cache,
                  "Empty the page cache of the checkpoint's files before every run, so each load comes from storage "
                  "(drop_caches as root, else posix_fadvise(DONTNEED))");
-  load->add_option("--json", flags->json, "Write the result as JSON to FILE ('-' for stdout)");
+  add_json_option(load, flags->json, "Write the result");
   flags->tuning.add_to(load);
   load->callback([flags, &exit_status] { exit_status = run_load(*flags); });
 
@@ -315,7 +315,7 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   save->add_option("--seed", flags->seed, "Seed of the generated data")->capture_default_str();
   save->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
   save->add_flag("--no-checksums", flags->no_checksums, "Do not store XXH3-64 checksums");
-  save->add_option("--json", flags->json, "Write the result as JSON to FILE ('-' for stdout)");
+  add_json_option(save, flags->json, "Write the result");
   flags->tuning.add_to(save);
   save->callback([flags, &exit_status] { exit_status = run_save(*flags); });
 

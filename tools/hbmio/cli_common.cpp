@@ -1,6 +1,7 @@
 #include "cli_common.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -126,9 +127,32 @@ void write_json(const nlohmann::json& j, const std::string& path) {
     std::cout << j.dump(2) << std::endl;
     return;
   }
-  std::ofstream out(path);
-  out << j.dump(2) << '\n';
-  if (!out) throw Error(errno_code(EIO), {.op = "write", .path = path}, "could not write JSON output");
+  const std::string text = j.dump(2) + "\n";
+  std::FILE* out = std::fopen(path.c_str(), "we");
+  if (out == nullptr) throw Error(errno_code(errno), {.op = "write", .path = path}, "of the JSON output");
+  const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
+  const int err = errno;
+  if (std::fclose(out) != 0 || !written) throw Error(errno_code(written ? errno : err), {.op = "write", .path = path}, "of the JSON output");
+}
+
+CLI::Validator writable_file() {
+  return CLI::Validator(
+      [](std::string& path) -> std::string {
+        if (path == "-") return {};
+        struct stat st {};
+        if (::stat(path.c_str(), &st) == 0) {
+          if (S_ISDIR(st.st_mode)) return fmt::format("{} is a directory", path);
+          return ::access(path.c_str(), W_OK) == 0 ? "" : fmt::format("cannot write {}: {}", path, std::strerror(errno));
+        }
+        const auto slash = path.rfind('/');
+        const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+        return ::access(dir.c_str(), W_OK | X_OK) == 0 ? "" : fmt::format("cannot create {} in {}: {}", path, dir, std::strerror(errno));
+      },
+      "");
+}
+
+CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string& what) {
+  return app->add_option("--json", json, what + " as JSON to FILE ('-' for stdout)")->type_name("FILE")->check(writable_file());
 }
 
 // Empties the page cache of `path` so that the next read comes from storage, and says how. As

@@ -7,13 +7,10 @@
 #include <string>
 #include <thread>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include "hbmio/hbmio.hpp"
-
-namespace CLI {
-class App;
-}
 
 namespace hbmio::cli {
 
@@ -56,6 +53,11 @@ nlohmann::json to_json(const Stats& stats);
 std::string summary_line(const Stats& stats);
 // Writes `j` to `path` ("-" for stdout), pretty-printed.
 void write_json(const nlohmann::json& j, const std::string& path);
+// Adds `--json FILE`, checked when the command line is read (the directory exists and is
+// writable, FILE is not a directory), so a long command does not fail only at its end.
+CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string& what);
+// The check behind it, for other output files: "-" or a file that can be created or written.
+CLI::Validator writable_file();
 
 // Empties the page cache of `path` (drop_caches as root, else posix_fadvise(DONTNEED) of the
 // file) so that the next read comes from storage; returns which of the two it did.

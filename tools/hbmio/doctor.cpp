@@ -80,7 +80,7 @@ void add_doctor_command(CLI::App& app, int& exit_status) {
   doctor->add_option("--root", flags->root,
                      "Read sysfs, procfs and /etc under DIR instead of / (a recorded tree); live-only probes are then skipped")
       ->capture_default_str();
-  doctor->add_option("--json", flags->json, "Write every check {id, group, status, found, expected, fix} as JSON to FILE ('-' for stdout)");
+  add_json_option(doctor, flags->json, "Write every check {id, group, status, found, expected, fix}");
   doctor->callback([flags, &exit_status] {
     const std::vector<Check> checks = run_doctor({.root = flags->root, .paths = flags->paths});
     if (!flags->json.empty()) write_json(to_json(checks, *flags), flags->json);

@@ -30,6 +30,9 @@ int run_read(const std::string& path, const std::string& into, const std::string
   const std::uint64_t length = length_text.empty() ? size - offset : parse_size(length_text);
   if (length == 0)
     throw Error(errno_code(EINVAL), {.op = "read", .path = path, .offset = offset}, "nothing to read (length 0)");
+  if (length > size - offset)  // before the memory is allocated: a typo should not ask for a TiB
+    throw Error(errno_code(EINVAL), {.op = "read", .path = path, .offset = offset, .length = length},
+                fmt::format("the range ends past the end of the file ({} bytes)", size));
   auto engine = make_engine(backend, options);
   Buffer buffer = Buffer::allocate(where, length);
   Progress progress(fmt::format("read {} -> {}", path, where.to_string()), length);
@@ -137,7 +140,7 @@ int main(int argc, char** argv) {
   read->add_option("--offset", offset, "First byte to read (default 0)");
   read->add_option("--length", length, "Bytes to read (default: to the end of the file)");
   read->add_flag("--verify", verify, "Compare what was read with a plain read of the file, byte for byte");
-  read->add_option("--json", json, "Write the result as JSON to FILE ('-' for stdout)");
+  hbmio::cli::add_json_option(read, json, "Write the result");
   tuning.add_to(read);
 
   auto* write = app.add_subcommand("write", "Write generated random data from host, pinned or GPU memory into a file");
@@ -149,11 +152,11 @@ int main(int argc, char** argv) {
   write->add_option("--seed", seed, "Seed of the generated data")->capture_default_str();
   write->add_flag("--sync", sync, "fsync before reporting (counted in the time)");
   write->add_flag("--verify", verify, "Read the file back with a plain read and compare");
-  write->add_option("--json", json, "Write the result as JSON to FILE ('-' for stdout)");
+  hbmio::cli::add_json_option(write, json, "Write the result");
   tuning.add_to(write);
 
   auto* backends = app.add_subcommand("backends", "Which backends work on this machine, and why not where they do not");
-  backends->add_option("--json", json, "Write the result as JSON to FILE ('-' for stdout)");
+  hbmio::cli::add_json_option(backends, json, "Write the result");
   tuning.add_to(backends);
 
   int bench_status = 0;  // set by the bench callback, which runs inside app.parse()
