@@ -609,6 +609,25 @@ TEST(Checkpoints, BadPathsAreClearErrors) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("missing-shard.safetensors"), std::string::npos) << e.what();
   }
+  // Saves: the error names the path given and its directory, before anything is written.
+  const Sample sample = make_sample({MemoryKind::host});
+  const auto save_error = [&](const std::string& path, std::uint64_t shard) {
+    try {
+      save_checkpoint(path, sample.tensors, {.max_shard_size = shard});
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("hbmio-tmp"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      return e.code();
+    }
+    ADD_FAILURE() << path << " was saved";
+    return std::error_code{};
+  };
+  EXPECT_EQ(save_error(dir.file("no/such/m.safetensors"), 0), std::errc::no_such_file_or_directory);
+  EXPECT_EQ(save_error(dir.file("no/such/model"), 1 << 20), std::errc::no_such_file_or_directory);
+  EXPECT_EQ(save_error(dir.file("model.safetensors.index.json/m.safetensors"), 0), std::errc::not_a_directory);
+  fs::create_directory(dir.file("a-directory"));
+  EXPECT_EQ(save_error(dir.file("a-directory"), 0), std::errc::is_a_directory);
+  EXPECT_EQ(temporaries_in(dir.path()), 0u);
 }
 
 }  // namespace

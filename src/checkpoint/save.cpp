@@ -89,6 +89,17 @@ fs::path final_target(const std::string& path) {
   return p;
 }
 
+// Checked before any byte is written, so that the error names what the user gave (and its
+// directory), not a temporary name, and comes at once rather than after the data.
+void check_directory_of(const fs::path& target, const ErrorContext& context) {
+  const fs::path dir = target.parent_path();
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) throw Error(errno_code(errno), context, fmt::format("its directory {}", dir.string()));
+  if (!S_ISDIR(st.st_mode)) throw Error(errno_code(ENOTDIR), context, fmt::format("{} is not a directory", dir.string()));
+  if (::access(dir.c_str(), W_OK | X_OK) != 0)
+    throw Error(errno_code(errno), context, fmt::format("cannot create files in its directory {}", dir.string()));
+}
+
 // The new file takes the mode, owner and group of the one it replaces (SaveOptions::keep_attributes).
 // Owner first: chown clears the set-user-ID bits that chmod then restores. Not permitted to chown
 // (the file was someone else's): the file is the caller's, with the old mode.
@@ -192,6 +203,9 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   }
   std::string header = st::serialize_header(infos, metadata);
 
+  check_directory_of(target, context);
+  if (fs::is_directory(target))
+    throw Error(errno_code(EISDIR), context, "a directory is there, not a file: a sharded checkpoint is saved with a maximum shard size");
   remove_stale_temporaries(target);
   std::random_device random;
   const fs::path temp = target.parent_path() / fmt::format("{}{:08x}{:08x}", temp_prefix(target), random(), random());
@@ -324,6 +338,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
     total_bytes += info.size();
   }
 
+  check_directory_of(target, context);
   remove_stale_temporaries(target);  // directories too: fs::remove_all below
   std::random_device random;
   const fs::path temp = target.parent_path() / fmt::format("{}{:08x}{:08x}", temp_prefix(target), random(), random());
