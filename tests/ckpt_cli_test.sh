@@ -154,6 +154,29 @@ set -e
 [ "$rc1 $rc2 $rc3" = "1 1 1" ] || fail "usage errors exit 1 (got $rc1 $rc2 $rc3)"
 [ ! -e "$dir/z.safetensors" ] || fail "--max-shard-size 0 wrote something"
 
+# Ctrl-C (SIGINT) or SIGTERM while a save writes: the process ends by that signal (128 + N), its
+# temporary file or directory is gone at once, and the old checkpoint is intact.
+interrupt_save() {  # NAME SIGNAL [save flags...]
+  local name=$1 sig=$2; shift 2
+  "$hbmio" ckpt save "$dir/$name" --count 2 --tensor-size 1MiB "$@" >/dev/null || fail "first save of $name"
+  "$hbmio" ckpt save "$dir/$name" --count 32 --tensor-size 16MiB --backend posix "$@" >/dev/null 2>"$dir/stop.err" &
+  local pid=$! i
+  for i in $(seq 500); do ls -A "$dir" | grep -q "^\.$name\.hbmio-tmp-" && break; sleep 0.02; done
+  ls -A "$dir" | grep -q "^\.$name\.hbmio-tmp-" || fail "$name: no temporary appeared"
+  kill -"$sig" $pid
+  local rc=0
+  wait $pid || rc=$?
+  [ "$rc" = $((128 + $(kill -l "$sig"))) ] || fail "$name: SIG$sig gave exit status $rc: $(cat "$dir/stop.err")"
+  grep -q "holds what it held before" "$dir/stop.err" || fail "$name: message: $(cat "$dir/stop.err")"
+  ! ls -A "$dir" | grep -q "hbmio-tmp" || fail "$name: a temporary stayed after SIG$sig: $(ls -A "$dir")"
+  "$hbmio" ckpt verify "$dir/$name" >/dev/null || fail "$name: the old checkpoint does not verify after SIG$sig"
+  "$hbmio" ckpt info "$dir/$name" --json - | python3 -c "
+import json,sys; assert json.load(sys.stdin)['tensor_count'] == 2" || fail "$name: not the old checkpoint"
+}
+interrupt_save int.safetensors INT
+interrupt_save term.safetensors TERM
+interrupt_save int-sharded INT --max-shard-size 64MiB
+
 # Crash safety: kill -9 the saver at many points; the final name always holds a complete old or
 # new checkpoint (verify passes), and the next save leaves no temporary file.
 "$hbmio" ckpt save "$dir/c.safetensors" --count 16 --tensor-size 2MiB --seed 1 >/dev/null

@@ -215,6 +215,12 @@ struct SaveOptions {
 // a mix; other files in the directory (config.json, tokenizer files) are carried over as hard links.
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options = {});
 
+// Removes what saves of `path` in this process have written so far (their temporary files or
+// directory), for a caller stopping on a signal (`hbmio ckpt save` on Ctrl-C): the final name
+// keeps what it held, and no hidden temporary stays behind. Other processes' temporaries and the
+// file or directory at `path` are never touched. The saves themselves fail if they go on.
+void remove_own_save_temporaries(const std::string& path) noexcept;
+
 // The outcome of checking the stored checksums of a checkpoint against its bytes on disk.
 struct VerifyResult {
   bool has_checksums = false;

@@ -35,9 +35,14 @@ namespace st = safetensors;
 
 namespace {
 
-// Temporary files are ".<final name>.hbmio-tmp-<random>" beside the final file: the same file
-// system (so rename is atomic), hidden, and recognisable for clean-up after a crash.
+// Temporary files are ".<final name>.hbmio-tmp-<pid>-<random>" beside the final file: the same
+// file system (so rename is atomic), hidden, recognisable for clean-up after a crash, and, by the
+// pid, for remove_own_save_temporaries when this process is stopped by a signal.
 std::string temp_prefix(const fs::path& target) { return "." + target.filename().string() + ".hbmio-tmp-"; }
+std::string own_prefix(const fs::path& target) { return fmt::format("{}{}-", temp_prefix(target), ::getpid()); }
+fs::path temp_name(const fs::path& target, std::random_device& random) {
+  return target.parent_path() / fmt::format("{}{:08x}{:08x}", own_prefix(target), random(), random());
+}
 
 // A descriptor held for the whole save, with an exclusive flock(2) on the temporary file or
 // directory: a second save of the same name, from this process or another, sees the lock and
@@ -208,7 +213,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
     throw Error(errno_code(EISDIR), context, "a directory is there, not a file: a sharded checkpoint is saved with a maximum shard size");
   remove_stale_temporaries(target);
   std::random_device random;
-  const fs::path temp = target.parent_path() / fmt::format("{}{:08x}{:08x}", temp_prefix(target), random(), random());
+  const fs::path temp = target.parent_path() / temp_name(target, random);
   auto engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()), options.faults);
   Stats total;
   std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
@@ -341,7 +346,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
   check_directory_of(target, context);
   remove_stale_temporaries(target);  // directories too: fs::remove_all below
   std::random_device random;
-  const fs::path temp = target.parent_path() / fmt::format("{}{:08x}{:08x}", temp_prefix(target), random(), random());
+  const fs::path temp = target.parent_path() / temp_name(target, random);
   Stats total;
   try {
     // A name already there (even a symlink to a directory) is never built into: the random
@@ -425,6 +430,17 @@ class MappedFile {
 };
 
 }  // namespace
+
+void remove_own_save_temporaries(const std::string& path) noexcept {
+  try {
+    const fs::path target = final_target(path);
+    const std::string prefix = own_prefix(target);
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(target.parent_path(), ec))
+      if (entry.path().filename().string().starts_with(prefix)) fs::remove_all(entry.path(), ec);
+  } catch (...) {  // best effort: what is left is removed by the next save of `path`
+  }
+}
 
 AddChecksumsResult add_checksums(const std::string& path, bool force) {
   // Each file on its own, crash-safe: after a crash every shard holds either its old bytes or its

@@ -1,7 +1,14 @@
 #include "ckpt.hpp"
 
+#include <pthread.h>
+#include <signal.h>
+
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <future>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -205,6 +212,33 @@ int run_load(const CkptFlags& f) {
   return 0;
 }
 
+// Runs `work` on a thread of its own while this thread waits for SIGINT, SIGTERM or SIGHUP (they
+// are blocked in every thread the work starts, so they come here). On one, `clean_up` removes what
+// the work has written so far, a line says what was kept, and the process ends by that signal
+// (exit status 128 + N, as shells expect). Without this a Ctrl-C left gigabytes of hidden
+// temporary files until the next save of the same name.
+int run_stoppable(const std::function<int()>& work, const std::function<void()>& clean_up, const std::string& kept) {
+  sigset_t stop, previous;
+  sigemptyset(&stop);
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop, sig);
+  pthread_sigmask(SIG_BLOCK, &stop, &previous);
+  std::future<int> done = std::async(std::launch::async, work);
+  const timespec now{};
+  while (done.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) {
+    siginfo_t info{};
+    if (const int sig = sigtimedwait(&stop, &info, &now); sig > 0) {
+      clean_up();
+      fmt::print(stderr, "\nhbmio: stopped by {}: {}\n", sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP", kept);
+      signal(sig, SIG_DFL);
+      pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+      raise(sig);
+      _exit(128 + sig);  // not reached: the signal's default action ends the process
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  return done.get();
+}
+
 int run_save(const CkptFlags& f) {
   const auto dtype = st::parse_dtype(f.dtype);
   if (!dtype)
@@ -317,7 +351,10 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   save->add_flag("--no-checksums", flags->no_checksums, "Do not store XXH3-64 checksums");
   add_json_option(save, flags->json, "Write the result");
   flags->tuning.add_to(save);
-  save->callback([flags, &exit_status] { exit_status = run_save(*flags); });
+  save->callback([flags, &exit_status] {
+    exit_status = run_stoppable([flags] { return run_save(*flags); }, [flags] { remove_own_save_temporaries(flags->path); },
+                                fmt::format("{} holds what it held before; what the save had written is removed", flags->path));
+  });
 
   auto* verify = ckpt->add_subcommand("verify", "Recompute the stored checksums; name the first bad tensor and its offset");
   verify->add_option("path", flags->path, path_help)->required();
@@ -332,13 +369,22 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   checksum->add_flag("--force", flags->force,
                      "Recompute the checksums of files whose stored ones do not match (the data is taken as it is now)");
   checksum->callback([flags, &exit_status] {
-    const AddChecksumsResult r = add_checksums(flags->path, flags->force);
-    if (r.files_rewritten == 0)
-      fmt::print("{}: checksums already present and matching ({} file(s)); nothing rewritten\n", flags->path, r.files_already_valid);
-    else
-      fmt::print("{}: checksums added to {} file(s){}\n", flags->path, r.files_rewritten,
-                 r.files_already_valid ? fmt::format(", {} already had matching ones", r.files_already_valid) : "");
-    exit_status = 0;
+    const auto work = [flags] {
+      const AddChecksumsResult r = add_checksums(flags->path, flags->force);
+      if (r.files_rewritten == 0)
+        fmt::print("{}: checksums already present and matching ({} file(s)); nothing rewritten\n", flags->path, r.files_already_valid);
+      else
+        fmt::print("{}: checksums added to {} file(s){}\n", flags->path, r.files_rewritten,
+                   r.files_already_valid ? fmt::format(", {} already had matching ones", r.files_already_valid) : "");
+      return 0;
+    };
+    const auto clean_up = [flags] {
+      try {
+        for (const CheckpointFile& file : open_checkpoint(flags->path)) remove_own_save_temporaries(file.path);
+      } catch (const Error&) {  // unreadable now: the next checksum or save of it removes what is left
+      }
+    };
+    exit_status = run_stoppable(work, clean_up, "files already rewritten keep their checksums, the others are unchanged");
   });
 }
 
