@@ -49,4 +49,14 @@ out=$("$hbmio" ckpt info "$dir/a.bin" --json "$dir" 2>&1) && fail "--json naming
 grep -q "is a directory" <<<"$out" || fail "--json directory message: $out"
 out=$("$hbmio" bench --size 1MiB --chart "$dir/no/such/c.svg" 2>&1) && fail "--chart into a missing directory accepted"
 grep -q "no/such" <<<"$out" || fail "--chart message: $out"
+# HBMIO_BACKEND is every command's default backend; an explicit --backend wins over it.
+HBMIO_BACKEND=posix "$hbmio" read "$dir/a.bin" --json - | python3 -c "
+import json,sys; assert json.load(sys.stdin)['stats']['backend'] == 'posix'" || fail "HBMIO_BACKEND (read)"
+HBMIO_BACKEND=posix "$hbmio" read "$dir/a.bin" --backend uring --json - | python3 -c "
+import json,sys; assert json.load(sys.stdin)['stats']['backend'] == 'uring'" || fail "--backend over HBMIO_BACKEND"
+"$hbmio" ckpt save "$dir/e.safetensors" --count 2 --tensor-size 64KiB >/dev/null
+HBMIO_BACKEND=posix "$hbmio" ckpt load "$dir/e.safetensors" --json - | python3 -c "
+import json,sys; assert json.load(sys.stdin)['stats']['backend'] == 'posix'" || fail "HBMIO_BACKEND (ckpt load)"
+out=$(HBMIO_BACKEND=warp "$hbmio" ckpt load "$dir/e.safetensors" 2>&1) && fail "HBMIO_BACKEND=warp accepted"
+grep -q "unknown backend" <<<"$out" || fail "HBMIO_BACKEND=warp message: $out"
 echo "cli: all checks passed"

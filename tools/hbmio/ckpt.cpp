@@ -24,7 +24,7 @@ namespace {
 namespace st = safetensors;
 
 struct CkptFlags {
-  std::string path, into = "host", backend = "auto", json, names, layout = "single", placement = "shard";
+  std::string path, into = "host", backend = default_backend(), json, names, layout = "single", placement = "shard";
   bool verify = false, no_checksums = false, reuse_memory = false, drop_cache = false, force = false;
   unsigned runs = 1;
   // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <cstdio>
@@ -133,6 +134,11 @@ void write_json(const nlohmann::json& j, const std::string& path) {
   const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
   const int err = errno;
   if (std::fclose(out) != 0 || !written) throw Error(errno_code(written ? errno : err), {.op = "write", .path = path}, "of the JSON output");
+}
+
+std::string default_backend() {
+  const char* env = std::getenv("HBMIO_BACKEND");
+  return env != nullptr && *env != '\0' ? env : "auto";
 }
 
 CLI::Validator writable_file() {

@@ -56,6 +56,9 @@ void write_json(const nlohmann::json& j, const std::string& path);
 // Adds `--json FILE`, checked when the command line is read (the directory exists and is
 // writable, FILE is not a directory), so a long command does not fail only at its end.
 CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string& what);
+// The default of every --backend: $HBMIO_BACKEND where set, else "auto". A --backend given on the
+// command line wins over it.
+std::string default_backend();
 // The check behind it, for other output files: "-" or a file that can be created or written.
 CLI::Validator writable_file();
 

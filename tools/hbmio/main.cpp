@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "hbmio " + hbmio::version());
   app.require_subcommand(1);
 
-  std::string path, into = "host", from = "host", backend = "auto", offset, length, size, json;
+  std::string path, into = "host", from = "host", backend = hbmio::cli::default_backend(), offset, length, size, json;
   bool verify = false, sync = false;
   std::uint64_t seed = 1;
   TuningFlags tuning;
@@ -173,7 +173,6 @@ int main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
-    if (const char* env = std::getenv("HBMIO_BACKEND"); env && backend == "auto" && *env) backend = env;
     if (*read) return run_read(path, into, backend, offset, length, verify, json, tuning);
     if (*write) return run_write(path, from, backend, size, offset, seed, sync, verify, json, tuning);
     if (*backends) return run_backends(json, tuning);
