@@ -14,7 +14,9 @@ TEST(Sizes, ParseAndFormat) {
   EXPECT_EQ(parse_size("4MiB"), 4u << 20);
   EXPECT_EQ(parse_size("1.5G"), 3u << 29);
   EXPECT_EQ(parse_size("2gib"), std::uint64_t{2} << 30);
-  for (const char* bad : {"", "x", "4X", "-1", "1.5", "nan", "1e30T"}) EXPECT_THROW(parse_size(bad), Error) << bad;
+  for (const char* bad : {"", "x", "4X", "-1", "1.5", "nan", "1e30T", "0x100", "1e3", "+4", " 4", "1..5G", "4 MiB", ".", "-1MiB"})
+    EXPECT_THROW(parse_size(bad), Error) << bad;
+  EXPECT_EQ(parse_size("0.5K"), 512u);
   EXPECT_EQ(format_size(512), "512 B");
   EXPECT_EQ(format_size(3u << 29), "1.50 GiB");
 }

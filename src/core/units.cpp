@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <string>
@@ -15,14 +16,20 @@ std::uint64_t parse_size(const std::string& text) {
     return Error(errno_code(EINVAL), {.op = "parse size"},
                  fmt::format("'{}' is not a size: use bytes or a suffix K, M, G, T (binary, e.g. 4MiB)", text));
   };
+  // Digits with an optional fraction, then the suffix: std::stod alone would also take hex
+  // ("0x100"), exponents ("1e3"), signs and leading spaces, none of which a size means.
+  std::size_t digits = 0;
+  while (digits < text.size() && (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.')) ++digits;
+  if (digits == 0 || std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(digits), '.') > 1) throw fail();
   std::size_t pos = 0;
   double value = 0;
   try {
-    value = std::stod(text, &pos);
+    value = std::stod(text.substr(0, digits), &pos);
   } catch (const std::exception&) {
     throw fail();
   }
   if (!(value >= 0) || std::isinf(value)) throw fail();
+  if (pos != digits) throw fail();
   std::string suffix = text.substr(pos);
   for (auto& ch : suffix) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   int shift = 0;

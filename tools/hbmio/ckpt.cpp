@@ -212,6 +212,16 @@ int run_load(const CkptFlags& f) {
   return 0;
 }
 
+// A check that the value is one of `choices`, saying which they are.
+CLI::Validator one_of(std::vector<std::string> choices) {
+  return CLI::Validator(
+      [choices](std::string& value) -> std::string {
+        if (std::find(choices.begin(), choices.end(), value) != choices.end()) return {};
+        return fmt::format("must be {}, not '{}'", fmt::join(choices, " or "), value);
+      },
+      "");
+}
+
 // Runs `work` on a thread of its own while this thread waits for SIGINT, SIGTERM or SIGHUP (they
 // are blocked in every thread the work starts, so they come here). On one, `clean_up` removes what
 // the work has written so far, a line says what was kept, and the process ends by that signal
@@ -318,10 +328,12 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                    "With several --into locations: shard (each tensor to one location, balanced by bytes) or replicate "
                    "(every location gets everything; each byte is read from storage once, the rest is copied between "
                    "locations)")
+      ->check(one_of({"shard", "replicate"}))
       ->capture_default_str();
   load->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
   load->add_option("--names", flags->names, "Comma-separated tensor names to load (default: all)");
   load->add_option("--layout", flags->layout, "single: one allocation, tensors 256-byte aligned; per-tensor: one each")
+      ->check(one_of({"single", "per-tensor"}))
       ->check(CLI::IsMember({"single", "per-tensor"}))
       ->capture_default_str();
   load->add_flag("--verify", flags->verify, "Check every tensor against its stored XXH3-64 checksum");
@@ -341,9 +353,12 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   auto* save = ckpt->add_subcommand("save", "Save generated random tensors (for tests and benchmarks), crash-safe");
   save->add_option("path", flags->path, "The .safetensors file to write (a directory with --max-shard-size)")->required();
   save->add_option("--max-shard-size", flags->max_shard_size,
-                   "Write a sharded checkpoint into the directory PATH: shards of at most this size (e.g. 2GiB) + index");
+                   "Write a sharded checkpoint into the directory PATH: shards of at most this many tensor bytes "
+                   "(e.g. 2GiB; headers not counted, as in Hugging Face's max_shard_size; a larger tensor gets a shard "
+                   "of its own) + index")
+      ->check(size_value());
   save->add_option("--count", flags->count, "Number of tensors")->capture_default_str();
-  save->add_option("--tensor-size", flags->tensor_size, "Bytes per tensor (e.g. 128MiB)")->capture_default_str();
+  save->add_option("--tensor-size", flags->tensor_size, "Bytes per tensor (e.g. 128MiB)")->capture_default_str()->check(size_value());
   save->add_option("--dtype", flags->dtype, "Element type (BF16, F32, U8, ...)")->capture_default_str();
   save->add_option("--from", flags->from, "Memory the tensors live in: host, pinned or cuda:N")->capture_default_str();
   save->add_option("--seed", flags->seed, "Seed of the generated data")->capture_default_str();

@@ -19,8 +19,8 @@
 namespace hbmio::cli {
 
 void TuningFlags::add_to(CLI::App* app) {
-  app->add_option("--chunk-size", chunk_size, "Work unit per worker (e.g. 16MiB)")->group("Tuning");
-  app->add_option("--bounce-buffer-size", bounce_buffer_size, "Size of one storage I/O and copy (default 8MiB)")->group("Tuning");
+  app->add_option("--chunk-size", chunk_size, "Work unit per worker (e.g. 16MiB)")->group("Tuning")->check(size_value());
+  app->add_option("--bounce-buffer-size", bounce_buffer_size, "Size of one storage I/O and copy (default 8MiB)")->group("Tuning")->check(size_value());
   app->add_option("--bounce-buffers", bounce_buffers, "Pinned bounce buffers per worker")->group("Tuning");
   app->add_option("--queue-depth", queue_depth, "I/Os in flight per worker")->group("Tuning");
   app->add_option("--workers", workers, "Worker threads (0: min(cores, 16))")->group("Tuning");
@@ -134,6 +134,19 @@ void write_json(const nlohmann::json& j, const std::string& path) {
   const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
   const int err = errno;
   if (std::fclose(out) != 0 || !written) throw Error(errno_code(written ? errno : err), {.op = "write", .path = path}, "of the JSON output");
+}
+
+CLI::Validator size_value() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        try {
+          (void)parse_size(text);
+          return {};
+        } catch (const Error& e) {
+          return e.detail();
+        }
+      },
+      "SIZE");
 }
 
 std::string default_backend() {

@@ -59,6 +59,9 @@ CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string
 // The default of every --backend: $HBMIO_BACKEND where set, else "auto". A --backend given on the
 // command line wins over it.
 std::string default_backend();
+// A size option's check (parse_size: bytes or a binary suffix), so that a bad value is refused when
+// the command line is read, with the option's name.
+CLI::Validator size_value();
 // The check behind it, for other output files: "-" or a file that can be created or written.
 CLI::Validator writable_file();
 

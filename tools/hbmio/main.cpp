@@ -137,8 +137,8 @@ int main(int argc, char** argv) {
   read->add_option("file", path, "File to read")->required();
   read->add_option("--into", into, "Destination memory: host, pinned or cuda:N")->capture_default_str();
   read->add_option("--backend,-b", backend, "posix, uring, cufile or auto")->capture_default_str();
-  read->add_option("--offset", offset, "First byte to read (default 0)");
-  read->add_option("--length", length, "Bytes to read (default: to the end of the file)");
+  read->add_option("--offset", offset, "First byte to read (default 0)")->check(hbmio::cli::size_value());
+  read->add_option("--length", length, "Bytes to read (default: to the end of the file)")->check(hbmio::cli::size_value());
   read->add_flag("--verify", verify, "Compare what was read with a plain read of the file, byte for byte");
   hbmio::cli::add_json_option(read, json, "Write the result");
   tuning.add_to(read);
@@ -146,9 +146,9 @@ int main(int argc, char** argv) {
   auto* write = app.add_subcommand("write", "Write generated random data from host, pinned or GPU memory into a file");
   write->add_option("file", path, "File to write (created or truncated when --offset is 0)")->required();
   write->add_option("--from", from, "Source memory: host, pinned or cuda:N")->capture_default_str();
-  write->add_option("--size", size, "Bytes to write (e.g. 1GiB)")->required();
+  write->add_option("--size", size, "Bytes to write (e.g. 1GiB)")->required()->check(hbmio::cli::size_value());
   write->add_option("--backend,-b", backend, "posix, uring, cufile or auto")->capture_default_str();
-  write->add_option("--offset", offset, "File offset to write at (default 0)");
+  write->add_option("--offset", offset, "File offset to write at (default 0)")->check(hbmio::cli::size_value());
   write->add_option("--seed", seed, "Seed of the generated data")->capture_default_str();
   write->add_flag("--sync", sync, "fsync before reporting (counted in the time)");
   write->add_flag("--verify", verify, "Read the file back with a plain read and compare");
