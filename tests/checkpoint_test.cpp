@@ -361,7 +361,7 @@ TEST_F(Corruption, FlippedDataByteNamesTheTensor) {
   patch(at, byte);
   const VerifyResult r = verify_checkpoint(path_);
   ASSERT_TRUE(r.first_bad.has_value());
-  const std::string named = fmt::format("tensor 'embed.weight' in {} at byte {}", path_, header_.data_offset + t->begin);
+  const std::string named = fmt::format("tensor 'embed.weight' in {} starting at byte {}", path_, header_.data_offset + t->begin);
   EXPECT_NE(r.first_bad->find(named), std::string::npos) << *r.first_bad;
   try {
     load_checkpoint(path_, {.verify = true});
@@ -383,7 +383,7 @@ TEST_F(Corruption, SwappedTensorsAreDetected) {
   const VerifyResult r = verify_checkpoint(path_);
   ASSERT_TRUE(r.first_bad.has_value());
   const st::TensorInfo* first = a->begin < b->begin ? a : b;
-  EXPECT_NE(r.first_bad->find(fmt::format("tensor '{}' in {} at byte {}", first->name, path_, header_.data_offset + first->begin)),
+  EXPECT_NE(r.first_bad->find(fmt::format("tensor '{}' in {} starting at byte {}", first->name, path_, header_.data_offset + first->begin)),
             std::string::npos)
       << *r.first_bad;
 }

@@ -59,4 +59,8 @@ HBMIO_BACKEND=posix "$hbmio" ckpt load "$dir/e.safetensors" --json - | python3 -
 import json,sys; assert json.load(sys.stdin)['stats']['backend'] == 'posix'" || fail "HBMIO_BACKEND (ckpt load)"
 out=$(HBMIO_BACKEND=warp "$hbmio" ckpt load "$dir/e.safetensors" 2>&1) && fail "HBMIO_BACKEND=warp accepted"
 grep -q "unknown backend" <<<"$out" || fail "HBMIO_BACKEND=warp message: $out"
+out=$("$hbmio" doctor --root "$dir/no-such-tree" 2>&1) && fail "doctor --root of a missing directory passed"
+grep -q "no-such-tree" <<<"$out" || fail "doctor --root message: $out"
+out=$("$hbmio" write "$dir/w.bin" --size 0x100 2>&1) && fail "a hex size accepted"
+grep -q -- "--size" <<<"$out" || fail "a bad size names its option: $out"
 echo "cli: all checks passed"

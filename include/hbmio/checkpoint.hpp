@@ -226,7 +226,7 @@ struct VerifyResult {
   bool has_checksums = false;
   std::uint64_t tensors_checked = 0;
   std::uint64_t headers_checked = 0;     // files whose header carries its own checksum (hbmio writes one)
-  std::optional<std::string> first_bad;  // "tensor T in FILE at byte OFFSET: stored X, computed Y",
+  std::optional<std::string> first_bad;  // "tensor T in FILE starting at byte OFFSET: stored X, computed Y",
                                          // or "header of FILE ...": the first problem found
 };
 VerifyResult verify_checkpoint(const std::string& path);

@@ -141,9 +141,9 @@ std::optional<std::string> check_tensor(const std::map<std::string, std::string>
                                         const std::string& file, std::uint64_t offset, std::uint64_t computed) {
   const auto it = metadata.find(kChecksumPrefix + tensor);
   if (it == metadata.end())
-    return fmt::format("tensor '{}' in {} at byte {} has no stored checksum", tensor, file, offset);
+    return fmt::format("tensor '{}' in {} starting at byte {} has no stored checksum", tensor, file, offset);
   if (it->second != to_hex(computed))
-    return fmt::format("tensor '{}' in {} at byte {}: stored checksum {}, computed {}", tensor, file, offset, it->second,
+    return fmt::format("tensor '{}' in {} starting at byte {}: stored checksum {}, computed {}", tensor, file, offset, it->second,
                        to_hex(computed));
   return std::nullopt;
 }

@@ -1,5 +1,7 @@
 #include "memory/cuda_runtime.hpp"
 
+#include <dlfcn.h>
+
 #include <fmt/format.h>
 
 #include <mutex>
@@ -47,6 +49,16 @@ struct DeviceQuery {
   std::string reason;
 };
 
+#ifdef HBMIO_HAVE_CUDA
+bool driver_installed() {
+  void* lib = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL | RTLD_NOLOAD);
+  if (lib == nullptr) lib = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (lib == nullptr) return false;
+  ::dlclose(lib);
+  return true;
+}
+#endif
+
 // Asked once: cudaGetDeviceCount initialises the runtime, which costs ~100 ms the first time.
 const DeviceQuery& device_query() {
   static const DeviceQuery query = [] {
@@ -54,7 +66,11 @@ const DeviceQuery& device_query() {
 #ifdef HBMIO_HAVE_CUDA
     int count = 0;
     const cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
+    if (err == cudaErrorInsufficientDriver && !driver_installed()) {
+      // The runtime says "driver version is insufficient" also when there is no driver at all.
+      q.reason = "no CUDA device (no NVIDIA driver: libcuda.so.1 is not installed)";
+      (void)cudaGetLastError();
+    } else if (err != cudaSuccess) {
       q.reason = fmt::format("no CUDA device ({}: {})", cudaGetErrorName(err), cudaGetErrorString(err));
       (void)cudaGetLastError();  // clear the sticky-free error so later calls start clean
     } else if (count == 0) {

@@ -79,6 +79,8 @@ void add_doctor_command(CLI::App& app, int& exit_status) {
   doctor->add_option("paths", flags->paths, "Files or directories to judge (data you will load)");
   doctor->add_option("--root", flags->root,
                      "Read sysfs, procfs and /etc under DIR instead of / (a recorded tree); live-only probes are then skipped")
+      ->type_name("DIR")
+      ->check(CLI::ExistingDirectory)
       ->capture_default_str();
   add_json_option(doctor, flags->json, "Write every check {id, group, status, found, expected, fix}");
   doctor->callback([flags, &exit_status] {
