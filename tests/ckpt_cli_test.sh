@@ -15,6 +15,10 @@ import json,sys; j=json.load(sys.stdin)
 assert j['tensor_count']==5 and j['total_bytes']==5<<20 and j['checksums'] is True, j
 assert all(t['dtype']=='BF16' and t['shape']==[512,1024] for t in j['tensors']), j" || fail "info --json"
 "$hbmio" ckpt verify "$dir/a.safetensors" | grep -q "5 tensors verified" || fail "verify"
+"$hbmio" ckpt verify "$dir/a.safetensors" --json - | python3 -c "
+import json,sys; j=json.load(sys.stdin)
+assert j['verified'] is True and j['tensors_checked']==5 and j['headers_checked']==1 and 'first_bad' not in j, j" \
+  || fail "verify --json"
 for b in posix uring auto; do
   "$hbmio" ckpt load "$dir/a.safetensors" --into pinned --backend $b --verify --json - | python3 -c "
 import json,sys; j=json.load(sys.stdin); assert j['verified'] and len(j['tensors'])==5 and j['stats']['bytes']==5<<20, j" \
@@ -139,6 +143,10 @@ python3 -c "
 import sys; d=bytearray(open('$dir/a.safetensors','rb').read()); d[-100]^=1; open('$dir/bad.safetensors','wb').write(d)"
 out=$("$hbmio" ckpt verify "$dir/bad.safetensors" 2>&1) && fail "flipped byte not detected"
 grep -q "layers.4.weight\|layers.0.weight\|layers" <<<"$out" || fail "flipped-byte message: $out"
+out=$("$hbmio" ckpt verify "$dir/bad.safetensors" --json - 2>&1) && fail "verify --json of a damaged file exited 0"
+python3 -c "
+import json,sys; j=json.loads(sys.argv[1]); assert j['verified'] is False and 'starting at byte' in j['first_bad'], j" "$out" \
+  || fail "verify --json of a damaged file: $out"
 # checksum: refuses to certify the damage, recomputes with --force; leaves matching files alone.
 out=$("$hbmio" ckpt checksum "$dir/bad.safetensors" 2>&1) && fail "checksum certified a damaged file"
 grep -q "do not match" <<<"$out" && grep -q -- "bad.safetensors" <<<"$out" || fail "checksum of a damaged file: $out"

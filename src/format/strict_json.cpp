@@ -146,6 +146,16 @@ std::optional<std::size_t> first_invalid_utf8(std::string_view text) noexcept {
   }
   return std::nullopt;
 }
+// nlohmann's messages start with its own id ("[json.exception.parse_error.101] "): the user is
+// told what is wrong with the file, not which exception class said so.
+static std::string without_id(const char* what) {
+  std::string_view text(what);
+  if (text.starts_with("[json.exception.")) {
+    if (const auto end = text.find("] "); end != std::string_view::npos) text.remove_prefix(end + 2);
+  }
+  return std::string(text);
+}
+
 
 std::optional<nlohmann::json> parse_strict_json(std::string_view text, unsigned max_depth, JsonRefusal& refusal) {
   if (const auto bad = first_invalid_utf8(text)) {
@@ -175,11 +185,11 @@ std::optional<nlohmann::json> parse_strict_json(std::string_view text, unsigned 
     refusal = stop.refusal;
   } catch (const nlohmann::json::parse_error& error) {
     // error.byte is 1-based: the byte at which the parser gave up.
-    refusal = {"invalid JSON", builder.top_level_key(), error.what(), error.byte > 0 ? error.byte - 1 : 0};
+    refusal = {"invalid JSON", builder.top_level_key(), without_id(error.what()), error.byte > 0 ? error.byte - 1 : 0};
   } catch (const nlohmann::json::exception& error) {
     // Not only parse_error: a number past double's range ("1e999") throws out_of_range (found by
     // fuzz/index_fuzzer; serde_json refuses such numbers too).
-    refusal = {"invalid JSON", builder.top_level_key(), error.what(), {}};
+    refusal = {"invalid JSON", builder.top_level_key(), without_id(error.what()), {}};
   }
   return std::nullopt;
 }

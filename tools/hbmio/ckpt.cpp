@@ -293,6 +293,16 @@ int run_save(const CkptFlags& f) {
 
 int run_verify(const CkptFlags& f) {
   const VerifyResult r = verify_checkpoint(f.path);
+  if (!f.json.empty()) {
+    nlohmann::json j = {{"path", f.path},
+                        {"verified", !r.first_bad && r.has_checksums},
+                        {"checksums", r.has_checksums},
+                        {"tensors_checked", r.tensors_checked},
+                        {"headers_checked", r.headers_checked}};
+    if (r.first_bad) j["first_bad"] = *r.first_bad;
+    write_json(j, f.json);
+    if (f.json == "-") return !r.first_bad && r.has_checksums ? 0 : 1;
+  }
   if (r.first_bad) {  // also where the damage hides the checksums themselves
     fmt::print(stderr, "hbmio: verify FAILED: {}\n", *r.first_bad);
     return 1;
@@ -311,6 +321,11 @@ int run_verify(const CkptFlags& f) {
 void add_ckpt_command(CLI::App& app, int& exit_status) {
   auto flags = std::make_shared<CkptFlags>();
   auto* ckpt = app.add_subcommand("ckpt", "safetensors checkpoints: info, load, save, verify, checksum");
+  ckpt->footer("Examples:\n"
+               "  hbmio ckpt info ~/models/llama/                      tensors, dtypes, sizes, checksums\n"
+               "  hbmio ckpt load ~/models/llama/ --into cuda:0 --verify\n"
+               "  hbmio ckpt save /tmp/w.safetensors --count 48 --tensor-size 128MiB --from cuda:0\n"
+               "  hbmio ckpt checksum ~/models/llama/ && hbmio ckpt verify ~/models/llama/");
   ckpt->require_subcommand(1);
   const std::string path_help = "A .safetensors file, a *.safetensors.index.json, or a directory holding either";
 
@@ -348,6 +363,10 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                  "(drop_caches as root, else posix_fadvise(DONTNEED))");
   add_json_option(load, flags->json, "Write the result");
   flags->tuning.add_to(load);
+  load->footer("Examples:\n"
+               "  hbmio ckpt load ~/models/llama/ --into cuda:0 --verify          every tensor into GPU 0, checked\n"
+               "  hbmio ckpt load model.safetensors --into cuda:0 --runs 5 --drop-cache   a cold-load benchmark\n"
+               "  hbmio ckpt load ~/models/llama/ --into cuda:0,1 --placement shard     half the tensors on each GPU");
   load->callback([flags, &exit_status] { exit_status = run_load(*flags); });
 
   auto* save = ckpt->add_subcommand("save", "Save generated random tensors (for tests and benchmarks), crash-safe");
@@ -366,6 +385,8 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   save->add_flag("--no-checksums", flags->no_checksums, "Do not store XXH3-64 checksums");
   add_json_option(save, flags->json, "Write the result");
   flags->tuning.add_to(save);
+  save->footer("Example: hbmio ckpt save /tmp/w --count 96 --tensor-size 128MiB --from cuda:0 --max-shard-size 5GiB\n"
+               "Ctrl-C removes what was written; the checkpoint at PATH keeps what it held.");
   save->callback([flags, &exit_status] {
     exit_status = run_stoppable([flags] { return run_save(*flags); }, [flags] { remove_own_save_temporaries(flags->path); },
                                 fmt::format("{} holds what it held before; what the save had written is removed", flags->path));
@@ -373,6 +394,9 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
 
   auto* verify = ckpt->add_subcommand("verify", "Recompute the stored checksums; name the first bad tensor and its offset");
   verify->add_option("path", flags->path, path_help)->required();
+  add_json_option(verify, flags->json, "Write the outcome {path, verified, checksums, tensors_checked, headers_checked, first_bad}");
+  verify->footer("Exit status 0 when every stored checksum matches, 1 when one does not or there are none.\n"
+                 "Example: hbmio ckpt verify ~/models/llama/ --json -");
   verify->callback([flags, &exit_status] { exit_status = run_verify(*flags); });
 
   auto* checksum = ckpt->add_subcommand(

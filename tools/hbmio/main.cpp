@@ -94,6 +94,7 @@ int run_write(const std::string& path, const std::string& from, const std::strin
     fmt::print(stderr, "hbmio: verify FAILED: {} differs from the written data at byte {}\n", path, *mismatch);
     return 1;
   }
+  if (verify && json != "-") fmt::print("verified: {} bytes read back with a plain read, identical to what was written\n", length);
   return 0;
 }
 
