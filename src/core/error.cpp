@@ -9,7 +9,9 @@ namespace {
 std::string describe(const std::error_code& code, const ErrorContext& c, const std::string& detail) {
   std::string text = c.op.empty() ? std::string("hbmio") : c.op;
   if (!c.path.empty()) text += fmt::format(" of {}", c.path);
-  if (c.offset != 0 || c.length != 0) text += fmt::format(" [offset {}, length {}]", c.offset, c.length);
+  // A length of 0 is "not about a range" (parse errors name a position only).
+  if (c.length != 0) text += fmt::format(" [offset {}, length {}]", c.offset, c.length);
+  else if (c.offset != 0) text += fmt::format(" [offset {}]", c.offset);
   if (!c.backend.empty()) text += fmt::format(" via {}", c.backend);
   text += ": " + code.message();
   if (!detail.empty()) text += " (" + detail + ")";
