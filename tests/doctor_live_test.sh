@@ -56,4 +56,18 @@ except OSError:
 PY
 )" = 1 ] && into=cuda:0
 "$hbmio" read "$work/data.bin" --into $into --backend auto --verify >/dev/null || fail "auto read into $into"
+# A directory the user cannot write (a mounted dataset): O_DIRECT is judged on a file in it, not
+# reported missing. As root, through an unprivileged user; skipped where setpriv is missing.
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
+  ro="$work/read-only"
+  mkdir -p "$ro" && head -c 65536 /dev/urandom > "$ro/weights.bin" && chmod 755 "$work" && chmod 555 "$ro" && chmod 444 "$ro/weights.bin"
+  setpriv --reuid=65534 --regid=65534 --clear-groups "$hbmio" doctor "$ro" --json - > "$work/ro.json" 2>/dev/null || true
+  python3 - "$work/ro.json" <<'PY' || fail "read-only directory: $(cat "$work/ro.json")"
+import json, sys
+checks = {c["id"].split(":")[0]: c for c in json.load(open(sys.argv[1]))["checks"]}
+o_direct, auto = checks["storage.o_direct"], checks["summary.auto"]
+assert "weights.bin: the directory is read-only" in o_direct["found"], o_direct
+assert "no O_DIRECT here" not in auto["found"] or o_direct["status"] == "FAIL", auto
+PY
+fi
 echo "PASS: the doctor's verdict matches the cufile backend ($status); auto read into $into verified"

@@ -139,7 +139,10 @@ void check_summary(const Root& root, const Inventory& inventory, const std::vect
       status = CheckStatus::pass;
       through_host_memory = false;
     } else if (const BackendStatus uring = detail::probe_uring(); uring.available) {
-      choice = fmt::format("auto: uring (io_uring{}, pinned bounce buffers)", facts.direct_io_works ? " + O_DIRECT" : ", page cache: no O_DIRECT here");
+      choice = fmt::format("auto: uring (io_uring{}, pinned bounce buffers)",
+                           !facts.direct_io_tried ? ", O_DIRECT not checked here"
+                           : facts.direct_io_works ? " + O_DIRECT"
+                                                   : ", page cache: no O_DIRECT here");
     } else {
       choice = "auto: posix (io_uring unavailable: " + uring.detail + ")";
       status = CheckStatus::warn;

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <sstream>
 
@@ -274,18 +275,30 @@ class ProbeFile {
   std::string path_, error_;
 };
 
+// A regular file of at least one block directly in `directory`, or "" (for a directory the
+// probe file cannot be created in).
+std::string a_file_in(const std::string& directory) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(directory, ec))
+    if (entry.is_regular_file(ec) && entry.file_size(ec) >= 4096) return entry.path().string();
+  return {};
+}
+
 void check_direct_io_and_cufile(const std::string& path, bool is_directory, PathFacts& facts, std::vector<Check>& out) {
   const std::string id = "storage.o_direct:" + path;
   std::unique_ptr<ProbeFile> probe;
   std::string target = path;
   if (is_directory) {
     probe = std::make_unique<ProbeFile>(path);
-    if (!probe->error().empty()) {
-      out.push_back(make_check(id, kGroupStorage, CheckStatus::info, probe->error(), "a writable directory, or name a file in it",
-                               "give a file on the same file system: hbmio doctor FILE"));
+    if (probe->error().empty()) {
+      target = probe->path();
+    } else if (const std::string existing = a_file_in(path); !existing.empty()) {
+      target = existing;  // read-only directory (a mounted dataset): an O_DIRECT read of a file there tells the same
+    } else {
+      out.push_back(make_check(id, kGroupStorage, CheckStatus::info, probe->error() + ", and it holds no file to read instead",
+                               "a writable directory, or name a file in it", "give a file on the same file system: hbmio doctor FILE"));
       return;
     }
-    target = probe->path();
   }
   int error = 0;
   const std::string trial = try_direct_read(target, error);
@@ -308,7 +321,10 @@ void check_direct_io_and_cufile(const std::string& path, bool is_directory, Path
     alignment = e.what();
     facts.cufile_reason = e.what();
   }
-  const std::string found = fmt::format("{}{}; {}", trial, is_directory ? " (on a probe file, removed again)" : "", alignment);
+  const std::string on = !is_directory                    ? ""
+                         : target == (probe ? probe->path() : "") ? " (on a probe file, removed again)"
+                                                                  : fmt::format(" (on {}: the directory is read-only)", target);
+  const std::string found = fmt::format("{}{}; {}", trial, on, alignment);
   if (facts.direct_io_works) {
     out.push_back(make_check(id, kGroupStorage, CheckStatus::pass, found));
   } else if (error == EINVAL || error == EOPNOTSUPP) {
