@@ -824,6 +824,15 @@ int run_bench(const BenchFlags& flags) {
     if (size == 0) throw bad_argument("--file", flags.file + " is empty");
   }
 
+  // Memory, allocated once and before the sample file is generated (a bad --into or too little
+  // memory fails at once, not after minutes of writing): the destination of --into, and pinned host memory for the ceilings.
+  Buffer destination = Buffer::allocate(into, size);
+  Buffer pinned_storage = into.kind == MemoryKind::pinned ? Buffer() : Buffer::allocate({MemoryKind::pinned}, size);
+  const MemorySpan pinned = into.kind == MemoryKind::pinned ? destination.span() : pinned_storage.span();
+  // Touch the host pages now so that the first timed run does not pay for page faults.
+  fill_memory(destination.span(), std::byte{0});
+  if (pinned.data != destination.data()) fill_memory(pinned, std::byte{0});
+
   // The sample file, and the write target, live in a scratch directory on the file system under
   // test: --dir, else the directory of --file (writes then land on the same storage), else ".".
   std::string dir = flags.dir;
@@ -844,15 +853,8 @@ int run_bench(const BenchFlags& flags) {
   if (!gpu && flags.json == "-")  // the table, which says so at its top, is not printed then
     fmt::print(stderr, "hbmio: no GPU: measuring storage into host memory ({})\n", into.to_string());
 
-  // 3. Memory, allocated once: the destination of --into, and pinned host memory for the ceilings.
-  Buffer destination = Buffer::allocate(into, size);
-  Buffer pinned_storage = into.kind == MemoryKind::pinned ? Buffer() : Buffer::allocate({MemoryKind::pinned}, size);
-  const MemorySpan pinned = into.kind == MemoryKind::pinned ? destination.span() : pinned_storage.span();
-  // Touch the host pages now so that the first timed run does not pay for page faults.
-  fill_memory(destination.span(), std::byte{0});
-  if (pinned.data != destination.data()) fill_memory(pinned, std::byte{0});
 
-  // 4. Rows.
+  // 3. Rows.
   Engines engines = make_engines(backends, options);
   std::vector<std::string> verified;  // "backend op" pairs whose data has been checked (reads and writes each once)
   auto backend_row = [&](std::size_t i, const std::string& op, const std::string& mode, const std::string& target) {
@@ -885,7 +887,7 @@ int run_bench(const BenchFlags& flags) {
   }
   attach_bounds(report.rows, into.kind == MemoryKind::device);
 
-  // 5. Output.
+  // 4. Output.
   if (flags.json != "-") print_table(report);
   if (!flags.json.empty()) write_json(to_json(report), flags.json);
   if (!flags.chart.empty()) write_text(render_svg(report), flags.chart);
