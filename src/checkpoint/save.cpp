@@ -213,7 +213,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
     throw Error(errno_code(EISDIR), context, "a directory is there, not a file: a sharded checkpoint is saved with a maximum shard size");
   remove_stale_temporaries(target);
   std::random_device random;
-  const fs::path temp = target.parent_path() / temp_name(target, random);
+  const fs::path temp = temp_name(target, random);
   auto engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()), options.faults);
   Stats total;
   std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
@@ -346,7 +346,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
   check_directory_of(target, context);
   remove_stale_temporaries(target);  // directories too: fs::remove_all below
   std::random_device random;
-  const fs::path temp = target.parent_path() / temp_name(target, random);
+  const fs::path temp = temp_name(target, random);
   Stats total;
   try {
     // A name already there (even a symlink to a directory) is never built into: the random
