@@ -125,7 +125,8 @@ std::vector<Pick> pick_tensors(const std::string& path, const std::vector<Checkp
     }
   }
   for (const auto& name : wanted)
-    if (!found.contains(name)) throw checkpoint_error(ENOENT, path, fmt::format("no tensor named '{}'", name));
+    if (!found.contains(name))  // EINVAL: the checkpoint is there, the name asked for is wrong (ENOENT read "No such file")
+      throw checkpoint_error(EINVAL, path, fmt::format("no tensor named '{}' in the checkpoint", name));
   // In one allocation a tensor starts at a multiple of `alignment`; one whose predecessor ends
   // aligned follows it directly, so runs of such tensors stay contiguous in memory as they are in
   // the file, and are read with one request.
