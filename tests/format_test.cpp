@@ -1,7 +1,9 @@
 // The safetensors format layer: conformance with files made by the reference implementation,
 // one test per bad-input rule, and serialisation byte-identical to the reference writer.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -228,6 +230,61 @@ TEST(SafetensorsBadInput, HeaderLengthPastEndOfFile) {
 
 TEST(SafetensorsBadInput, HeaderLengthOver100MB) {
   expect_refused(length_prefix(st::kMaxHeaderSize + 1) + "{}", "header too large");
+}
+
+// "Refused before any allocation sized from the file": a child process whose address space is
+// capped at 64 MiB above what it uses reads files that claim far more than they hold or than is
+// allowed (a 99,999,999-byte header in a file of a few bytes; a sparse 3 GiB index, over the
+// 100 MB an index may have). Each must be refused with the rule (EINVAL), never fail to
+// allocate, which is what reading a claimed size before checking it would do under the cap.
+// (A header the file really holds is read whole, as the reference reader does: up to 100 MB.)
+// Sanitizer builds reserve terabytes of shadow memory and cannot run under an address-space cap.
+TEST(SafetensorsBadInput, RefusedBeforeAllocatingWhatTheFileClaims) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizer builds cannot run under RLIMIT_AS";
+#else
+  TempDir dir;
+  const std::string claims = dir.file("claims.safetensors"), index = dir.file("model.safetensors.index.json");
+  write_file(claims, length_prefix(99'999'999) + "{}");
+  {
+    std::ofstream out(index);  // an index that opens an object and never closes it, padded out sparse
+    out << "{\"weight_map\": {";
+  }
+  std::filesystem::resize_file(index, std::uint64_t{3} << 30);  // sparse: no disk used
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    long pages = 0;
+    if (std::FILE* statm = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(statm, "%ld", &pages) != 1) pages = 0;
+      std::fclose(statm);
+    }
+    const rlim_t cap = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE)) + (rlim_t{64} << 20);
+    const rlimit limit{cap, cap};
+    if (pages == 0 || ::setrlimit(RLIMIT_AS, &limit) != 0) ::_exit(3);
+    int refused = 0;
+    try {
+      st::read_header(claims);
+    } catch (const hbmio::Error& e) {
+      refused += e.code() == std::errc::invalid_argument;
+    } catch (const std::bad_alloc&) {
+      ::_exit(4);
+    }
+    try {
+      st::read_index(index);
+    } catch (const hbmio::Error& e) {
+      refused += e.code() == std::errc::invalid_argument;
+    } catch (const std::bad_alloc&) {
+      ::_exit(5);
+    }
+    ::_exit(refused == 2 ? 0 : 6);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died (status " << status << ")";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: could not cap the address space; 4/5: an allocation sized from the file "
+                                       "(header, index) failed under the cap; 6: not every file refused with EINVAL";
+#endif
 }
 
 TEST(SafetensorsBadInput, InvalidUtf8) {
