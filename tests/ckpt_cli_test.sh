@@ -39,6 +39,11 @@ counts = [l['tensors'] for l in j['locations']]
 assert (sum(counts) == 5 and all(counts)) if p == 'shard' else counts == [5, 5], j
 assert j['bytes_between_locations'] == (0 if p == 'shard' else 5<<20), j" || fail "load --into host,pinned --placement $placement"
 done
+for bad in "--names ," "--into pinned,,host" "--into host,"; do
+  # shellcheck disable=SC2086
+  out=$("$hbmio" ckpt load "$dir/a.safetensors" $bad 2>&1) && fail "$bad was accepted"
+  grep -q "an empty item" <<<"$out" || fail "$bad: $out"
+done
 out=$("$hbmio" ckpt load "$dir/a.safetensors" --into host,pinned --placement mirror 2>&1) && fail "a bad --placement was accepted"
 echo "$out" | grep -q "shard or replicate" || fail "bad --placement: $out"
 

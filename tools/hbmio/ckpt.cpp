@@ -34,12 +34,17 @@ struct CkptFlags {
   TuningFlags tuning;
 };
 
-std::vector<std::string> split_names(const std::string& text) {
-  std::vector<std::string> names;
-  std::stringstream in(text);
-  for (std::string name; std::getline(in, name, ',');)
-    if (!name.empty()) names.push_back(name);
-  return names;
+// A comma-separated list ("" is none). An empty item ("a,,b", "a,") is refused rather than
+// skipped: it is a typo, and skipping it turned "--names ," into "load everything".
+std::vector<std::string> split_list(const std::string& text, const char* option) {
+  std::vector<std::string> items;
+  if (text.empty()) return items;
+  std::stringstream in(text + ",");  // so that a trailing comma leaves an empty last item
+  for (std::string item; std::getline(in, item, ',');) {
+    if (item.empty()) throw Error(errno_code(EINVAL), {.op = fmt::format("ckpt load {}", option)}, fmt::format("an empty item in '{}'", text));
+    items.push_back(item);
+  }
+  return items;
 }
 
 nlohmann::json tensor_json(const std::string& name, st::Dtype dtype, const std::vector<std::uint64_t>& shape,
@@ -88,7 +93,7 @@ double median_of(std::vector<double> runs) {
 // "cuda:0,1" or "cuda:0,cuda:1" or "host,pinned": a bare number after a cuda location is the next GPU.
 std::vector<MemoryLocation> parse_locations(const std::string& text) {
   std::vector<MemoryLocation> out;
-  for (const std::string& token : split_names(text)) {
+  for (const std::string& token : split_list(text, "--into")) {
     const bool number = !token.empty() && std::all_of(token.begin(), token.end(), [](char c) { return c >= '0' && c <= '9'; });
     out.push_back(number && !out.empty() && out.back().kind == MemoryKind::device ? MemoryLocation::parse("cuda:" + token)
                                                                                  : MemoryLocation::parse(token));
@@ -106,7 +111,7 @@ int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) 
   for (const auto& where : into)
     if (where.kind == MemoryKind::device) Buffer::allocate(where, 1);  // contexts made before timing
   MultiLoadOptions options{.into = into, .placement = f.placement == "shard" ? Placement::shard : Placement::replicate};
-  options.load.names = split_names(f.names);
+  options.load.names = split_list(f.names, "--names");
   options.load.verify = f.verify;
   options.load.backend = f.backend;
   options.load.engine_options = f.tuning.resolve();
@@ -167,7 +172,7 @@ int run_load(const CkptFlags& f) {
   std::uint64_t total = 0;
   for (const auto& file : open_checkpoint(f.path))
     for (const auto& t : file.header.tensors) total += t.size();
-  LoadOptions options{.into = into, .names = split_names(f.names),
+  LoadOptions options{.into = into, .names = split_list(f.names, "--names"),
                       .layout = f.layout == "per-tensor" ? TensorLayout::per_tensor : TensorLayout::single_allocation,
                       .verify = f.verify, .engine = engine.get()};
   // --reuse-memory: one allocation, made before timing, that every run loads into (what a
