@@ -77,10 +77,20 @@ int run_info(const CkptFlags& f) {
   }
   fmt::print("{}: {} tensors, {} in {} file(s), checksums: {}\n", f.path, count, format_size(total), files.size(),
              checksums ? "yes (XXH3-64)" : "no");
-  for (const auto& t : tensors)
-    fmt::print("  {:<40} {:<6} {:<20} {:>12}\n", t["name"].get<std::string>(), t["dtype"].get<std::string>(),
-               fmt::format("[{}]", fmt::join(t["shape"].get<std::vector<std::uint64_t>>(), ", ")),
-               format_size(t["bytes"].get<std::uint64_t>()));
+  // Columns as wide as their widest entry (names run long; F8_E4M3FNUZ is 11 characters).
+  std::size_t name_width = 4, dtype_width = 4, shape_width = 5;
+  std::vector<std::string> shapes;
+  for (const auto& t : tensors) {
+    shapes.push_back(fmt::format("[{}]", fmt::join(t["shape"].get<std::vector<std::uint64_t>>(), ", ")));
+    name_width = std::max(name_width, t["name"].get<std::string>().size());
+    dtype_width = std::max(dtype_width, t["dtype"].get<std::string>().size());
+    shape_width = std::max(shape_width, shapes.back().size());
+  }
+  name_width = std::min<std::size_t>(name_width, 60);  // a longer name pushes its own row only
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    fmt::print("  {:<{}} {:<{}} {:<{}} {:>12}\n", tensors[i]["name"].get<std::string>(), name_width,
+               tensors[i]["dtype"].get<std::string>(), dtype_width, shapes[i], shape_width,
+               format_size(tensors[i]["bytes"].get<std::uint64_t>()));
   return 0;
 }
 
