@@ -262,22 +262,19 @@ TEST(SafetensorsBadInput, RefusedBeforeAllocatingWhatTheFileClaims) {
     const rlim_t cap = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE)) + (rlim_t{64} << 20);
     const rlimit limit{cap, cap};
     if (pages == 0 || ::setrlimit(RLIMIT_AS, &limit) != 0) ::_exit(3);
-    int refused = 0;
-    try {
-      st::read_header(claims);
-    } catch (const hbmio::Error& e) {
-      refused += e.code() == std::errc::invalid_argument;
-    } catch (const std::bad_alloc&) {
-      ::_exit(4);
-    }
-    try {
-      st::read_index(index);
-    } catch (const hbmio::Error& e) {
-      refused += e.code() == std::errc::invalid_argument;
-    } catch (const std::bad_alloc&) {
-      ::_exit(5);
-    }
-    ::_exit(refused == 2 ? 0 : 6);
+    // 1 when `read` is refused with EINVAL; a failed allocation ends the child with `status`.
+    const auto refused = [](const auto& read, int status) {
+      try {
+        read();
+      } catch (const hbmio::Error& e) {
+        return e.code() == std::errc::invalid_argument ? 1 : 0;
+      } catch (const std::bad_alloc&) {
+        ::_exit(status);
+      }
+      return 0;
+    };
+    const int both = refused([&] { st::read_header(claims); }, 4) + refused([&] { st::read_index(index); }, 5);
+    ::_exit(both == 2 ? 0 : 6);
   }
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);

@@ -321,9 +321,9 @@ void check_direct_io_and_cufile(const std::string& path, bool is_directory, Path
     alignment = e.what();
     facts.cufile_reason = e.what();
   }
-  const std::string on = !is_directory                    ? ""
-                         : target == (probe ? probe->path() : "") ? " (on a probe file, removed again)"
-                                                                  : fmt::format(" (on {}: the directory is read-only)", target);
+  std::string on;  // what was read, when a directory was given
+  if (is_directory)
+    on = probe->error().empty() ? " (on a probe file, removed again)" : fmt::format(" (on {}: the directory is read-only)", target);
   const std::string found = fmt::format("{}{}; {}", trial, on, alignment);
   if (facts.direct_io_works) {
     out.push_back(make_check(id, kGroupStorage, CheckStatus::pass, found));

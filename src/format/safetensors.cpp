@@ -323,7 +323,6 @@ ShardIndex parse_index_json(const nlohmann::json& root, const std::string& path)
 
 // --- file reading ---------------------------------------------------------------------------------
 
-// An open file descriptor, closed at scope exit.
 // Opens `path` read-only; a FIFO is refused first, since its open would wait for a writer.
 int refuse_fifo(const std::string& path) {
   if (struct stat st {}; ::stat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode))
@@ -331,6 +330,7 @@ int refuse_fifo(const std::string& path) {
   return ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
 }
 
+// An open file descriptor, closed at scope exit.
 class ReadOnlyFile {
  public:
   explicit ReadOnlyFile(const std::string& path) : path_(path), fd_(refuse_fifo(path)) {
