@@ -14,7 +14,7 @@
 #            further contenders; writes the W2 files first where they are missing)
 #   savecmp  durable saves of 6 GiB from cuda:0 against the O_DIRECT write ceiling, rounds
 #            interleaved and rotated (bench/peers/save_compare.py; ROUNDS, default 3; SAVE_ONLY:
-#            contenders to run; SAVE_VARIANTS "label:K=V ...;...": further ckpt save contenders
+#            contenders to run; SAVE_VARIANTS "label:K=V ...;...": further ckpt generate contenders
 #            under those environment variables, HBMIO=PATH naming another executable)
 #   firstuse the first warm load of a process against its next ones, per backend (what a program
 #            that loads once pays; the first run's note itemises the set-up)
@@ -89,13 +89,13 @@ python)
 save)
   log "O_DIRECT write ceiling and uring write, 6 GiB from cuda:0"
   "$BIN/hbmio" bench --size 6GiB --dir /var/tmp --write --backends uring --runs 2 --json "$OUT/bench-write-6g.json" 2>&1 | tail -8
-  log "ckpt save 6 GiB (48 x 128 MiB BF16) from cuda:0, durable, 3 runs"
+  log "ckpt generate 6 GiB (48 x 128 MiB BF16) from cuda:0, durable, 3 runs"
   mkdir -p $W2
   for r in 1 2 3; do
-    "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 --json - | tee -a "$OUT/save.jsonl" |
+    "$BIN/hbmio" ckpt generate $W2/big.safetensors --force --count 48 --tensor-size 128MiB --from cuda:0 --json - | tee -a "$OUT/save.jsonl" |
       python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"save run $r: {s['seconds']:.3f} s, {s['gib_per_second']:.2f} GiB/s, CPU {s['cpu_seconds']:.2f} s; {s['note']}\")"
   done
-  "$BIN/hbmio" ckpt save $W2/small.safetensors --count 3072 --tensor-size 2MiB --from cuda:0 --json - | tee -a "$OUT/save.jsonl" |
+  "$BIN/hbmio" ckpt generate $W2/small.safetensors --force --count 3072 --tensor-size 2MiB --from cuda:0 --json - | tee -a "$OUT/save.jsonl" |
     python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"save 3072 x 2 MiB: {s['seconds']:.3f} s, {s['gib_per_second']:.2f} GiB/s; {s['note']}\")"
   ;;
 load|load-big|load-small)
@@ -105,8 +105,8 @@ load|load-big|load-small)
   files="big small"; [ $stage = load-big ] && files=big; [ $stage = load-small ] && files=small
   vargs=(); IFS=';' read -ra vs <<<"${VARIANTS:-}"; for v in "${vs[@]}"; do [ -n "$v" ] && vargs+=(--variant "$v"); done
   mkdir -p $W2
-  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
-  [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt save $W2/small.safetensors --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
+  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt generate $W2/big.safetensors --force --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
+  [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt generate $W2/small.safetensors --force --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
   for f in $files; do
     log "load $f.safetensors into cuda:0: interleaved cold rounds, then warm (${MODE:-both})"
     PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" \
@@ -127,7 +127,7 @@ savecmp)
 firstuse)
   log "first warm load of a process vs the next, small.safetensors into cuda:0"
   mkdir -p $W2
-  [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt save $W2/small.safetensors --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
+  [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt generate $W2/small.safetensors --force --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
   cat $W2/small.safetensors >/dev/null
   for backend in uring auto uring auto; do
     "$BIN/hbmio" ckpt load $W2/small.safetensors --into cuda:0 --backend $backend --runs 3 --json - | python3 -c "import json,sys; j=json.load(sys.stdin); j.pop('tensors',None); print(json.dumps(j))" | tee -a "$OUT/firstuse.jsonl" |
@@ -149,7 +149,7 @@ multi)
   install_wheels; build_python
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   M=/var/tmp/m12
-  [ -f $M/model.safetensors.index.json ] || "$BIN/hbmio" ckpt save $M --max-shard-size 3GiB --count 96 --tensor-size 128MiB --from cuda:0 | tail -1
+  [ -f $M/model.safetensors.index.json ] || "$BIN/hbmio" ckpt generate $M --force --max-shard-size 3GiB --count 96 --tensor-size 128MiB --from cuda:0 | tail -1
   log "checkpoint GPU tests across devices"
   "$BIN/checkpoint_tests" --gtest_brief=1 --gtest_filter='GpuMultiLoad.*:MultiLoad.*' 2>&1 | tail -3
   cat $M/*.safetensors >/dev/null

@@ -40,7 +40,7 @@ CUFILE_EXPERIMENTAL_FS=1 "$BIN/hbmio" backends
 
 file=/var/tmp/hbmio-shard.bin
 log "write a $SIZE sample shard"
-"$BIN/hbmio" write "$file" --size "$SIZE" --sync
+"$BIN/hbmio" write-random "$file" --size "$SIZE" --sync --force
 
 log "hbmio bench (read, cold and warm)"
 CUFILE_EXPERIMENTAL_FS=1 "$BIN/hbmio" bench --file "$file" --backends posix,uring,cufile,auto --both --runs 5 \

@@ -16,7 +16,7 @@ drop() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 for stage in "$@"; do
 case $stage in
 read)
-  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
+  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt generate $W2/big.safetensors --force --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
   IFS=';' read -ra vs <<<"${VARIANTS:-default=--direct-io on}"
   for round in 1 2; do
     for v in "${vs[@]}"; do
@@ -31,15 +31,15 @@ read)
 save)
   for round in 1 2; do
     for chk in "" "--no-checksums"; do
-      "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 $chk ${SAVE_FLAGS:-} --json - |
+      "$BIN/hbmio" ckpt generate $W2/big.safetensors --force --count 48 --tensor-size 128MiB --from cuda:0 $chk ${SAVE_FLAGS:-} --json - |
         python3 -c "import json,sys; s=json.load(sys.stdin)['stats']; print(f\"save round $round ${chk:-checksums}: {s['seconds']:.3f} s {s['gib_per_second']:.2f} GiB/s\")"
     done
     "$BIN/hbmio" bench --size 6GiB --dir /var/tmp --write --backends uring --runs 1 2>&1 | grep -A3 "^write" | tail -2
   done
   ;;
 warm)
-  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
-  [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt save $W2/small.safetensors --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
+  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt generate $W2/big.safetensors --force --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
+  [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt generate $W2/small.safetensors --force --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
   cat $W2/big.safetensors $W2/small.safetensors >/dev/null
   IFS=';' read -ra vs <<<"${WARM_VARIANTS:-default:}"
   for round in 1 2 3 4; do
@@ -54,7 +54,7 @@ warm)
   done
   ;;
 hybrid)
-  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt save $W2/big.safetensors --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
+  [ -f $W2/big.safetensors ] || "$BIN/hbmio" ckpt generate $W2/big.safetensors --force --count 48 --tensor-size 128MiB --from cuda:0 >/dev/null
   cat $W2/big.safetensors >/dev/null
   HYBRID="${HYBRID:-0 0.3 0.4 0.5}" COPIERS="${COPIERS:-8 14}" "$BIN/page_cache_dma" $W2/big.safetensors
   ;;

@@ -9,7 +9,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 fixtures="${HBMIO_FIXTURES:-}/safetensors"
 
 "$hbmio" ckpt --help | grep -q verify || fail "ckpt --help"
-"$hbmio" ckpt save "$dir/a.safetensors" --count 5 --tensor-size 1MiB --dtype BF16 --seed 3 >/dev/null || fail "save"
+"$hbmio" ckpt generate "$dir/a.safetensors" --force --count 5 --tensor-size 1MiB --dtype BF16 --seed 3 >/dev/null || fail "save"
 "$hbmio" ckpt info "$dir/a.safetensors" --json - | python3 -c "
 import json,sys; j=json.load(sys.stdin)
 assert j['tensor_count']==5 and j['total_bytes']==5<<20 and j['checksums'] is True, j
@@ -82,7 +82,7 @@ assert a.keys() == b.keys() and all((a[k] == b[k]).all() and a[k].dtype == b[k].
   # and the rewrite leaves every tensor's bytes as the reference wrote them.
   dtypes="BOOL U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 BF16 I32 U32 F32 C64 F64 I64 U64 F4 F6_E2M3 F6_E3M2"
   for dt in $dtypes; do
-    "$hbmio" ckpt save "$dir/dt.safetensors" --count 2 --tensor-size 3KiB --dtype "$dt" --seed 5 >/dev/null \
+    "$hbmio" ckpt generate "$dir/dt.safetensors" --force --count 2 --tensor-size 3KiB --dtype "$dt" --seed 5 >/dev/null \
       || fail "save --dtype $dt"
     "$hbmio" ckpt info "$dir/dt.safetensors" --json "$dir/dt.json" >/dev/null || fail "info --dtype $dt"
     python3 - "$dir/dt.safetensors" "$dir/dt.json" "$dt" <<'PY' || fail "the reference reads hbmio's $dt file wrongly"
@@ -160,22 +160,25 @@ grep -q "do not match" <<<"$out" && grep -q -- "bad.safetensors" <<<"$out" || fa
 "$hbmio" ckpt checksum "$dir/bad.safetensors" | grep -q "already present and matching" || fail "checksum of a good file"
 # Usage errors exit 1, like every other error; --max-shard-size 0 is one.
 set +e
-"$hbmio" ckpt save "$dir/z.safetensors" --count 1 --tensor-size 4KiB --max-shard-size 0 >/dev/null 2>&1; rc1=$?
+"$hbmio" ckpt generate "$dir/z.safetensors" --force --count 1 --tensor-size 4KiB --max-shard-size 0 >/dev/null 2>&1; rc1=$?
 "$hbmio" ckpt load "$dir/a.safetensors" --no-such-flag >/dev/null 2>&1; rc2=$?
 "$hbmio" frobnicate >/dev/null 2>&1; rc3=$?
 set -e
 [ "$rc1 $rc2 $rc3" = "1 1 1" ] || fail "usage errors exit 1 (got $rc1 $rc2 $rc3)"
 [ ! -e "$dir/z.safetensors" ] || fail "--max-shard-size 0 wrote something"
 
-# Ctrl-C (SIGINT) or SIGTERM while a save writes: the process ends by that signal (128 + N), its
-# temporary file or directory is gone at once, and the old checkpoint is intact.
+# Ctrl-C (SIGINT) or SIGTERM while a save writes: the save stops before it publishes, the process
+# ends by that signal (128 + N), nothing of the save is left, and the old checkpoint is intact.
 interrupt_save() {  # NAME SIGNAL [save flags...]
   local name=$1 sig=$2; shift 2
-  "$hbmio" ckpt save "$dir/$name" --count 2 --tensor-size 1MiB "$@" >/dev/null || fail "first save of $name"
-  "$hbmio" ckpt save "$dir/$name" --count 32 --tensor-size 16MiB --backend posix "$@" >/dev/null 2>"$dir/stop.err" &
+  "$hbmio" ckpt generate "$dir/$name" --force --count 2 --tensor-size 1MiB "$@" >/dev/null || fail "first save of $name"
+  "$hbmio" ckpt generate "$dir/$name" --force --count 32 --tensor-size 16MiB --backend posix "$@" >/dev/null 2>"$dir/stop.err" &
   local pid=$! i
-  for i in $(seq 500); do ls -A "$dir" | grep -q "^\.$name\.hbmio-tmp-" && break; sleep 0.02; done
-  ls -A "$dir" | grep -q "^\.$name\.hbmio-tmp-" || fail "$name: no temporary appeared"
+  # Writing: the save holds its new file open (unnamed, O_TMPFILE: "DIR/#N (deleted)"), or its
+  # temporary directory exists.
+  writing() { ls -l "/proc/$pid/fd" 2>/dev/null | grep -q -- "$dir/#" || ls -A "$dir" | grep -q "^\.$name\.hbmio-tmp-"; }
+  for i in $(seq 500); do writing && break; sleep 0.02; done
+  writing || fail "$name: the save never started writing"
   kill -"$sig" $pid
   local rc=0
   wait $pid || rc=$?
@@ -192,22 +195,22 @@ interrupt_save int-sharded INT --max-shard-size 64MiB
 
 # Crash safety: kill -9 the saver at many points; the final name always holds a complete old or
 # new checkpoint (verify passes), and the next save leaves no temporary file.
-"$hbmio" ckpt save "$dir/c.safetensors" --count 16 --tensor-size 2MiB --seed 1 >/dev/null
+"$hbmio" ckpt generate "$dir/c.safetensors" --force --count 16 --tensor-size 2MiB --seed 1 >/dev/null
 for i in $(seq 1 20); do
-  "$hbmio" ckpt save "$dir/c.safetensors" --count 16 --tensor-size 2MiB --seed $((i + 100)) >/dev/null 2>&1 &
+  "$hbmio" ckpt generate "$dir/c.safetensors" --force --count 16 --tensor-size 2MiB --seed $((i + 100)) >/dev/null 2>&1 &
   pid=$!
   sleep "0.0$(( (i * 7) % 10 ))"
   kill -9 $pid 2>/dev/null || true
   wait $pid 2>/dev/null || true
   "$hbmio" ckpt verify "$dir/c.safetensors" >/dev/null || fail "after SIGKILL $i the checkpoint does not verify"
 done
-"$hbmio" ckpt save "$dir/c.safetensors" --count 2 --tensor-size 4KiB >/dev/null
+"$hbmio" ckpt generate "$dir/c.safetensors" --force --count 2 --tensor-size 4KiB >/dev/null
 [ -z "$(ls -A "$dir" | grep hbmio-tmp || true)" ] || fail "temporary files left after the next save"
 # The same for a sharded save into a directory: every kill leaves a complete old or new set.
-"$hbmio" ckpt save "$dir/sharded" --count 12 --tensor-size 2MiB --max-shard-size 5MiB >/dev/null
+"$hbmio" ckpt generate "$dir/sharded" --force --count 12 --tensor-size 2MiB --max-shard-size 5MiB >/dev/null
 [ "$(ls "$dir/sharded" | grep -c 'of-00006.safetensors')" = 6 ] || fail "sharded save: expected 6 shards (2 tensors of 2 MiB each), got: $(ls "$dir/sharded")"
 for i in $(seq 1 8); do
-  "$hbmio" ckpt save "$dir/sharded" --count 12 --tensor-size 2MiB --max-shard-size $(( (i % 3 + 1) * 3 ))MiB --seed $i >/dev/null 2>&1 &
+  "$hbmio" ckpt generate "$dir/sharded" --force --count 12 --tensor-size 2MiB --max-shard-size $(( (i % 3 + 1) * 3 ))MiB --seed $i >/dev/null 2>&1 &
   pid=$!
   sleep "0.0$(( (i * 3) % 10 ))"
   kill -9 $pid 2>/dev/null || true

@@ -10,7 +10,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 "$hbmio" --help | grep -q 'backends' || fail "--help lists the subcommands"
 "$hbmio" read --help | grep -q -- '--into' || fail "read --help"
 
-"$hbmio" write "$dir/a.bin" --size 3MiB --seed 7 --sync --verify >/dev/null || fail "write --verify"
+"$hbmio" write-random "$dir/a.bin" --size 3MiB --seed 7 --sync --verify >/dev/null || fail "write --verify"
 [ "$(stat -c %s "$dir/a.bin")" = 3145728 ] || fail "written size"
 for b in posix uring auto; do
   "$hbmio" read "$dir/a.bin" --backend $b --into pinned --offset 4097 --verify --json "$dir/r.json" >/dev/null \
@@ -54,13 +54,13 @@ HBMIO_BACKEND=posix "$hbmio" read "$dir/a.bin" --json - | python3 -c "
 import json,sys; assert json.load(sys.stdin)['stats']['backend'] == 'posix'" || fail "HBMIO_BACKEND (read)"
 HBMIO_BACKEND=posix "$hbmio" read "$dir/a.bin" --backend uring --json - | python3 -c "
 import json,sys; assert json.load(sys.stdin)['stats']['backend'] == 'uring'" || fail "--backend over HBMIO_BACKEND"
-"$hbmio" ckpt save "$dir/e.safetensors" --count 2 --tensor-size 64KiB >/dev/null
+"$hbmio" ckpt generate "$dir/e.safetensors" --force --count 2 --tensor-size 64KiB >/dev/null
 HBMIO_BACKEND=posix "$hbmio" ckpt load "$dir/e.safetensors" --json - | python3 -c "
 import json,sys; assert json.load(sys.stdin)['stats']['backend'] == 'posix'" || fail "HBMIO_BACKEND (ckpt load)"
 out=$(HBMIO_BACKEND=warp "$hbmio" ckpt load "$dir/e.safetensors" 2>&1) && fail "HBMIO_BACKEND=warp accepted"
 grep -q "unknown backend" <<<"$out" || fail "HBMIO_BACKEND=warp message: $out"
 out=$("$hbmio" doctor --root "$dir/no-such-tree" 2>&1) && fail "doctor --root of a missing directory passed"
 grep -q "no-such-tree" <<<"$out" || fail "doctor --root message: $out"
-out=$("$hbmio" write "$dir/w.bin" --size 0x100 2>&1) && fail "a hex size accepted"
+out=$("$hbmio" write-random "$dir/w.bin" --size 0x100 2>&1) && fail "a hex size accepted"
 grep -q -- "--size" <<<"$out" || fail "a bad size names its option: $out"
 echo "cli: all checks passed"

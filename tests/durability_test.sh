@@ -22,7 +22,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 # -y prints each descriptor's path, so "fsync(3</dir/.x.hbmio-tmp-...>)" names what was synced.
 traced() {
   local log=$1; shift
-  strace -f -y -qq -e trace=fsync,fdatasync,rename,renameat,renameat2 -o "$log" "$@" >/dev/null ||
+  strace -f -y -qq -e trace=fsync,fdatasync,rename,renameat,renameat2,linkat -o "$log" "$@" >/dev/null ||
     fail "strace $* (is ptrace allowed here?)"
 }
 
@@ -51,6 +51,17 @@ publish = renames[-1]
 temp = re.findall(r'"([^"]+)"', calls[publish][1])[0]
 synced_before = [re.search(r"<([^>]+)>", args).group(1) for name, args, _ in calls[:publish] if name in ("fsync", "fdatasync")]
 synced_after = [re.search(r"<([^>]+)>", args).group(1) for name, args, _ in calls[publish + 1:] if name in ("fsync", "fdatasync")]
+# A file written unnamed (O_TMPFILE) is fsynced by descriptor ("fsync(5</dir/#123 (deleted)>)")
+# and then given a name by linkat(AT_FDCWD, "/proc/self/fd/5", ..., NAME) or linkat(5, "", ...):
+# such a NAME counts as synced when its descriptor was fsynced before the link.
+for i, (name, args, _) in enumerate(calls[:publish]):
+    if name != "linkat":
+        continue
+    paths = re.findall(r'"([^"]*)"', args)
+    fd = re.match(r"/proc/self/fd/(\d+)$", paths[0]) if paths else None
+    fd = fd.group(1) if fd else re.match(r"\s*(\d+)", args).group(1) if re.match(r"\s*\d+", args) else None
+    if fd and any(n in ("fsync", "fdatasync") and re.match(r"\s*%s<" % fd, a) for n, a, _ in calls[:i]):
+        synced_before.append(paths[-1])
 # The published thing itself (a file), or every file and the directory itself (a sharded
 # checkpoint built under the temporary directory name), must be synced before the rename.
 if temp not in synced_before:
@@ -72,20 +83,20 @@ PY
 }
 
 # A single file.
-traced "$dir/one.log" "$hbmio" ckpt save "$dir/m.safetensors" --count 4 --tensor-size 1MiB
+traced "$dir/one.log" "$hbmio" ckpt generate "$dir/m.safetensors" --force --count 4 --tensor-size 1MiB
 check "$dir/one.log" "$dir/m.safetensors" "$dir"
 # The same name again: replaced, the same order.
-traced "$dir/again.log" "$hbmio" ckpt save "$dir/m.safetensors" --count 2 --tensor-size 1MiB --seed 9
+traced "$dir/again.log" "$hbmio" ckpt generate "$dir/m.safetensors" --force --count 2 --tensor-size 1MiB --seed 9
 check "$dir/again.log" "$dir/m.safetensors" "$dir"
 
 # A new sharded checkpoint (3 shards + index): every shard and the index synced inside the
 # temporary directory, the directory synced, then renamed into place, then its parent synced.
 shards=(model-00001-of-00003.safetensors model-00002-of-00003.safetensors model-00003-of-00003.safetensors
         model.safetensors.index.json)
-traced "$dir/sharded.log" "$hbmio" ckpt save "$dir/ckpt" --count 6 --tensor-size 1MiB --max-shard-size 2MiB
+traced "$dir/sharded.log" "$hbmio" ckpt generate "$dir/ckpt" --force --count 6 --tensor-size 1MiB --max-shard-size 2MiB
 check "$dir/sharded.log" "$dir/ckpt" "$dir" "${shards[@]}"
 # Replacing it swaps the directories with renameat2(RENAME_EXCHANGE): the same order.
-traced "$dir/swap.log" "$hbmio" ckpt save "$dir/ckpt" --count 6 --tensor-size 1MiB --max-shard-size 2MiB --seed 5
+traced "$dir/swap.log" "$hbmio" ckpt generate "$dir/ckpt" --force --count 6 --tensor-size 1MiB --max-shard-size 2MiB --seed 5
 grep -q "RENAME_EXCHANGE" "$dir/swap.log" || fail "a replaced sharded checkpoint is not swapped in with RENAME_EXCHANGE"
 check "$dir/swap.log" "$dir/ckpt" "$dir" "${shards[@]}"
 "$hbmio" ckpt verify "$dir/ckpt" >/dev/null || fail "the swapped-in checkpoint does not verify"
@@ -100,12 +111,12 @@ killed=0
 kill_at() {
   local label=$1 target=$2 call=$3 when=$4; shift 4
   rm -rf "$target" "$dir/new"
-  "$hbmio" ckpt save "$dir/new" "$@" --seed 2 >/dev/null  # what a finished save writes
+  "$hbmio" ckpt generate "$dir/new" --force "$@" --seed 2 >/dev/null  # what a finished save writes
   local new_digest; new_digest=$(digest "$dir/new")
-  "$hbmio" ckpt save "$target" "$@" --seed 1 >/dev/null
+  "$hbmio" ckpt generate "$target" --force "$@" --seed 1 >/dev/null
   local old_digest; old_digest=$(digest "$target")
   strace -f -qq -o "$dir/kill.log" -e trace="$call" -e inject="$call":signal=KILL:when="$when" \
-    "$hbmio" ckpt save "$target" "$@" --seed 2 >/dev/null 2>&1 &
+    "$hbmio" ckpt generate "$target" --force "$@" --seed 2 >/dev/null 2>&1 &
   wait $! 2>/dev/null || true  # its status is the kill; bash's "Killed" notice goes to wait's stderr
   if grep -q "killed by SIGKILL" "$dir/kill.log"; then
     killed=$((killed + 1))
@@ -116,7 +127,7 @@ kill_at() {
   [ "$now" = "$old_digest" ] || [ "$now" = "$new_digest" ] ||
     fail "$label: killed at $call #$when, $target holds neither the old nor the new checkpoint"
   "$hbmio" ckpt verify "$target" >/dev/null || fail "$label: killed at $call #$when, the checkpoint does not verify"
-  "$hbmio" ckpt save "$target" "$@" --seed 3 >/dev/null || fail "$label: the save after the kill failed"
+  "$hbmio" ckpt generate "$target" --force "$@" --seed 3 >/dev/null || fail "$label: the save after the kill failed"
   [ -z "$(ls -A "$(dirname "$target")" | grep hbmio-tmp || true)" ] || fail "$label: temporaries left after the next save"
   echo "ok: $label, killed at $call #$when: $([ "$now" = "$old_digest" ] && echo old || echo new) checkpoint whole"
 }

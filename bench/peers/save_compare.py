@@ -7,11 +7,11 @@ rotated from round to round, and the summary is the median per contender with it
 median ceiling. Contenders:
   ceiling          hbmio write --from pinned --direct-io on --sync (O_DIRECT from page-locked memory)
   uring write      hbmio write --from <device> --direct-io on --sync (the engine's own write path)
-  ckpt save big    hbmio ckpt save --count 48 (checksums on; fsync, rename, directory fsync)
-  ckpt save small  hbmio ckpt save --count 3072
+  ckpt generate big    hbmio ckpt generate --count 48 (checksums on; fsync, rename, directory fsync)
+  ckpt generate small  hbmio ckpt generate --count 3072
   hbmio.save_file  from torch tensors on <device>, 48 tensors (needs torch)
   safetensors      safetensors.torch.save_file + os.fsync, same tensors (needs torch and safetensors)
-  --variant 'LABEL:K=V ...' adds "ckpt save big LABEL" and "ckpt save small LABEL", run with those
+  --variant 'LABEL:K=V ...' adds "ckpt generate big LABEL" and "ckpt generate small LABEL", run with those
   environment variables (engine tunings such as HBMIO_BOUNCE_BUFFERS=8; HBMIO=PATH names another
   hbmio executable, e.g. an earlier build), so a change is measured against its predecessor in the
   same rounds.
@@ -48,7 +48,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", help="comma-separated contenders to run (default: all that can run here)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL:K=V ...",
-                   help="further ckpt save contenders under these environment variables (HBMIO=PATH: another executable)")
+                   help="further ckpt generate contenders under these environment variables (HBMIO=PATH: another executable)")
     p.add_argument("--json")
     a = p.parse_args()
     size = parse_size(a.size)
@@ -57,22 +57,22 @@ def main():
     big, small = 48, 3072
 
     def hbmio_write(source):
-        return lambda: run_json([a.hbmio, "write", out, "--from", source, "--size", str(size), "--direct-io", "on",
+        return lambda: run_json([a.hbmio, "write-random", out, "--force", "--from", source, "--size", str(size), "--direct-io", "on",
                                  "--backend", "uring", "--sync", "--json", "-"])["stats"]
 
     def ckpt_save(count, env=None):
         exe = (env or {}).get("HBMIO", a.hbmio)
-        cmd = [exe, "ckpt", "save", out, "--count", str(count), "--tensor-size", str(size // count), "--from", a.device,
+        cmd = [exe, "ckpt", "generate", out, "--force", "--count", str(count), "--tensor-size", str(size // count), "--from", a.device,
                "--json", "-"]
         return lambda: run_json(cmd, env)["stats"]
 
     contenders = {"ceiling": hbmio_write("pinned"), "uring write": hbmio_write(a.device),
-                  "ckpt save big": ckpt_save(big), "ckpt save small": ckpt_save(small)}
+                  "ckpt generate big": ckpt_save(big), "ckpt generate small": ckpt_save(small)}
     for variant in a.variant:
         label, _, assignments = variant.partition(":")
         env = dict(os.environ, **dict(kv.split("=", 1) for kv in assignments.split()))
-        contenders[f"ckpt save big {label}"] = ckpt_save(big, env)
-        contenders[f"ckpt save small {label}"] = ckpt_save(small, env)
+        contenders[f"ckpt generate big {label}"] = ckpt_save(big, env)
+        contenders[f"ckpt generate small {label}"] = ckpt_save(small, env)
     try:
         import torch
         import hbmio

@@ -75,15 +75,46 @@ class LoadedCheckpoint {
   bool verified_ = false;
 };
 
+// A directory a checkpoint was opened from, held open (a descriptor): its shards are opened
+// relative to it, so a sharded save that swaps another directory in under the same name
+// (save_checkpoint's renameat2) never mixes the old index with new shards.
+class CheckpointDirectory {
+ public:
+  explicit CheckpointDirectory(int fd) noexcept : fd_(fd) {}
+  ~CheckpointDirectory();
+  CheckpointDirectory(const CheckpointDirectory&) = delete;
+  CheckpointDirectory& operator=(const CheckpointDirectory&) = delete;
+  int fd() const noexcept { return fd_; }
+
+ private:
+  int fd_;
+};
+
 // One file of a checkpoint and the tensors it holds.
 struct CheckpointFile {
   std::string path;
   safetensors::Header header;
+  // The file whose header this is, as it was opened to read it. A load, verify or checksum reads
+  // the data through the same descriptor, so a file replaced meanwhile (rename is atomic) is never
+  // read half old, half new: one descriptor sees one file. Null for the files of a checkpoint
+  // past open_checkpoint's bound on open files: those are opened again when read (relative to
+  // `directory`) and must then still be the same file (`identity`), or the read fails with ESTALE.
+  std::shared_ptr<const File> file;
+  FileIdentity identity;
+  std::shared_ptr<const CheckpointDirectory> directory;  // null for a file named on its own
 };
 
 // Resolves PATH (a .safetensors file, a *.index.json, or a directory holding either) to its files,
 // each header read and validated; for an index, checks that every tensor it names is in its shard.
+// Every file is opened once: the files returned hold their descriptors (see CheckpointFile::file)
+// up to a bound derived from RLIMIT_NOFILE, so a checkpoint of hundreds of shards does not exhaust
+// the process's descriptors.
 std::vector<CheckpointFile> open_checkpoint(const std::string& path);
+
+// The open file of `file`: its own descriptor, or, where open_checkpoint did not keep one, the
+// file opened again from its directory, checked to be the same file (Error ESTALE, naming it,
+// when another file has taken its name: the checkpoint was replaced while being read).
+std::shared_ptr<const File> reopen(const CheckpointFile& file);
 
 // Loads tensors into memory of one kind. Reads are planned: tensors adjacent in the file and in
 // memory become one request, so a file of many small tensors loads like one of few big ones.
@@ -201,25 +232,31 @@ struct SaveOptions {
   // (a rewrite of the same checkpoint, as add_checksums does, should not change who may read it).
   // Off: mode 0666 less the umask, owned by the caller, as any new file.
   bool keep_attributes = false;
+  // Optional: a stop request (Ctrl-C in `hbmio ckpt generate`). Once it reads true, the save stops
+  // at its next safe point (between pieces of its writes, before its fsync, before it publishes)
+  // and throws Error(ECANCELED) with nothing of it left behind and the path as it was. A save past
+  // its rename (or a sharded save past its directory swap) has published and finishes instead:
+  // whether save_checkpoint returned or threw ECANCELED says which the path holds.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
-// Writes a safetensors file that the reference reader accepts, crash-safe: a temporary file in the
-// same directory (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0666 so the umask applies), fsync, rename over
-// `path`, fsync of the directory. On any error the previous file at `path` is untouched, the
-// temporary file is removed, and the error (never retried: an fsync failure is final) is thrown.
-// Temporary files left by a crashed earlier save of the same name are removed first (those of a
-// save still running are not: each holds a lock on its temporary file or directory).
-// A symbolic link at `path` is followed: the file it names is replaced, and the link stays.
+// Writes a safetensors file that the reference reader accepts, crash-safe: a new file in the same
+// directory, unnamed (O_TMPFILE, mode 0666 so the umask applies) where the file system allows it,
+// else a hidden temporary name (O_CREAT|O_EXCL|O_NOFOLLOW); fsync; a rename over `path`; fsync of
+// the directory. On any error the previous file at `path` is untouched, nothing of the new one is
+// left, and the error (never retried: an fsync failure is final) is thrown; a save killed outright
+// leaves nothing either where the file was unnamed. Temporary files left by a crashed earlier save
+// of the same name are removed first (those of a save still running are not: each holds a lock).
+// A symbolic link at `path` is followed: the file it names is replaced, and the link stays. Only a
+// regular file is replaced: a device node, FIFO, socket or directory at `path` is refused (EINVAL,
+// EISDIR). The rename waits while add_checksums rewrites the file there (its older data would
+// otherwise replace this save's). Errors name `path` (and a shard's final name), never a temporary.
 // Sharded (options.max_shard_size > 0): the whole directory is built beside the target and
 // swapped in with one renameat2(RENAME_EXCHANGE), so readers see all old or all new shards, never
-// a mix; other files in the directory (config.json, tokenizer files) are carried over as hard links.
+// a mix; other files in the directory (config.json, tokenizer files) are carried over as hard
+// links, while the old checkpoint's own files that the new one lacks (a model.safetensors, shards
+// of another count) go with the old checkpoint, as the returned note says.
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options = {});
-
-// Removes what saves of `path` in this process have written so far (their temporary files or
-// directory), for a caller stopping on a signal (`hbmio ckpt save` on Ctrl-C): the final name
-// keeps what it held, and no hidden temporary stays behind. Other processes' temporaries and the
-// file or directory at `path` are never touched. The saves themselves fail if they go on.
-void remove_own_save_temporaries(const std::string& path) noexcept;
 
 // The outcome of checking the stored checksums of a checkpoint against its bytes on disk.
 struct VerifyResult {
@@ -233,16 +270,20 @@ VerifyResult verify_checkpoint(const std::string& path);
 
 // Rewrites every file of a checkpoint (a file, a sharded index, or a directory holding either)
 // with checksums added, one file at a time, each crash-safe as save_checkpoint and keeping the
-// file's mode, owner and group. The data is read through a read-only mapping of the file, so
-// memory use does not grow with the file's size. A file whose stored checksums all match its
+// file's mode, owner and group. The data is copied in pieces through the descriptor its header was
+// read from (no mapping: a file truncated meanwhile is an Error EIO "the file changed while being
+// read", not a SIGBUS), so memory use does not grow with the file's size. A rewrite holds the
+// file's lock (flock): two rewrites of the same file, in any processes, take turns, and a save of
+// that name waits to publish. A file whose stored checksums all match its
 // bytes is left as it is. A file whose stored checksums do not match is refused (Error EBADMSG
 // naming the tensor), since new checksums would certify damaged data, unless `force`. A file with
 // more than one hard link is refused (the rewrite would give only this name the new file).
+// `cancel`: as SaveOptions::cancel; files already rewritten keep their checksums.
 struct AddChecksumsResult {
   std::uint64_t files_rewritten = 0;
   std::uint64_t files_already_valid = 0;  // checksums present and matching: not rewritten
 };
-AddChecksumsResult add_checksums(const std::string& path, bool force = false);
+AddChecksumsResult add_checksums(const std::string& path, bool force = false, const std::atomic<bool>* cancel = nullptr);
 
 // XXH3-64 of host memory, as hex (16 digits): the checksum format stored in files.
 std::string xxh3_hex(const std::byte* data, std::size_t size);

@@ -39,6 +39,9 @@ struct IoRequest {
   // Optional: engines add the bytes they complete, as they complete them, so another thread
   // can show progress. Must outlive the transfer.
   std::atomic<std::uint64_t>* progress = nullptr;
+  // Optional: once it reads true the transfer stops at its next chunk (what is in flight
+  // completes first) and throws Error(ECANCELED). A save stopped by Ctrl-C uses it.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // Thread-safety: an Engine may be shared by threads; each engine serves one request at a time

@@ -17,6 +17,9 @@ enum class OpenMode {
   read_write,  // create if missing, keep contents
   create_new,  // create a file that must not exist yet, write only; never follows a symlink
                // (O_CREAT | O_EXCL | O_NOFOLLOW): for temporary files that nobody may swap
+  create_unnamed,  // a new file without a name in the directory given as the path (O_TMPFILE),
+                   // write only: it vanishes with its last descriptor unless linked (a save's
+                   // data, which a killed process must not leave behind)
 };
 
 // What O_DIRECT needs on this file, from statx(STATX_DIOALIGN) where the kernel reports it.
@@ -32,12 +35,23 @@ struct DirectIoInfo {
   std::string reason;                  // why not supported (e.g. "tmpfs refuses O_DIRECT: EINVAL")
 };
 
+// Which file a descriptor refers to: the same (device, inode) is the same file, whatever its name
+// is now. A file replaced by rename(2) has another inode.
+struct FileIdentity {
+  std::uint64_t device = 0, inode = 0;
+  bool operator==(const FileIdentity&) const = default;
+};
+
 class File {
  public:
   File() = default;
   // Throws Error (op "open") naming the path and the system's message. `with_direct_io = false`
   // skips the O_DIRECT descriptor: every transfer then goes through the page cache.
   static File open(const std::string& path, OpenMode mode, bool with_direct_io = true);
+  // The same, for `name` relative to the directory open as `dir_fd` (openat(2); AT_FDCWD: the
+  // working directory): a checkpoint's shards are opened from the directory it was opened in, even
+  // if another directory takes its name meanwhile. `path` names the file in errors.
+  static File open_at(int dir_fd, const std::string& name, const std::string& path, OpenMode mode, bool with_direct_io = true);
   ~File();
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;
@@ -49,6 +63,7 @@ class File {
   int fd() const noexcept { return fd_; }
   int direct_fd() const noexcept { return direct_fd_; }  // -1 when O_DIRECT is unavailable
   const DirectIoInfo& direct_io() const noexcept { return direct_; }
+  const FileIdentity& identity() const noexcept { return identity_; }
   bool readable() const noexcept { return mode_ == OpenMode::read || mode_ == OpenMode::read_write; }
   bool writable() const noexcept { return mode_ != OpenMode::read; }
 
@@ -63,6 +78,7 @@ class File {
   int fd_ = -1;
   int direct_fd_ = -1;
   DirectIoInfo direct_{};
+  FileIdentity identity_{};
 };
 
 // The file system type of a path ("ext4", "tmpfs", ...), from statfs; "unknown" when unmapped.

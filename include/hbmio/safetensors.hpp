@@ -77,6 +77,9 @@ Header parse_header(std::string_view json, std::uint64_t file_size, const std::s
 
 // Reads and validates the header of the file at `path` (two small reads). Throws Error.
 Header read_header(const std::string& path);
+// The same through an open descriptor (the caller's; `path` names it in messages): what is parsed
+// is then the file the caller goes on reading, even if its name is given to another file meanwhile.
+Header read_header(int fd, const std::string& path);
 
 // The bytes that start a safetensors file for `tensors` (their begin/end are recomputed: packed
 // back to back in the given order) and `metadata`: the 8-byte length, then the JSON header padded
@@ -101,5 +104,6 @@ struct ShardIndex {
 // path, or an empty name is refused (Error EINVAL naming the entry). `path` is for messages.
 ShardIndex parse_index(std::string_view json, const std::string& path);
 ShardIndex read_index(const std::string& path);
+ShardIndex read_index(int fd, const std::string& path);
 
 }  // namespace hbmio::safetensors

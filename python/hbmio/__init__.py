@@ -363,8 +363,12 @@ def _parse_size(size) -> int:
 
 
 def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", max_shard_size=None, progress=False):
-    """Writes {name: array} as a safetensors file, crash-safe (temporary file, fsync, rename,
-    directory fsync): on any error the previous file at `path` is untouched.
+    """Writes {name: array} as a safetensors file, crash-safe (an unnamed new file, fsync, rename,
+    directory fsync): on any error the previous file at `path` is untouched and nothing of the new
+    one is left. Ctrl-C (KeyboardInterrupt) stops the save before it publishes and removes what it
+    wrote; a save that had published already finishes first. A process killed outright (SIGTERM,
+    SIGKILL) leaves no partial file either where the file system has unnamed files (O_TMPFILE:
+    ext4, XFS, btrfs, tmpfs); a sharded save's hidden directory is removed by the next save.
 
     Arrays: anything supporting DLPack (__dlpack__: torch, cupy, jax, hbmio's own) or the buffer
     protocol (NumPy, memoryview), on the host or a CUDA device; non-contiguous ones are copied.

@@ -19,7 +19,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <chrono>
 #include <cstring>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -434,8 +436,37 @@ void save(nb::dict tensors, const std::string& path, std::optional<std::map<std:
   options.backend = backend;
   options.max_shard_size = max_shard_size;
   if (progress) options.progress = &progress->done;
-  nb::gil_scoped_release release;
-  hbmio::save_checkpoint(path, list, options);
+  // The save runs on a thread of its own while this one checks for Ctrl-C every 50 ms (Python's
+  // handler only sets a flag, which PyErr_CheckSignals turns into KeyboardInterrupt). On one the
+  // save stops before it publishes (SaveOptions::cancel), removing what it wrote, and the
+  // KeyboardInterrupt is raised once it has: `path` then holds what it held before. A save that
+  // had published already finishes, and the KeyboardInterrupt follows it.
+  std::atomic<bool> stop{false};
+  options.cancel = &stop;
+  std::future<void> done;
+  {
+    nb::gil_scoped_release release;
+    done = std::async(std::launch::async, [&] { hbmio::save_checkpoint(path, list, options); });
+  }
+  bool interrupted = false;
+  for (;;) {
+    {
+      nb::gil_scoped_release release;
+      if (done.wait_for(std::chrono::milliseconds(50)) == std::future_status::ready) break;
+    }
+    if (!interrupted && PyErr_CheckSignals() != 0) {  // the KeyboardInterrupt stays set, raised below
+      interrupted = true;
+      stop = true;
+    }
+  }
+  if (interrupted) {
+    try {
+      done.get();
+    } catch (const hbmio::Error&) {  // ECANCELED, or a failure: the KeyboardInterrupt says it all
+    }
+    throw nb::python_error();
+  }
+  done.get();
 }
 
 // safe_open-like handle: headers read once; tensors loaded one at a time on demand.

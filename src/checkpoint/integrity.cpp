@@ -110,10 +110,11 @@ std::optional<std::string> check_header(const CheckpointFile& file) {
   }
   // The header as stored: its length and the JSON text, read again (what was parsed is not the
   // bytes: parsing drops what it does not need).
+  // Through the descriptor the header was parsed from: a file that took the name since is not it.
   std::string bytes(file.header.data_offset, '\0');
-  const File handle = File::open(file.path, OpenMode::read, /*with_direct_io=*/false);
+  const std::shared_ptr<const File> handle = reopen(file);
   for (std::size_t done = 0; done < bytes.size();) {
-    const ssize_t r = ::pread(handle.fd(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+    const ssize_t r = ::pread(handle->fd(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0)
       throw Error(errno_code(r < 0 ? errno : EIO), {.op = "verify", .path = file.path, .offset = done, .length = bytes.size() - done},
@@ -178,14 +179,14 @@ VerifyResult verify_checkpoint(const std::string& path) {
   // Hashes the bytes on disk with plain reads, one tensor at a time, in 16 MiB pieces.
   std::vector<std::byte> piece(std::size_t{16} << 20);
   for (const auto& file : files) {
-    File handle = File::open(file.path, OpenMode::read, /*with_direct_io=*/false);
+    const std::shared_ptr<const File> handle = reopen(file);  // the file whose header was checked
     std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
     for (const auto& t : file.header.tensors) {
       XXH3_64bits_reset(state.get());
       const std::uint64_t start = file.header.data_offset + t.begin;
       for (std::uint64_t at = 0; at < t.size();) {
         const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), t.size() - at));
-        const ssize_t r = ::pread(handle.fd(), piece.data(), n, static_cast<off_t>(start + at));
+        const ssize_t r = ::pread(handle->fd(), piece.data(), n, static_cast<off_t>(start + at));
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0)
           throw Error(errno_code(r < 0 ? errno : EIO), {.op = "verify", .path = file.path, .offset = start + at, .length = n},

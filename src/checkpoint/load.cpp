@@ -1,6 +1,9 @@
 // Loading checkpoints: resolve the path to files, plan where each tensor lands and which reads
 // to issue, read through one engine, optionally verify the stored checksums.
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,22 +32,127 @@ Error checkpoint_error(int err, const std::string& path, const std::string& deta
   return Error(errno_code(err), {.op = "open checkpoint", .path = path}, detail);
 }
 
-// A directory holds an index (sharded) or exactly one .safetensors file.
-std::string resolve_directory(const std::string& dir) {
+// A directory holds an index (sharded) or exactly one .safetensors file: the name of the one to
+// open, listed from the directory open as `dir` (through /proc/self/fd where there is a /proc, so
+// that it is the directory opened, not whatever has its name now).
+std::string resolve_directory(const CheckpointDirectory& dir, const std::string& path) {
+  std::error_code ec;
+  fs::directory_iterator listing(fmt::format("/proc/self/fd/{}", dir.fd()), ec);
+  if (ec) listing = fs::directory_iterator(path);
   std::vector<std::string> indexes, files;
-  for (const auto& entry : fs::directory_iterator(dir)) {
+  for (const auto& entry : listing) {
     const std::string name = entry.path().filename().string();
-    if (name.ends_with(".safetensors.index.json")) indexes.push_back(entry.path().string());
-    else if (name.ends_with(".safetensors")) files.push_back(entry.path().string());
+    if (name.ends_with(".safetensors.index.json")) indexes.push_back(name);
+    else if (name.ends_with(".safetensors")) files.push_back(name);
   }
   std::sort(indexes.begin(), indexes.end());
   if (indexes.size() == 1) return indexes.front();
   if (indexes.size() > 1)
-    throw checkpoint_error(EINVAL, dir, fmt::format("holds {} index files; name the one to load", indexes.size()));
+    throw checkpoint_error(EINVAL, path, fmt::format("holds {} index files; name the one to load", indexes.size()));
   if (files.size() == 1) return files.front();
-  throw checkpoint_error(files.empty() ? ENOENT : EINVAL, dir,
+  throw checkpoint_error(files.empty() ? ENOENT : EINVAL, path,
                          files.empty() ? "holds no .safetensors file and no *.safetensors.index.json"
                                        : fmt::format("holds {} .safetensors files and no index; name the file to load", files.size()));
+}
+
+// How many files of one checkpoint stay open at once (open_checkpoint), and how many more a load
+// opens again at a time. Each holds two descriptors (buffered and O_DIRECT): a sixteenth of the
+// soft RLIMIT_NOFILE in files, for each of the two, leaves three quarters of the limit to the
+// engine's rings (one per worker) and the caller's own files. A 40-shard load under `ulimit -n 16`
+// failed when every shard was held.
+std::size_t open_file_bound() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 256;
+  return std::clamp<std::size_t>(static_cast<std::size_t>(limit.rlim_cur / 16), 1, 256);
+}
+
+// Is the directory open as `dir` still the one named `path`? (A sharded save swaps a new directory
+// in under the name; the old one is then emptied.)
+bool still_named(const CheckpointDirectory& dir, const std::string& path) {
+  struct stat held {}, named {};
+  return ::fstat(dir.fd(), &held) == 0 && ::stat(path.c_str(), &named) == 0 && held.st_dev == named.st_dev &&
+         held.st_ino == named.st_ino;
+}
+
+// Thrown by open_checkpoint_once when a file is missing because the directory it opened is no
+// longer the one under the checkpoint's name.
+struct DirectorySwapped {};
+
+std::vector<CheckpointFile> open_checkpoint_once(const std::string& path) {
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) throw checkpoint_error(errno, path, "");
+  if (!S_ISDIR(info.st_mode) && !path.ends_with(".json")) {
+    // One file: opened once; the header is read through the descriptor every later read uses.
+    auto file = std::make_shared<const File>(File::open(path, OpenMode::read));
+    st::Header header = st::read_header(file->fd(), path);
+    std::vector<CheckpointFile> files;
+    files.push_back({path, std::move(header), file, file->identity(), nullptr});
+    return files;
+  }
+  // A directory, or an index in one: everything is opened relative to the directory as opened now.
+  const std::string dir_path = S_ISDIR(info.st_mode) ? path : fs::path(path).parent_path().string();
+  const int dir_fd = ::open(dir_path.empty() ? "." : dir_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0) throw checkpoint_error(errno, path, fmt::format("open of its directory {}", dir_path));
+  const auto dir = std::make_shared<const CheckpointDirectory>(dir_fd);
+  const std::string name = S_ISDIR(info.st_mode) ? resolve_directory(*dir, path) : fs::path(path).filename().string();
+  const std::string target = (fs::path(dir_path) / name).string();
+  const std::size_t bound = open_file_bound();
+  auto open_one = [&](const std::string& file_name, const std::string& file_path, std::vector<CheckpointFile>& into) {
+    auto file = std::make_shared<const File>(File::open_at(dir->fd(), file_name, file_path, OpenMode::read));
+    st::Header header = st::read_header(file->fd(), file_path);
+    const FileIdentity identity = file->identity();
+    if (into.size() >= bound) file.reset();  // past the bound: opened again, and checked, when read
+    into.push_back({file_path, std::move(header), std::move(file), identity, dir});
+    return &into.back();
+  };
+
+  std::vector<CheckpointFile> files;
+  if (!name.ends_with(".json")) {
+    open_one(name, target, files);
+    return files;
+  }
+  // A sharded checkpoint: each shard's header is read and validated, and must hold the tensors
+  // the index assigns to it (and only those are loaded from it).
+  const int index_fd = ::openat(dir->fd(), name.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (index_fd < 0) {
+    if (errno == ENOENT && !still_named(*dir, dir_path)) throw DirectorySwapped{};
+    throw checkpoint_error(errno, target, "open of the index");
+  }
+  st::ShardIndex index;
+  try {
+    index = st::read_index(index_fd, target);
+  } catch (...) {
+    ::close(index_fd);
+    throw;
+  }
+  ::close(index_fd);
+  if (index.shards.empty()) throw checkpoint_error(EINVAL, target, "the index names no shard (its weight_map is empty)");
+  for (const std::string& shard : index.shards) {
+    const std::string shard_path = (fs::path(dir_path) / shard).string();
+    if (::fstatat(dir->fd(), shard.c_str(), &info, 0) != 0) {
+      if (errno == ENOENT && !still_named(*dir, dir_path)) throw DirectorySwapped{};
+      throw checkpoint_error(errno, target, fmt::format("shard '{}' named by the index cannot be opened", shard));
+    }
+    CheckpointFile* file;
+    try {
+      file = open_one(shard, shard_path, files);
+    } catch (const Error& e) {
+      if (e.code() == std::errc::no_such_file_or_directory && !still_named(*dir, dir_path)) throw DirectorySwapped{};
+      throw;
+    }
+    std::erase_if(file->header.tensors, [&](const st::TensorInfo& t) {
+      const auto it = index.weight_map.find(t.name);
+      return it == index.weight_map.end() || it->second != shard;
+    });
+  }
+  for (const auto& [tensor, shard] : index.weight_map) {
+    const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) {
+      return fs::path(f.path).filename() == shard;
+    });
+    if (file == files.end() || file->header.find(tensor) == nullptr)
+      throw checkpoint_error(EINVAL, target, fmt::format("tensor '{}' is missing from its shard '{}'", tensor, shard));
+  }
+  return files;
 }
 
 std::uint64_t align_up(std::uint64_t value, std::uint64_t alignment) {
@@ -60,40 +168,34 @@ struct PlannedRead {
 
 }  // namespace
 
-std::vector<CheckpointFile> open_checkpoint(const std::string& path) {
-  struct stat info {};
-  if (::stat(path.c_str(), &info) != 0) throw checkpoint_error(errno, path, "");
-  const std::string target = S_ISDIR(info.st_mode) ? resolve_directory(path) : path;
+CheckpointDirectory::~CheckpointDirectory() {
+  if (fd_ >= 0) ::close(fd_);
+}
 
-  std::vector<CheckpointFile> files;
-  if (!target.ends_with(".json")) {
-    files.push_back({target, st::read_header(target)});
-    return files;
+std::vector<CheckpointFile> open_checkpoint(const std::string& path) {
+  // A sharded save that swaps a new directory in while the old one is read empties the old one:
+  // a file gone by the time it is opened is then not a fault of the checkpoint, which is whole
+  // under its name again. That one is opened instead (a few tries).
+  for (int attempt = 1;; ++attempt) {
+    try {
+      return open_checkpoint_once(path);
+    } catch (const DirectorySwapped&) {
+      if (attempt == 4)
+        throw checkpoint_error(ESTALE, path, "the checkpoint was replaced each time it was opened (saves in a loop?)");
+    }
   }
-  // A sharded checkpoint: each shard's header is read and validated, and must hold the tensors
-  // the index assigns to it (and only those are loaded from it).
-  const st::ShardIndex index = st::read_index(target);
-  if (index.shards.empty()) throw checkpoint_error(EINVAL, target, "the index names no shard (its weight_map is empty)");
-  const fs::path dir = fs::path(target).parent_path();
-  for (const std::string& shard : index.shards) {
-    const std::string shard_path = (dir / shard).string();
-    if (::stat(shard_path.c_str(), &info) != 0)
-      throw checkpoint_error(errno, target, fmt::format("shard '{}' named by the index cannot be opened", shard));
-    st::Header header = st::read_header(shard_path);
-    std::erase_if(header.tensors, [&](const st::TensorInfo& t) {
-      const auto it = index.weight_map.find(t.name);
-      return it == index.weight_map.end() || it->second != shard;
-    });
-    files.push_back({shard_path, std::move(header)});
-  }
-  for (const auto& [tensor, shard] : index.weight_map) {
-    const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) {
-      return fs::path(f.path).filename() == shard;
-    });
-    if (file == files.end() || file->header.find(tensor) == nullptr)
-      throw checkpoint_error(EINVAL, target, fmt::format("tensor '{}' is missing from its shard '{}'", tensor, shard));
-  }
-  return files;
+}
+
+std::shared_ptr<const File> reopen(const CheckpointFile& file) {
+  if (file.file) return file.file;
+  const int dir_fd = file.directory ? file.directory->fd() : AT_FDCWD;
+  const std::string name = file.directory ? fs::path(file.path).filename().string() : file.path;
+  auto opened = std::make_shared<const File>(File::open_at(dir_fd, name, file.path, OpenMode::read));
+  if (opened->identity() != file.identity)
+    throw Error(errno_code(ESTALE), {.op = "open", .path = file.path},
+                "another file has taken this name since the checkpoint's headers were read (the checkpoint was "
+                "replaced while being read): open it again");
+  return opened;
 }
 
 const LoadedTensor* LoadedCheckpoint::find(const std::string& name) const noexcept {
@@ -230,18 +332,41 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     engine = own_engine.get();
   }
   // Every read of every file in one batch: the engine keeps its whole queue busy across tensor
-  // and file boundaries.
-  std::vector<File> open_files;
-  open_files.reserve(files.size());
-  for (const auto& file : files) open_files.push_back(File::open(file.path, OpenMode::read));
-  std::vector<IoRequest> requests;
-  requests.reserve(reads.size());
-  for (const PlannedRead& read : reads)
-    requests.push_back({.op = IoOp::read, .file = &open_files[read.file], .offset = read.file_offset, .memory = read.memory,
-                        .progress = options.progress});
+  // and file boundaries. Each read goes through the descriptor its file's header was read from
+  // (see CheckpointFile::file). Files open_checkpoint did not keep open (past its bound) are opened
+  // again a bounded number at a time, and each group is its own batch.
   Stats& total = result.stats_;
-  total = engine->submit_batch(requests);
-  total.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}", result.tensors_.size(), files.size(), reads.size(),
+  std::vector<IoRequest> requests;
+  std::vector<std::shared_ptr<const File>> reopened;
+  std::size_t batches = 0;
+  const auto flush = [&] {
+    if (requests.empty() && batches > 0) return;
+    Stats part = engine->submit_batch(requests);
+    if (batches++ == 0) total = std::move(part);  // its note says what the engine did
+    else total.add_part(part);
+    requests.clear();
+    reopened.clear();
+  };
+  const std::size_t bound = open_file_bound();
+  std::size_t last_file = SIZE_MAX;
+  const File* handle = nullptr;
+  for (const PlannedRead& read : reads) {
+    if (read.file != last_file) {
+      last_file = read.file;
+      if (files[read.file].file) {
+        handle = files[read.file].file.get();
+      } else {
+        if (reopened.size() == bound) flush();
+        reopened.push_back(reopen(files[read.file]));
+        handle = reopened.back().get();
+      }
+    }
+    requests.push_back({.op = IoOp::read, .file = handle, .offset = read.file_offset, .memory = read.memory,
+                        .progress = options.progress});
+  }
+  flush();
+  total.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}", result.tensors_.size(), files.size(), reads.size(),
+                           batches > 1 ? fmt::format(" ({} batches: the files were opened a bounded number at a time)", batches) : "",
                            total.note.empty() ? "" : "; ", total.note);
 
   if (options.verify && read_only == nullptr) verify(result, files);

@@ -23,6 +23,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+#include <xxhash.h>
 
 #include "checkpoint/integrity.hpp"
 #include "hbmio/checkpoint.hpp"
@@ -35,37 +36,57 @@ namespace st = safetensors;
 
 namespace {
 
-// Temporary files are ".<final name>.hbmio-tmp-<pid>-<random>" beside the final file: the same
+// Temporary names are ".<final name>.hbmio-tmp-<pid>-<random>" beside the final file: the same
 // file system (so rename is atomic), hidden, recognisable for clean-up after a crash, and, by the
-// pid, for remove_own_save_temporaries when this process is stopped by a signal.
-std::string temp_prefix(const fs::path& target) { return "." + target.filename().string() + ".hbmio-tmp-"; }
+// pid, for remove_own_save_temporaries. A final name too long to take the suffix within NAME_MAX
+// (255 bytes) is shortened to its first 128 bytes and a hash of the whole name, which keeps the
+// prefix the same for every save of that name.
+std::string temp_prefix(const fs::path& target) {
+  const std::string name = target.filename().string();
+  if (name.size() <= 180) return "." + name + ".hbmio-tmp-";
+  return fmt::format(".{}~{:016x}.hbmio-tmp-", name.substr(0, 128), XXH3_64bits(name.data(), name.size()));
+}
 std::string own_prefix(const fs::path& target) { return fmt::format("{}{}-", temp_prefix(target), ::getpid()); }
 fs::path temp_name(const fs::path& target, std::random_device& random) {
   return target.parent_path() / fmt::format("{}{:08x}{:08x}", own_prefix(target), random(), random());
 }
 
-// A descriptor held for the whole save, with an exclusive flock(2) on the temporary file or
-// directory: a second save of the same name, from this process or another, sees the lock and
-// leaves that temporary alone. The lock dies with the process, so a crashed save's temporary is
-// unlocked and is removed by the next save.
-class TempLock {
+// A descriptor with an exclusive flock(2): on a save's temporary file or directory, so a second
+// save of the same name, from this process or another, sees the lock and leaves that temporary
+// alone (the lock dies with the process, so a crashed save's temporary is unlocked and is removed
+// by the next save); on a file being rewritten in place (add_checksums), so that two rewrites and
+// a save of the same file take turns.
+class FileLock {
  public:
-  explicit TempLock(int fd) : fd_(fd) {
-    if (fd_ >= 0) (void)::flock(fd_, LOCK_EX | LOCK_NB);  // just made by us: nobody else holds it
+  FileLock() = default;
+  // Takes a lock on a descriptor that nobody else can have locked (a file just made).
+  explicit FileLock(int fd) : fd_(fd) {
+    if (fd_ >= 0) (void)::flock(fd_, LOCK_EX | LOCK_NB);
   }
-  ~TempLock() {
+  // Waits for the lock on the file open as `fd` (a descriptor of its own is made).
+  static FileLock wait_for(int fd) {
+    FileLock lock(::fcntl(fd, F_DUPFD_CLOEXEC, 0), 0);
+    while (lock.fd_ >= 0 && ::flock(lock.fd_, LOCK_EX) != 0 && errno == EINTR) {}
+    return lock;
+  }
+  ~FileLock() {
     if (fd_ >= 0) ::close(fd_);
   }
-  TempLock(const TempLock&) = delete;
-  TempLock& operator=(const TempLock&) = delete;
+  FileLock(FileLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  FileLock& operator=(FileLock&& other) noexcept {
+    std::swap(fd_, other.fd_);
+    return *this;
+  }
 
  private:
-  int fd_;
+  FileLock(int fd, int /*no lock yet*/) : fd_(fd) {}
+  int fd_ = -1;
 };
 
-// Removes the temporaries of earlier saves of `target` that no running save holds. (The one
-// window: a save that has created its temporary but not yet locked it, a few microseconds. A
-// removal there makes that save fail at its rename, with the old checkpoint intact.)
+// Removes the temporaries of earlier saves of `target` that no running save holds. (Where the file
+// system has no unnamed files, one window remains: a save that has created its temporary but not
+// yet locked it, a few microseconds. A removal there makes that save fail at its rename, with the
+// old checkpoint intact.)
 void remove_stale_temporaries(const fs::path& target) {
   const std::string prefix = temp_prefix(target);
   std::error_code ec;
@@ -79,18 +100,42 @@ void remove_stale_temporaries(const fs::path& target) {
   }
 }
 
+// What a mode is, for messages.
+const char* kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
 // The name a save replaces. A symbolic link there is followed, so that the link stays and the file
 // it names is replaced (the Hugging Face cache's snapshot entries are links to blobs); a rename
-// over the link itself would swap the link for a copy.
-fs::path final_target(const std::string& path) {
+// over the link itself would swap the link for a copy. Only a regular file is ever replaced: a
+// device node, FIFO or socket at the name is refused (a save run as root turned /dev/null into a
+// regular file), and so is a directory where a file is saved (`directory` false) or anything but
+// a directory where a sharded checkpoint is (`directory` true).
+fs::path final_target(const std::string& path, bool directory, const ErrorContext& context) {
   fs::path p = fs::absolute(path);
   std::error_code ec;
   for (int hops = 0; fs::is_symlink(fs::symlink_status(p, ec)); ++hops) {
-    if (hops == 40) throw Error(errno_code(ELOOP), {.op = "save", .path = path}, "too many levels of symbolic links");
+    if (hops == 40) throw Error(errno_code(ELOOP), context, "too many levels of symbolic links");
     const fs::path to = fs::read_symlink(p, ec);
-    if (ec) throw Error(ec, {.op = "save", .path = p.string()}, "readlink");
+    if (ec) throw Error(ec, {.op = context.op, .path = p.string()}, "readlink");
     p = to.is_absolute() ? to : p.parent_path() / to;
   }
+  struct stat st {};
+  if (::lstat(p.c_str(), &st) != 0) return p;  // nothing there yet
+  if (directory && !S_ISDIR(st.st_mode))
+    throw Error(errno_code(ENOTDIR), context,
+                S_ISREG(st.st_mode) ? std::string("a sharded checkpoint is saved into a directory, and this is a file")
+                                    : fmt::format("{} is {}: a sharded checkpoint is saved into a directory", p.string(), kind_of(st.st_mode)));
+  if (!directory && S_ISDIR(st.st_mode))
+    throw Error(errno_code(EISDIR), context, "a directory is there, not a file: a sharded checkpoint is saved with a maximum shard size");
+  if (!directory && !S_ISREG(st.st_mode))
+    throw Error(errno_code(EINVAL), context,
+                fmt::format("{} is {}, not a regular file: a save replaces only regular files", p.string(), kind_of(st.st_mode)));
   return p;
 }
 
@@ -103,6 +148,12 @@ void check_directory_of(const fs::path& target, const ErrorContext& context) {
   if (!S_ISDIR(st.st_mode)) throw Error(errno_code(ENOTDIR), context, fmt::format("{} is not a directory", dir.string()));
   if (::access(dir.c_str(), W_OK | X_OK) != 0)
     throw Error(errno_code(errno), context, fmt::format("cannot create files in its directory {}", dir.string()));
+}
+
+// A save stops at its safe points, before anything is published, once `cancel` reads true.
+void check_cancel(const std::atomic<bool>* cancel, const ErrorContext& context) {
+  if (cancel != nullptr && cancel->load(std::memory_order_relaxed))
+    throw Error(errno_code(ECANCELED), context, "stopped on request before anything was published: the path keeps what it held");
 }
 
 // The new file takes the mode, owner and group of the one it replaces (SaveOptions::keep_attributes).
@@ -162,17 +213,97 @@ std::uint64_t expected_size(const TensorToSave& t) {
   return (bits + 7) / 8;
 }
 
+// Waits for, then holds, the lock of the file now at `target` (if any): add_checksums holds it
+// while it rewrites that file, and a save that published meanwhile would be overwritten by the
+// rewrite's older data. A file the caller may not read is not locked (nor rewritten by others).
+FileLock lock_current(const fs::path& target) {
+  const int fd = ::open(target.c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return {};
+  FileLock lock = FileLock::wait_for(fd);
+  ::close(fd);
+  return lock;
+}
+
+// The new file of a save until it is published. Unnamed (O_TMPFILE) where the file system allows
+// it: a save killed at any point, by SIGKILL or a power cut included, leaves nothing behind, and
+// no other save can see it. Elsewhere a hidden temporary name beside the target, locked (see
+// FileLock). publish() gives it the target's name in one atomic rename; until then the destructor
+// removes whatever name it was given.
+class PendingFile {
+ public:
+  // `shown` names the file in errors: the name the caller gave, not a temporary one.
+  PendingFile(const fs::path& target, const std::string& shown) : target_(target) {
+    try {
+      file_ = File::open_at(AT_FDCWD, target.parent_path().string(), shown, OpenMode::create_unnamed);
+    } catch (const Error& e) {
+      // No O_TMPFILE on this file system (EOPNOTSUPP; EISDIR or EINVAL from older kernels and
+      // some FUSE file systems): a named temporary instead.
+      const int err = e.code().value();
+      if (e.code().category() != std::generic_category() || (err != EOPNOTSUPP && err != EISDIR && err != EINVAL)) throw;
+      std::random_device random;
+      temp_ = temp_name(target, random);
+      file_ = File::open_at(AT_FDCWD, temp_.string(), shown, OpenMode::create_new);
+    }
+    lock_ = FileLock(::fcntl(file_.fd(), F_DUPFD_CLOEXEC, 0));  // held past the file's close, to the rename
+  }
+  ~PendingFile() {
+    std::error_code ec;
+    if (!published_ && !temp_.empty()) fs::remove(temp_, ec);
+  }
+  PendingFile(const PendingFile&) = delete;
+  PendingFile& operator=(const PendingFile&) = delete;
+
+  File& file() noexcept { return file_; }
+
+  // Gives the file (written and fsynced) the target's name, atomically. `lock_target`: wait for a
+  // rewrite of the file there to finish first (see lock_current); add_checksums, which holds that
+  // lock itself, passes false.
+  void publish(const ErrorContext& context, bool lock_target) {
+    if (temp_.empty()) {
+      // A name for the unnamed file, beside the target: linkat through /proc (no privilege
+      // needed), else AT_EMPTY_PATH (needs CAP_DAC_READ_SEARCH).
+      std::random_device random;
+      const fs::path name = temp_name(target_, random);
+      const std::string self = fmt::format("/proc/self/fd/{}", file_.fd());
+      if (::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, name.c_str(), AT_SYMLINK_FOLLOW) != 0 &&
+          ::linkat(file_.fd(), "", AT_FDCWD, name.c_str(), AT_EMPTY_PATH) != 0)
+        throw Error(errno_code(errno), context, fmt::format("linkat of the new file to {}", name.string()));
+      temp_ = name;
+    }
+    const FileLock held = lock_target ? lock_current(target_) : FileLock{};
+    if (::rename(temp_.c_str(), target_.c_str()) != 0) throw Error(errno_code(errno), context, "rename of the new file over the old");
+    published_ = true;
+  }
+
+ private:
+  fs::path target_;
+  fs::path temp_;  // empty while the file has no name
+  File file_;
+  FileLock lock_;
+  bool published_ = false;
+};
+
 }  // namespace
 
 namespace {
 Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
+Stats save_file(const fs::path& target, const std::string& shown, const std::vector<TensorToSave>& tensors,
+                const SaveOptions& options, bool lock_target);
 }
 
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   if (options.max_shard_size > 0) return save_sharded(path, tensors, options);
+  return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true);
+}
+
+namespace {
+
+// One safetensors file at `target` (a regular file's path or nothing, links resolved), named
+// `shown` in errors and notes.
+Stats save_file(const fs::path& target, const std::string& shown, const std::vector<TensorToSave>& tensors,
+                const SaveOptions& options, bool lock_target) {
   detail::TransferTimer timer;
-  const fs::path target = final_target(path);
-  const ErrorContext context{.op = "save", .path = path};
+  const ErrorContext context{.op = "save", .path = shown};
 
   // Check everything before touching the disk.
   std::set<std::string> names;
@@ -209,24 +340,20 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   std::string header = st::serialize_header(infos, metadata);
 
   check_directory_of(target, context);
-  if (fs::is_directory(target))
-    throw Error(errno_code(EISDIR), context, "a directory is there, not a file: a sharded checkpoint is saved with a maximum shard size");
   remove_stale_temporaries(target);
-  std::random_device random;
-  const fs::path temp = temp_name(target, random);
+  check_cancel(options.cancel, context);
   auto engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()), options.faults);
   Stats total;
   std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
-  std::optional<TempLock> lock;
   // Where the time goes, for the Stats note: a save is its writes plus what makes them durable.
   using Clock = std::chrono::steady_clock;
   const auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
   const Clock::time_point started = Clock::now();
   double hashing = 0, data = 0, wait = 0, header_write = 0, fsync = 0;
-  try {
+  {
+    PendingFile pending(target, shown);
+    File& file = pending.file();
     {
-      File file = File::open(temp.string(), OpenMode::create_new);
-      lock.emplace(::fcntl(file.fd(), F_DUPFD_CLOEXEC, 0));  // a descriptor of its own: held past the file's close, to the rename
       // Hashing runs beside the writes; the future's destructor waits for it on every path, so
       // no hashing thread reads the tensors after a failed save returns.
       std::future<std::vector<std::uint64_t>> sums;
@@ -247,7 +374,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
       for (const auto& t : tensors) data_of.emplace(t.name, t.data);
       for (const auto& info : infos)
         writes.push_back({.op = IoOp::write, .file = &file, .offset = header.size() + info.begin, .memory = data_of.at(info.name),
-                          .progress = options.progress});
+                          .progress = options.progress, .cancel = options.cancel});
       Clock::time_point phase = Clock::now();
       total.add_part(engine->submit_batch(writes));
       data = seconds_since(phase);
@@ -263,27 +390,26 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
                                                                header.size(), final_header.size()));
         header = std::move(final_header);
       }
-      Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
-      std::memcpy(header_buffer.data(), header.data(), header.size());
-      const IoRequest header_request{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()};
-      phase = Clock::now();
-      total.add_part(engine->submit_batch({&header_request, 1}));
-      header_write = seconds_since(phase);
-      if (options.keep_attributes) take_attributes(target, file.fd(), context);
-      if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
-        throw Error(errno_code(err), context, "fsync (injected)");
-      phase = Clock::now();
-      file.sync();  // throws on failure: never retried, the old checkpoint stays
-      fsync = seconds_since(phase);
     }
+    Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
+    std::memcpy(header_buffer.data(), header.data(), header.size());
+    const IoRequest header_request{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()};
+    Clock::time_point phase = Clock::now();
+    total.add_part(engine->submit_batch({&header_request, 1}));
+    header_write = seconds_since(phase);
+    if (options.keep_attributes) take_attributes(target, file.fd(), context);
+    check_cancel(options.cancel, context);
+    if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
+      throw Error(errno_code(err), context, "fsync (injected)");
+    phase = Clock::now();
+    file.sync();  // throws on failure: never retried, the old checkpoint stays
+    fsync = seconds_since(phase);
+    // The last point a stop request is heeded: from the rename on, the new file is the checkpoint.
+    check_cancel(options.cancel, context);
     previous.emplace(target);
-    if (::rename(temp.c_str(), target.c_str()) != 0) throw Error(errno_code(errno), context, "rename of the temporary file");
-  } catch (...) {
-    std::error_code ec;
-    fs::remove(temp, ec);
-    throw;
+    pending.publish(context, lock_target);
   }
-  sync_directory(target.parent_path(), path, options.faults.get());
+  sync_directory(target.parent_path(), shown, options.faults.get());
   const double all = seconds_since(started);
   std::string engine_note = total.note;
   total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}; data writes {:.3f} s{}, header {:.3f} s, "
@@ -295,6 +421,8 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
   return total;
 }
 
+}  // namespace
+
 namespace {
 
 bool is_checkpoint_file(const std::string& name) {
@@ -302,28 +430,26 @@ bool is_checkpoint_file(const std::string& name) {
          (name.starts_with("model-") && name.ends_with(".safetensors"));
 }
 
-// Writes small bytes (the index) to a new file and makes them durable.
-void write_durably(const fs::path& file, const std::string& bytes, FaultInjector* faults) {
-  File out = File::open(file.string(), OpenMode::create_new);
+// Writes small bytes (the index) to a new file and makes them durable; `shown` names it in errors.
+void write_durably(const fs::path& file, const std::string& shown, const std::string& bytes, FaultInjector* faults) {
+  File out = File::open_at(AT_FDCWD, file.string(), shown, OpenMode::create_new);
   if (const int err = detail::inject(faults, FaultSite::io, "write of the index"))
-    throw Error(errno_code(err), {.op = "save", .path = file.string()}, "write (injected)");
+    throw Error(errno_code(err), {.op = "save", .path = shown}, "write (injected)");
   for (std::size_t done = 0; done < bytes.size();) {
     const ssize_t r = ::pwrite(out.fd(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
     if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) throw Error(errno_code(r < 0 ? errno : ENOSPC), {.op = "save", .path = file.string(), .offset = done});
+    if (r <= 0) throw Error(errno_code(r < 0 ? errno : ENOSPC), {.op = "save", .path = shown, .offset = done});
     done += static_cast<std::size_t>(r);
   }
   if (const int err = detail::inject(faults, FaultSite::io, "fsync of the index"))
-    throw Error(errno_code(err), {.op = "save", .path = file.string()}, "fsync (injected)");
+    throw Error(errno_code(err), {.op = "save", .path = shown}, "fsync (injected)");
   out.sync();
 }
 
 Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   detail::TransferTimer timer;
-  const fs::path target = final_target(path);
   const ErrorContext context{.op = "save sharded checkpoint", .path = path};
-  if (fs::exists(target) && !fs::is_directory(target))
-    throw Error(errno_code(ENOTDIR), context, "a sharded checkpoint is saved into a directory, and this is a file");
+  const fs::path target = final_target(path, true, context);
 
   // Greedy shards in the reference writer's tensor order.
   std::vector<st::TensorInfo> order;
@@ -342,34 +468,49 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
     shard_bytes += info.size();
     total_bytes += info.size();
   }
+  std::vector<std::string> shard_names;
+  for (std::size_t k = 0; k < shards.size(); ++k)
+    shard_names.push_back(fmt::format("model-{:05}-of-{:05}.safetensors", k + 1, shards.size()));
 
   check_directory_of(target, context);
   remove_stale_temporaries(target);  // directories too: fs::remove_all below
+  check_cancel(options.cancel, context);
   std::random_device random;
   const fs::path temp = temp_name(target, random);
   Stats total;
+  std::vector<std::string> dropped;  // checkpoint files of the old directory that the new one does not have
   try {
     // A name already there (even a symlink to a directory) is never built into: the random
     // suffix makes that a sign of interference, not a leftover (those were removed above).
     if (!fs::create_directory(temp))
       throw Error(errno_code(EEXIST), context, fmt::format("temporary directory {} already exists", temp.string()));
-    const TempLock lock(::open(temp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    const FileLock lock(::open(temp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     nlohmann::json weight_map = nlohmann::json::object();
     SaveOptions single = options;
     single.max_shard_size = 0;
     for (std::size_t k = 0; k < shards.size(); ++k) {
-      const std::string name = fmt::format("model-{:05}-of-{:05}.safetensors", k + 1, shards.size());
-      total.add_part(save_checkpoint((temp / name).string(), shards[k], single));
-      for (const auto& t : shards[k]) weight_map[t.name] = name;
+      // Errors name the shard where it will be (PATH/model-...), not inside the temporary directory.
+      total.add_part(save_file(temp / shard_names[k], (fs::path(path) / shard_names[k]).string(), shards[k], single, false));
+      for (const auto& t : shards[k]) weight_map[t.name] = shard_names[k];
     }
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-    write_durably(temp / "model.safetensors.index.json", index.dump(2) + "\n", options.faults.get());
-    // Whatever else the directory holds (config.json, tokenizer files) comes along.
+    write_durably(temp / "model.safetensors.index.json", (fs::path(path) / "model.safetensors.index.json").string(),
+                  index.dump(2) + "\n", options.faults.get());
+    // Whatever else the directory holds (config.json, tokenizer files) comes along. The old
+    // checkpoint's own files do not: a model.safetensors beside the new index would be loaded in
+    // its place by loaders that look for it first, and a shard of another count is stale. They
+    // are named in the result's note.
     if (fs::exists(target))
-      for (const auto& entry : fs::directory_iterator(target))
-        if (!is_checkpoint_file(entry.path().filename().string()))
+      for (const auto& entry : fs::directory_iterator(target)) {
+        const std::string name = entry.path().filename().string();
+        if (!is_checkpoint_file(name))
           fs::copy(entry.path(), temp / entry.path().filename(), fs::copy_options::recursive | fs::copy_options::create_hard_links);
+        else if (name != "model.safetensors.index.json" && std::find(shard_names.begin(), shard_names.end(), name) == shard_names.end())
+          dropped.push_back(name);
+      }
     sync_directory(temp, path, options.faults.get());
+    // The last point a stop request is heeded: the swap below publishes the new checkpoint.
+    check_cancel(options.cancel, context);
     if (fs::exists(target)) {
       // One atomic step: the new directory takes the name, the old one takes the temporary name.
       if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0)
@@ -385,7 +526,11 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
   sync_directory(target.parent_path(), path, options.faults.get());
   std::error_code ec;
   fs::remove_all(temp, ec);  // the old checkpoint, after the exchange
-  total.note = fmt::format("{} tensors in {} shard(s) + index, swapped in atomically", tensors.size(), shards.size());
+  std::sort(dropped.begin(), dropped.end());
+  total.note = fmt::format("{} tensors in {} shard(s) + index, swapped in atomically{}", tensors.size(), shards.size(),
+                           dropped.empty() ? ""
+                                           : fmt::format("; the old checkpoint's {} (not part of the new one) went with it",
+                                                         fmt::join(dropped, ", ")));
   timer.finish(total);
   return total;
 }
@@ -394,83 +539,159 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
 
 namespace {
 
-// A file mapped read-only: the source of a rewrite, read through the page cache, so a file larger
-// than memory can be rewritten (the kernel evicts pages as it goes) and nothing is copied twice.
-class MappedFile {
- public:
-  explicit MappedFile(const std::string& path) {
-    const ErrorContext context{.op = "add checksums", .path = path};
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) throw Error(errno_code(errno), context, "open");
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) {
-      const int err = errno;
-      ::close(fd);
-      throw Error(errno_code(err), context, "fstat");
+// Reads exactly `n` bytes at `offset` of the file being rewritten; a file that ends early has
+// been changed (truncated) by someone else since its header was read.
+void read_source(int fd, std::byte* into, std::size_t n, std::uint64_t offset, std::uint64_t expected_size,
+                 const ErrorContext& context) {
+  for (std::size_t done = 0; done < n;) {
+    const ssize_t r = ::pread(fd, into + done, n - done, static_cast<off_t>(offset + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw Error(errno_code(errno), {.op = context.op, .path = context.path, .offset = offset + done, .length = n - done}, "read");
+    if (r == 0) {
+      struct stat st {};
+      const std::uint64_t now = ::fstat(fd, &st) == 0 ? static_cast<std::uint64_t>(st.st_size) : offset + done;
+      throw Error(errno_code(EIO), {.op = context.op, .path = context.path, .offset = offset + done},
+                  fmt::format("the file changed while being read: it now ends at byte {}, its header says {}; nothing "
+                              "was rewritten",
+                              now, expected_size));
     }
-    size_ = static_cast<std::size_t>(st.st_size);
-    void* map = size_ == 0 ? nullptr : ::mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd, 0);
-    const int err = errno;
-    ::close(fd);  // the mapping keeps the file
-    if (map == MAP_FAILED) throw Error(errno_code(err), context, "mmap");
-    data_ = static_cast<std::byte*>(map);
-    if (data_ != nullptr) (void)::madvise(data_, size_, MADV_SEQUENTIAL);
-  }
-  ~MappedFile() {
-    if (data_ != nullptr) ::munmap(data_, size_);
-  }
-  MappedFile(const MappedFile&) = delete;
-  MappedFile& operator=(const MappedFile&) = delete;
-  std::byte* data() const noexcept { return data_; }
-  std::size_t size() const noexcept { return size_; }
-
- private:
-  std::byte* data_ = nullptr;
-  std::size_t size_ = 0;
-};
-
-}  // namespace
-
-void remove_own_save_temporaries(const std::string& path) noexcept {
-  try {
-    const fs::path target = final_target(path);
-    const std::string prefix = own_prefix(target);
-    std::error_code ec;
-    for (const auto& entry : fs::directory_iterator(target.parent_path(), ec))
-      if (entry.path().filename().string().starts_with(prefix)) fs::remove_all(entry.path(), ec);
-  } catch (...) {  // best effort: what is left is removed by the next save of `path`
+    done += static_cast<std::size_t>(r);
   }
 }
 
-AddChecksumsResult add_checksums(const std::string& path, bool force) {
+constexpr std::size_t kRewritePiece = std::size_t{8} << 20;
+
+// XXH3-64 of each tensor of `file`, read in pieces through `fd` (memory use does not grow with
+// the file: a rewrite of a file larger than memory works).
+std::vector<std::uint64_t> hash_tensors(int fd, const CheckpointFile& file, const ErrorContext& context,
+                                        const std::atomic<bool>* cancel) {
+  const std::uint64_t size = file.header.data_offset + file.header.data_size;
+  std::vector<std::byte> piece(kRewritePiece);
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
+  if (!state) throw Error(errno_code(ENOMEM), context, "XXH3_createState");
+  std::vector<std::uint64_t> sums;
+  for (const auto& t : file.header.tensors) {
+    XXH3_64bits_reset(state.get());
+    for (std::uint64_t at = 0; at < t.size();) {
+      check_cancel(cancel, context);
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), t.size() - at));
+      read_source(fd, piece.data(), n, file.header.data_offset + t.begin + at, size, context);
+      XXH3_64bits_update(state.get(), piece.data(), n);
+      at += n;
+    }
+    sums.push_back(XXH3_64bits_digest(state.get()));
+  }
+  return sums;
+}
+
+// Rewrites one file with checksums: a new file (PendingFile) gets a header with the checksums and
+// the data section copied piece by piece from `fd`, hashed on the way; then fsync, rename (the
+// caller holds the lock on the old file, see add_checksums), directory fsync. The data section is
+// copied as it is (the tensors keep their order and offsets), so only the header changes.
+void rewrite_with_checksums(int fd, const CheckpointFile& file, const fs::path& target, const ErrorContext& context,
+                            const std::atomic<bool>* cancel) {
+  const st::Header& old = file.header;
+  const std::uint64_t size = old.data_offset + old.data_size;
+  std::vector<st::TensorInfo> infos = old.tensors;
+  std::sort(infos.begin(), infos.end(), [](const st::TensorInfo& a, const st::TensorInfo& b) { return a.begin < b.begin; });
+  std::map<std::string, std::string> metadata = old.metadata;
+  for (auto it = metadata.begin(); it != metadata.end();)
+    it = it->first.starts_with(kChecksumPrefix) || it->first == detail::kChecksumAlgorithmKey || it->first == detail::kHeaderChecksumKey
+             ? metadata.erase(it)
+             : std::next(it);
+  metadata[detail::kChecksumAlgorithmKey] = detail::kChecksumAlgorithm;
+  metadata[detail::kHeaderChecksumKey] = detail::to_hex(0);
+  for (const auto& t : infos) metadata[kChecksumPrefix + t.name] = detail::to_hex(0);
+  std::string header = st::serialize_header(infos, metadata);  // placeholders: the final size
+
+  check_directory_of(target, context);
+  remove_stale_temporaries(target);
+  PendingFile pending(target, context.path);
+  const int out = pending.file().fd();
+  std::vector<std::byte> piece(kRewritePiece);
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
+  if (!state) throw Error(errno_code(ENOMEM), context, "XXH3_createState");
+  const auto write_all = [&](const void* data, std::size_t n, std::uint64_t offset) {
+    for (std::size_t done = 0; done < n;) {
+      const ssize_t r = ::pwrite(out, static_cast<const std::byte*>(data) + done, n - done, static_cast<off_t>(offset + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) throw Error(errno_code(r < 0 ? errno : ENOSPC), {.op = context.op, .path = context.path, .offset = offset + done}, "write of the new file");
+      done += static_cast<std::size_t>(r);
+    }
+  };
+  for (const auto& t : infos) {
+    XXH3_64bits_reset(state.get());
+    for (std::uint64_t at = 0; at < t.size();) {
+      check_cancel(cancel, context);
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), t.size() - at));
+      read_source(fd, piece.data(), n, old.data_offset + t.begin + at, size, context);
+      XXH3_64bits_update(state.get(), piece.data(), n);
+      write_all(piece.data(), n, header.size() + t.begin + at);
+      at += n;
+    }
+    metadata[kChecksumPrefix + t.name] = detail::to_hex(XXH3_64bits_digest(state.get()));
+  }
+  // A file that grew past what its header describes has been changed too.
+  struct stat st {};
+  if (::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_size) != size)
+    throw Error(errno_code(EIO), context,
+                fmt::format("the file changed while being read: {} bytes, its header says {}; nothing was rewritten", st.st_size, size));
+  std::string final_header = st::serialize_header(infos, metadata);
+  detail::seal_header(final_header);
+  if (final_header.size() != header.size())
+    throw Error(errno_code(EPROTO), context, "the header changed size with its checksums");
+  write_all(final_header.data(), final_header.size(), 0);
+  take_attributes(target, out, context);
+  check_cancel(cancel, context);
+  pending.file().sync();
+  check_cancel(cancel, context);
+  pending.publish(context, /*lock_target=*/false);
+  sync_directory(target.parent_path(), context.path, nullptr);
+}
+
+}  // namespace
+
+AddChecksumsResult add_checksums(const std::string& path, bool force, const std::atomic<bool>* cancel) {
   // Each file on its own, crash-safe: after a crash every shard holds either its old bytes or its
   // bytes with checksums, and both load. The index does not change (it maps names to shards).
   AddChecksumsResult result;
-  for (const CheckpointFile& file : open_checkpoint(path)) {
+  for (CheckpointFile file : open_checkpoint(path)) {
     const ErrorContext context{.op = "add checksums", .path = file.path};
+    const fs::path target = final_target(file.path, false, context);
+    // One rewrite of a file at a time, across processes: the lock of the file as opened. Another
+    // rewrite may have replaced it while this one waited: then the file now there is the one to
+    // judge (it most likely has its checksums already).
+    std::shared_ptr<const File> handle = reopen(file);
+    FileLock lock = FileLock::wait_for(handle->fd());
+    for (int tries = 0;; ++tries) {
+      struct stat now {};
+      if (::stat(target.c_str(), &now) != 0) throw Error(errno_code(errno), context, "stat");
+      if (FileIdentity{static_cast<std::uint64_t>(now.st_dev), static_cast<std::uint64_t>(now.st_ino)} == handle->identity()) break;
+      if (tries == 8) throw Error(errno_code(ESTALE), context, "the file kept being replaced while waiting to rewrite it");
+      handle = std::make_shared<const File>(File::open(target.string(), OpenMode::read, false));
+      lock = FileLock::wait_for(handle->fd());
+    }
+    // The whole header of the file as it is now, under the lock: every tensor of the file is
+    // rewritten, also one that a sharded index does not assign to it.
+    file.header = st::read_header(handle->fd(), file.path);
+    file.file = handle;
+    file.identity = handle->identity();
     struct stat st {};
-    if (::stat(file.path.c_str(), &st) != 0) throw Error(errno_code(errno), context, "stat");
+    if (::fstat(handle->fd(), &st) != 0) throw Error(errno_code(errno), context, "fstat");
     if (st.st_nlink > 1)
       throw Error(errno_code(EMLINK), context,
                   fmt::format("the file has {} hard links, and a crash-safe rewrite would give only this name the new "
                               "file: copy it, then add checksums to the copy",
                               st.st_nlink));
-    const MappedFile source(file.path);
     const std::uint64_t expected = file.header.data_offset + file.header.data_size;
-    if (source.size() != expected)
+    if (static_cast<std::uint64_t>(st.st_size) != expected)
       throw Error(errno_code(EIO), context,
-                  fmt::format("the file changed while being read: {} bytes, its header says {}", source.size(), expected));
-    std::vector<TensorToSave> tensors;
-    std::vector<MemorySpan> spans;
-    for (const auto& t : file.header.tensors) {
-      spans.push_back({source.data() + file.header.data_offset + t.begin, t.size(), {MemoryKind::host}});
-      tensors.push_back({t.name, t.dtype, t.shape, spans.back()});
-    }
+                  fmt::format("the file changed while being read: {} bytes, its header says {}", st.st_size, expected));
     if (detail::has_checksums(file.header.metadata)) {
       // Checksums already there: either they hold (nothing to do) or the data or header no longer
       // matches them, and new ones would certify the damage.
       std::optional<std::string> bad = detail::check_header(file);
-      const std::vector<std::uint64_t> sums = bad ? std::vector<std::uint64_t>{} : detail::xxh3_of_each(spans);
+      const std::vector<std::uint64_t> sums = bad ? std::vector<std::uint64_t>{} : hash_tensors(handle->fd(), file, context, cancel);
       for (std::size_t i = 0; !bad && i < sums.size(); ++i)
         bad = detail::check_tensor(file.header.metadata, file.header.tensors[i].name, file.path,
                                    file.header.data_offset + file.header.tensors[i].begin, sums[i]);
@@ -484,7 +705,7 @@ AddChecksumsResult add_checksums(const std::string& path, bool force) {
                                 "(force recomputes them)",
                                 *bad));
     }
-    save_checkpoint(file.path, tensors, {.metadata = file.header.metadata, .checksums = true, .keep_attributes = true});
+    rewrite_with_checksums(handle->fd(), file, target, context, cancel);
     ++result.files_rewritten;
   }
   return result;

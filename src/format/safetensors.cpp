@@ -330,13 +330,16 @@ int refuse_fifo(const std::string& path) {
   return ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
 }
 
-// An open file descriptor, closed at scope exit.
+// A file descriptor read with pread: opened here (and closed at scope exit), or the caller's.
 class ReadOnlyFile {
  public:
-  explicit ReadOnlyFile(const std::string& path) : path_(path), fd_(refuse_fifo(path)) {
+  explicit ReadOnlyFile(const std::string& path) : path_(path), fd_(refuse_fifo(path)), owned_(true) {
     if (fd_ < 0) throw Error(errno_code(errno), {.op = "open", .path = path_});
   }
-  ~ReadOnlyFile() { ::close(fd_); }
+  ReadOnlyFile(int fd, const std::string& path) : path_(path), fd_(fd), owned_(false) {}
+  ~ReadOnlyFile() {
+    if (owned_) ::close(fd_);
+  }
   ReadOnlyFile(const ReadOnlyFile&) = delete;
   ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
 
@@ -365,7 +368,21 @@ class ReadOnlyFile {
  private:
   const std::string& path_;
   int fd_;
+  bool owned_;
 };
+
+Header read_header_of(const ReadOnlyFile& file, const std::string& path) {
+  const std::uint64_t file_size = file.size();
+  std::array<std::byte, kLengthPrefixSize> prefix{};
+  if (file_size >= kLengthPrefixSize) file.read_exactly(prefix.data(), prefix.size(), 0);
+  // Validated against the real file size before the header buffer is allocated.
+  const std::uint64_t header_size = parse_header_length(prefix.data(), file_size, path);
+  std::string json(header_size, '\0');
+  file.read_exactly(json.data(), header_size, kLengthPrefixSize);
+  return parse_header(json, file_size, path);
+}
+
+ShardIndex read_index_of(const ReadOnlyFile& file, const std::string& path);
 
 }  // namespace
 
@@ -410,17 +427,8 @@ Header parse_header(std::string_view json, std::uint64_t file_size, const std::s
   return HeaderParser(json, file_size, path).parse();
 }
 
-Header read_header(const std::string& path) {
-  const ReadOnlyFile file(path);
-  const std::uint64_t file_size = file.size();
-  std::array<std::byte, kLengthPrefixSize> prefix{};
-  if (file_size >= kLengthPrefixSize) file.read_exactly(prefix.data(), prefix.size(), 0);
-  // Validated against the real file size before the header buffer is allocated.
-  const std::uint64_t header_size = parse_header_length(prefix.data(), file_size, path);
-  std::string json(header_size, '\0');
-  file.read_exactly(json.data(), header_size, kLengthPrefixSize);
-  return parse_header(json, file_size, path);
-}
+Header read_header(const std::string& path) { return read_header_of(ReadOnlyFile(path), path); }
+Header read_header(int fd, const std::string& path) { return read_header_of(ReadOnlyFile(fd, path), path); }
 
 void order_like_reference(std::vector<TensorInfo>& tensors) {
   std::stable_sort(tensors.begin(), tensors.end(), [](const TensorInfo& a, const TensorInfo& b) {
@@ -487,8 +495,11 @@ ShardIndex parse_index(std::string_view json, const std::string& path) {
   return parse_index_json(*root, path);
 }
 
-ShardIndex read_index(const std::string& path) {
-  const ReadOnlyFile file(path);
+ShardIndex read_index(const std::string& path) { return read_index_of(ReadOnlyFile(path), path); }
+ShardIndex read_index(int fd, const std::string& path) { return read_index_of(ReadOnlyFile(fd, path), path); }
+
+namespace {
+ShardIndex read_index_of(const ReadOnlyFile& file, const std::string& path) {
   const std::uint64_t size = file.size();
   if (size > kMaxIndexSize)
     refuse(kParseIndexOp, path, 0, "index too large", "",
@@ -497,5 +508,6 @@ ShardIndex read_index(const std::string& path) {
   file.read_exactly(json.data(), size, 0);
   return parse_index(json, path);
 }
+}  // namespace
 
 }  // namespace hbmio::safetensors

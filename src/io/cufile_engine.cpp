@@ -356,6 +356,8 @@ class CufileEngine final : public Engine {
         if (own_thread) cuda::set_device(device, context);
         for (;;) {
           if (failed.load(std::memory_order_relaxed)) return;
+          if (request.cancel != nullptr && request.cancel->load(std::memory_order_relaxed))
+            throw Error(errno_code(ECANCELED), context, "stopped on request");
           const std::uint64_t index = next_chunk.fetch_add(1, std::memory_order_relaxed);
           if (index >= chunks) return;
           const std::uint64_t begin = index * chunk;

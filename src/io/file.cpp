@@ -37,6 +37,10 @@ bool direct_io_alignment(int fd, std::uint32_t& memory, std::uint32_t& offset) {
 }  // namespace
 
 File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
+  return open_at(AT_FDCWD, path, path, mode, with_direct_io);
+}
+
+File File::open_at(int dir_fd, const std::string& name, const std::string& path, OpenMode mode, bool with_direct_io) {
   const ErrorContext context{.op = "open", .path = path};
   int flags = O_CLOEXEC;
   switch (mode) {
@@ -44,18 +48,21 @@ File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
     case OpenMode::write: flags |= O_WRONLY | O_CREAT | O_TRUNC; break;
     case OpenMode::read_write: flags |= O_RDWR | O_CREAT; break;
     case OpenMode::create_new: flags |= O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW; break;
+    case OpenMode::create_unnamed: flags |= O_WRONLY | O_TMPFILE; break;
   }
   // A FIFO's open would wait for the other end (O_NONBLOCK would avoid that but makes open fail
   // where a file lease is held): refuse it before opening. The fstat below checks again.
-  if (struct stat before {}; ::stat(path.c_str(), &before) == 0 && (S_ISFIFO(before.st_mode) || S_ISSOCK(before.st_mode)))
+  if (struct stat before {}; mode != OpenMode::create_unnamed && ::fstatat(dir_fd, name.c_str(), &before, 0) == 0 &&
+                              (S_ISFIFO(before.st_mode) || S_ISSOCK(before.st_mode)))
     throw Error(errno_code(EINVAL), context, "not a regular file or block device");
   File file;
   file.path_ = path;
   file.mode_ = mode;
-  file.fd_ = ::open(path.c_str(), flags, 0666);  // 0666: the umask decides, as users expect
+  file.fd_ = ::openat(dir_fd, name.c_str(), flags, 0666);  // 0666: the umask decides, as users expect
   if (file.fd_ < 0) throw Error(errno_code(errno), context);
   struct stat st {};
   if (::fstat(file.fd_, &st) != 0) throw Error(errno_code(errno), context, "fstat");
+  file.identity_ = {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
   if (S_ISDIR(st.st_mode)) throw Error(errno_code(EISDIR), context);
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode))
     throw Error(errno_code(EINVAL), context, "not a regular file or block device");
@@ -66,13 +73,17 @@ File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
     file.direct_.reason = "opened without O_DIRECT";
     return file;
   }
-  const int direct_flags = (flags & ~(O_CREAT | O_TRUNC | O_EXCL | O_NOFOLLOW)) | O_DIRECT;
+  const int direct_flags = (flags & ~(O_CREAT | O_TRUNC | O_EXCL | O_NOFOLLOW | O_TMPFILE)) | O_DIRECT;
   const std::string self = fmt::format("/proc/self/fd/{}", file.fd_);
   file.direct_fd_ = ::open(self.c_str(), direct_flags);
   if (file.direct_fd_ < 0) {
     // No /proc: the path again, but only if it still names the file opened above (a file or a
     // symlink swapped in meanwhile must not receive the writes meant for the opened one).
-    file.direct_fd_ = ::open(path.c_str(), direct_flags);
+    if (mode == OpenMode::create_unnamed) {  // no name to open it by
+      file.direct_.reason = "no /proc to open the unnamed file again with O_DIRECT";
+      return file;
+    }
+    file.direct_fd_ = ::openat(dir_fd, name.c_str(), direct_flags);
     struct stat again {};
     if (file.direct_fd_ >= 0 && (::fstat(file.direct_fd_, &again) != 0 || again.st_dev != st.st_dev || again.st_ino != st.st_ino)) {
       ::close(file.direct_fd_);
@@ -109,7 +120,8 @@ File::File(File&& other) noexcept
       mode_(other.mode_),
       fd_(std::exchange(other.fd_, -1)),
       direct_fd_(std::exchange(other.direct_fd_, -1)),
-      direct_(std::move(other.direct_)) {}
+      direct_(std::move(other.direct_)),
+      identity_(other.identity_) {}
 
 File& File::operator=(File&& other) noexcept {
   if (this != &other) {
@@ -119,6 +131,7 @@ File& File::operator=(File&& other) noexcept {
     fd_ = std::exchange(other.fd_, -1);
     direct_fd_ = std::exchange(other.direct_fd_, -1);
     direct_ = std::move(other.direct_);
+    identity_ = other.identity_;
   }
   return *this;
 }

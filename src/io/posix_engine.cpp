@@ -59,6 +59,8 @@ class PosixEngine final : public Engine {
   void transfer_all(const IoRequest& request, std::uint64_t offset, std::byte* data, std::size_t n) {
     std::size_t done = 0;
     while (done < n) {
+      if (request.cancel != nullptr && request.cancel->load(std::memory_order_relaxed))
+        throw Error(errno_code(ECANCELED), at(request, offset + done, n - done), "stopped on request");
       const auto pos = static_cast<off_t>(offset + done);
       ssize_t r = request.op == IoOp::read ? ::pread(request.file->fd(), data + done, n - done, pos)
                                            : ::pwrite(request.file->fd(), data + done, n - done, pos);

@@ -377,6 +377,8 @@ class Worker {
                                        [](std::uint64_t i, const Part& p) { return i < p.first_chunk; });
     part_ = &*std::prev(next);
     const IoRequest& request = part_->first();
+    if (request.cancel != nullptr && request.cancel->load(std::memory_order_relaxed))
+      throw Error(errno_code(ECANCELED), context_of(request, "uring"), "stopped on request");
     const std::uint64_t k = index - part_->first_chunk;
     const std::uint64_t begin = std::max<std::uint64_t>(part_->offset(), part_->grid_base + k * options_.chunk_size);
     const std::uint64_t end = std::min<std::uint64_t>(part_->end(), part_->grid_base + (k + 1) * options_.chunk_size);

@@ -2,11 +2,13 @@
 
 #include <pthread.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <memory>
@@ -238,46 +240,83 @@ CLI::Validator one_of(std::vector<std::string> choices) {
 }
 
 // Runs `work` on a thread of its own while this thread waits for SIGINT, SIGTERM or SIGHUP (they
-// are blocked in every thread the work starts, so they come here). On one, `clean_up` removes what
-// the work has written so far, a line says what was kept, and the process ends by that signal
-// (exit status 128 + N, as shells expect). Without this a Ctrl-C left gigabytes of hidden
-// temporary files until the next save of the same name.
-int run_stoppable(const std::function<int()>& work, const std::function<void()>& clean_up, const std::string& kept) {
-  sigset_t stop, previous;
-  sigemptyset(&stop);
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop, sig);
-  pthread_sigmask(SIG_BLOCK, &stop, &previous);
-  std::future<int> done = std::async(std::launch::async, work);
+// are blocked in every thread the work starts, so they come here). On one, `stop` is set: the
+// work stops at its next safe point (a save: before it publishes anything) and removes what it
+// wrote, and this thread waits for it to end. Nothing is removed from here: a clean-up beside a
+// running save once raced its final rename and deleted the old checkpoint with the new one. Then
+// a line says what the path holds, from how the work ended (`outcome(true)`: it stopped before
+// publishing; `outcome(false)`: it had published, or failed), and the process ends by that
+// signal (exit status 128 + N, as shells expect).
+int run_stoppable(const std::function<int(const std::atomic<bool>& stop)>& work, const std::function<std::string(bool)>& outcome) {
+  sigset_t stop_signals, previous;
+  sigemptyset(&stop_signals);
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop_signals, sig);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
+  std::atomic<bool> stop{false};
+  std::future<int> done = std::async(std::launch::async, [&] { return work(stop); });
   const timespec now{};
+  int received = 0;
   while (done.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) {
     siginfo_t info{};
-    if (const int sig = sigtimedwait(&stop, &info, &now); sig > 0) {
-      clean_up();
-      fmt::print(stderr, "\nhbmio: stopped by {}: {}\n", sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "SIGHUP", kept);
-      signal(sig, SIG_DFL);
-      pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-      raise(sig);
-      _exit(128 + sig);  // not reached: the signal's default action ends the process
+    if (const int sig = sigtimedwait(&stop_signals, &info, &now); sig > 0 && received == 0) {
+      received = sig;
+      stop = true;
+      fmt::print(stderr, "\nhbmio: SIG{} received: stopping at the next safe point\n", sigabbrev_np(sig));
     }
   }
   pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-  return done.get();
+  if (received == 0) return done.get();
+  bool stopped = false;
+  try {
+    (void)done.get();
+  } catch (const Error& e) {
+    stopped = e.code() == std::errc::operation_canceled;
+    if (!stopped) fmt::print(stderr, "hbmio: {}\n", e.what());
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "hbmio: {}\n", e.what());
+  }
+  fmt::print(stderr, "hbmio: stopped by SIG{}: {}\n", sigabbrev_np(received), outcome(stopped));
+  signal(received, SIG_DFL);
+  raise(received);
+  _exit(128 + received);  // not reached: the signal's default action ends the process
 }
 
-int run_save(const CkptFlags& f) {
+// ckpt generate writes random tensors: an existing checkpoint at PATH is replaced only with
+// --force (a file, or a directory holding safetensors files or an index; an empty directory or
+// one of other files is filled).
+void refuse_to_replace(const CkptFlags& f) {
+  if (f.force) return;
+  struct stat st {};
+  if (::stat(f.path.c_str(), &st) != 0) return;
+  bool checkpoint = !S_ISDIR(st.st_mode);
+  if (!checkpoint) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(f.path, ec)) {
+      const std::string name = entry.path().filename().string();
+      checkpoint = checkpoint || name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json");
+    }
+  }
+  if (checkpoint)
+    throw Error(errno_code(EEXIST), {.op = "ckpt generate", .path = f.path},
+                fmt::format("{} is there already, and ckpt generate would replace it with random tensors: add --force to do that",
+                            S_ISDIR(st.st_mode) ? "a checkpoint" : "a file"));
+}
+
+int run_save(const CkptFlags& f, const std::atomic<bool>& stop) {
+  refuse_to_replace(f);
   const auto dtype = st::parse_dtype(f.dtype);
   if (!dtype)
-    throw Error(errno_code(EINVAL), {.op = "ckpt save --dtype"},
+    throw Error(errno_code(EINVAL), {.op = "ckpt generate --dtype"},
                 fmt::format("unknown dtype '{}' (one of BOOL U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 "
                             "BF16 I32 U32 F32 C64 F64 I64 U64 F4 F6_E2M3 F6_E3M2, as written)",
                             f.dtype));
   const std::uint64_t bytes = parse_size(f.tensor_size);
   std::uint64_t max_shard_size = 0;
   if (!f.max_shard_size.empty() && (max_shard_size = parse_size(f.max_shard_size)) == 0)
-    throw Error(errno_code(EINVAL), {.op = "ckpt save --max-shard-size"}, "must be at least 1 byte (leave it out for one file)");
+    throw Error(errno_code(EINVAL), {.op = "ckpt generate --max-shard-size"}, "must be at least 1 byte (leave it out for one file)");
   const unsigned bits = st::bits_per_element(*dtype);
   if (bytes * 8 % bits != 0)
-    throw Error(errno_code(EINVAL), {.op = "ckpt save"}, fmt::format("{} bytes is not a whole number of {} elements", bytes, f.dtype));
+    throw Error(errno_code(EINVAL), {.op = "ckpt generate"}, fmt::format("{} bytes is not a whole number of {} elements", bytes, f.dtype));
   const std::uint64_t elements = bytes * 8 / bits;
   // Matrices of 1024 columns where the size allows (like real weights), else vectors.
   const std::vector<std::uint64_t> shape =
@@ -294,10 +333,10 @@ int run_save(const CkptFlags& f) {
   }
   Progress progress(fmt::format("save {} -> {}", f.from, f.path), bytes * f.count);
   const Stats s = save_checkpoint(f.path, tensors,
-                                  {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt save"}},
+                                  {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt generate"}},
                                    .checksums = !f.no_checksums, .backend = f.backend, .engine_options = f.tuning.resolve(),
                                    .max_shard_size = max_shard_size,
-                                   .progress = progress.counter()});
+                                   .progress = progress.counter(), .cancel = &stop});
   if (!f.json.empty()) {
     write_json({{"path", f.path}, {"from", f.from}, {"tensors", f.count}, {"stats", to_json(s)}}, f.json);
     if (f.json == "-") return 0;
@@ -335,11 +374,11 @@ int run_verify(const CkptFlags& f) {
 
 void add_ckpt_command(CLI::App& app, int& exit_status) {
   auto flags = std::make_shared<CkptFlags>();
-  auto* ckpt = app.add_subcommand("ckpt", "safetensors checkpoints: info, load, save, verify, checksum");
+  auto* ckpt = app.add_subcommand("ckpt", "safetensors checkpoints: info, load, verify, checksum, generate");
   ckpt->footer("Examples:\n"
                "  hbmio ckpt info ~/models/llama/                      tensors, dtypes, sizes, checksums\n"
                "  hbmio ckpt load ~/models/llama/ --into cuda:0 --verify\n"
-               "  hbmio ckpt save /tmp/w.safetensors --count 48 --tensor-size 128MiB --from cuda:0\n"
+               "  hbmio ckpt generate /tmp/w.safetensors --count 48 --tensor-size 128MiB --from cuda:0\n"
                "  hbmio ckpt checksum ~/models/llama/ && hbmio ckpt verify ~/models/llama/");
   ckpt->require_subcommand(1);
   const std::string path_help = "A .safetensors file, a *.safetensors.index.json, or a directory holding either";
@@ -384,7 +423,9 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                "  hbmio ckpt load ~/models/llama/ --into cuda:0,1 --placement shard     half the tensors on each GPU");
   load->callback([flags, &exit_status] { exit_status = run_load(*flags); });
 
-  auto* save = ckpt->add_subcommand("save", "Save generated random tensors (for tests and benchmarks), crash-safe");
+  auto* save = ckpt->add_subcommand(
+      "generate", "Save generated random tensors as a checkpoint (for tests and benchmarks), crash-safe; an existing "
+                  "checkpoint at PATH is replaced only with --force");
   save->add_option("path", flags->path, "The .safetensors file to write (a directory with --max-shard-size)")->required();
   save->add_option("--max-shard-size", flags->max_shard_size,
                    "Write a sharded checkpoint into the directory PATH: shards of at most this many tensor bytes "
@@ -398,13 +439,18 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   save->add_option("--seed", flags->seed, "Seed of the generated data")->capture_default_str();
   save->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
   save->add_flag("--no-checksums", flags->no_checksums, "Do not store XXH3-64 checksums");
+  save->add_flag("--force", flags->force, "Replace the checkpoint at PATH (a file, or a directory holding one) with the generated one");
   add_json_option(save, flags->json, "Write the result");
   flags->tuning.add_to(save);
-  save->footer("Example: hbmio ckpt save /tmp/w --count 96 --tensor-size 128MiB --from cuda:0 --max-shard-size 5GiB\n"
-               "Ctrl-C removes what was written; the checkpoint at PATH keeps what it held.");
+  save->footer("Example: hbmio ckpt generate /tmp/w --count 96 --tensor-size 128MiB --from cuda:0 --max-shard-size 5GiB\n"
+               "Ctrl-C stops the save before it publishes, removing what it wrote: PATH keeps what it held (a\n"
+               "save that had already published finishes, and the message says PATH holds the new checkpoint).");
   save->callback([flags, &exit_status] {
-    exit_status = run_stoppable([flags] { return run_save(*flags); }, [flags] { remove_own_save_temporaries(flags->path); },
-                                fmt::format("{} holds what it held before; what the save had written is removed", flags->path));
+    exit_status = run_stoppable([flags](const std::atomic<bool>& stop) { return run_save(*flags, stop); },
+                                [flags](bool stopped) {
+                                  return stopped ? fmt::format("{} holds what it held before; nothing of this save is left", flags->path)
+                                                 : fmt::format("the save had published already: {} holds the new checkpoint", flags->path);
+                                });
   });
 
   auto* verify = ckpt->add_subcommand("verify", "Recompute the stored checksums; name the first bad tensor and its offset");
@@ -423,8 +469,8 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   checksum->add_flag("--force", flags->force,
                      "Recompute the checksums of files whose stored ones do not match (the data is taken as it is now)");
   checksum->callback([flags, &exit_status] {
-    const auto work = [flags] {
-      const AddChecksumsResult r = add_checksums(flags->path, flags->force);
+    const auto work = [flags](const std::atomic<bool>& stop) {
+      const AddChecksumsResult r = add_checksums(flags->path, flags->force, &stop);
       if (r.files_rewritten == 0)
         fmt::print("{}: checksums already present and matching ({} file(s)); nothing rewritten\n", flags->path, r.files_already_valid);
       else
@@ -432,13 +478,10 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                    r.files_already_valid ? fmt::format(", {} already had matching ones", r.files_already_valid) : "");
       return 0;
     };
-    const auto clean_up = [flags] {
-      try {
-        for (const CheckpointFile& file : open_checkpoint(flags->path)) remove_own_save_temporaries(file.path);
-      } catch (const Error&) {  // unreadable now: the next checksum or save of it removes what is left
-      }
-    };
-    exit_status = run_stoppable(work, clean_up, "files already rewritten keep their checksums, the others are unchanged");
+    exit_status = run_stoppable(work, [](bool stopped) {
+      return stopped ? std::string("files already rewritten keep their checksums, the others are unchanged")
+                     : std::string("every file had been rewritten (or the command failed, as said above)");
+    });
   });
 }
 

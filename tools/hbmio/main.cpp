@@ -1,9 +1,11 @@
 // hbmio: move tensor data between storage and GPU memory, and measure how fast it goes.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstring>
 #include <iostream>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
@@ -57,13 +59,17 @@ int run_read(const std::string& path, const std::string& into, const std::string
 }
 
 int run_write(const std::string& path, const std::string& from, const std::string& backend, const std::string& size_text,
-              const std::string& offset_text, std::uint64_t seed, bool sync, bool verify, const std::string& json,
+              const std::string& offset_text, std::uint64_t seed, bool sync, bool verify, bool force, const std::string& json,
               const TuningFlags& tuning) {
   const Options options = tuning.resolve();
   const MemoryLocation where = MemoryLocation::parse(from);
   const std::uint64_t length = parse_size(size_text);
   const std::uint64_t offset = offset_text.empty() ? 0 : parse_size(offset_text);
   if (length == 0) throw Error(errno_code(EINVAL), {.op = "write", .path = path}, "nothing to write (size 0)");
+  // Random bytes over a real file (a checkpoint) destroy it: only when asked for.
+  if (struct stat st {}; !force && ::lstat(path.c_str(), &st) == 0)
+    throw Error(errno_code(EEXIST), {.op = "write-random", .path = path},
+                "the file exists, and write-random would overwrite it with random bytes: add --force to do that");
   auto engine = make_engine(backend, options);
   Buffer buffer = Buffer::allocate(where, length);
   {
@@ -84,7 +90,7 @@ int run_write(const std::string& path, const std::string& from, const std::strin
   std::optional<std::uint64_t> mismatch;
   if (verify) mismatch = first_difference(buffer.span(), path, offset);
   if (!json.empty()) {
-    nlohmann::json j = {{"command", "write"}, {"file", path}, {"from", where.to_string()}, {"offset", offset},
+    nlohmann::json j = {{"command", "write-random"}, {"file", path}, {"from", where.to_string()}, {"offset", offset},
                         {"length", length}, {"fsync", sync}, {"stats", to_json(stats)}};
     if (verify) j["verified"] = !mismatch;
     write_json(j, json);
@@ -144,8 +150,12 @@ int main(int argc, char** argv) {
   hbmio::cli::add_json_option(read, json, "Write the result");
   tuning.add_to(read);
 
-  auto* write = app.add_subcommand("write", "Write generated random data from host, pinned or GPU memory into a file");
-  write->add_option("file", path, "File to write (created or truncated when --offset is 0)")->required();
+  bool force = false;
+  auto* write = app.add_subcommand("write-random",
+                                   "Write generated random bytes from host, pinned or GPU memory into a file (a write "
+                                   "benchmark; an existing file is replaced only with --force)");
+  write->add_option("file", path, "File to write (created, or with --force truncated when --offset is 0)")->required();
+  write->add_flag("--force", force, "Write into an existing file (or block device): its bytes are overwritten with random data");
   write->add_option("--from", from, "Source memory: host, pinned or cuda:N")->capture_default_str();
   write->add_option("--size", size, "Bytes to write (e.g. 1GiB)")->required()->check(hbmio::cli::size_value());
   write->add_option("--backend,-b", backend, "posix, uring, cufile or auto")->capture_default_str();
@@ -172,10 +182,21 @@ int main(int argc, char** argv) {
       "HBMIO_BOUNCE_BUFFER_SIZE [8MiB], HBMIO_BOUNCE_BUFFERS [4], HBMIO_QUEUE_DEPTH [8],\n"
       "HBMIO_WORKERS [min(cores,16)], HBMIO_DIRECT_IO [auto].");
 
+  // Commands renamed because their old names hid that they write random data over the path given.
+  if (argc >= 2 && std::string_view(argv[1]) == "write") {
+    fmt::print(stderr, "hbmio: 'write' was renamed 'write-random': it writes generated random bytes (an existing file "
+                       "needs --force)\n");
+    return 1;
+  }
+  if (argc >= 3 && std::string_view(argv[1]) == "ckpt" && std::string_view(argv[2]) == "save") {
+    fmt::print(stderr, "hbmio: 'ckpt save' was renamed 'ckpt generate': it saves generated random tensors (an existing "
+                       "checkpoint needs --force)\n");
+    return 1;
+  }
   try {
     app.parse(argc, argv);
     if (*read) return run_read(path, into, backend, offset, length, verify, json, tuning);
-    if (*write) return run_write(path, from, backend, size, offset, seed, sync, verify, json, tuning);
+    if (*write) return run_write(path, from, backend, size, offset, seed, sync, verify, force, json, tuning);
     if (*backends) return run_backends(json, tuning);
     if (app.got_subcommand("bench")) return bench_status;
     if (app.got_subcommand("doctor")) return doctor_status;
