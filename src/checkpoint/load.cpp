@@ -94,7 +94,13 @@ std::vector<CheckpointFile> open_checkpoint_once(const std::string& path) {
   const int dir_fd = ::open(dir_path.empty() ? "." : dir_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir_fd < 0) throw checkpoint_error(errno, path, fmt::format("open of its directory {}", dir_path));
   const auto dir = std::make_shared<const CheckpointDirectory>(dir_fd);
-  const std::string name = S_ISDIR(info.st_mode) ? resolve_directory(*dir, path) : fs::path(path).filename().string();
+  std::string name;
+  try {
+    name = S_ISDIR(info.st_mode) ? resolve_directory(*dir, path) : fs::path(path).filename().string();
+  } catch (const Error&) {
+    if (!still_named(*dir, dir_path)) throw DirectorySwapped{};  // listed while being emptied
+    throw;
+  }
   const std::string target = (fs::path(dir_path) / name).string();
   const std::size_t bound = open_file_bound();
   auto open_one = [&](const std::string& file_name, const std::string& file_path, std::vector<CheckpointFile>& into) {

@@ -26,4 +26,9 @@ Error::Error(std::error_code code, ErrorContext context, const std::string& deta
       context_(std::move(context)),
       detail_(detail) {}
 
+std::string thread_limit_message(const std::system_error& e) {
+  return std::string("could not start a thread (") + e.what() +
+         "): the process or its user is at a limit on threads (ulimit -u, the cgroup's pids.max) or memory";
+}
+
 }  // namespace hbmio
