@@ -43,4 +43,8 @@ const std::error_category& cufile_category() noexcept;
 // Shorthand for an errno value.
 inline std::error_code errno_code(int err) noexcept { return {err, std::generic_category()}; }
 
+// What to tell a user when a thread could not be started (std::thread throws std::system_error
+// with EAGAIN, whose own text is only "Resource temporarily unavailable").
+std::string thread_limit_message(const std::system_error& e);
+
 }  // namespace hbmio

@@ -485,6 +485,15 @@ void translate(const std::exception_ptr& p, void*) {
     nb::setattr(inst, "backend", nb::str(e.context().backend.c_str()));
     nb::setattr(inst, "detail", nb::str(e.detail().c_str()));
     PyErr_SetObject(g_error_type, instance);
+  } catch (const std::system_error& e) {
+    // std::thread's failure (EAGAIN) said only "Resource temporarily unavailable".
+    if (e.code() != std::errc::resource_unavailable_try_again) throw;
+    const std::string text = hbmio::thread_limit_message(e);
+    nb::object args = nb::make_tuple(e.code().value(), text);
+    PyObject* instance = PyObject_CallObject(g_error_type, args.ptr());
+    if (!instance) return;
+    PyErr_SetObject(g_error_type, instance);
+    Py_DECREF(instance);
   }
 }
 

@@ -208,6 +208,9 @@ int main(int argc, char** argv) {
   } catch (const hbmio::Error& e) {
     fmt::print(stderr, "hbmio: {}\n", e.what());
     return 1;
+  } catch (const std::system_error& e) {
+    fmt::print(stderr, "hbmio: {}\n", e.code() == std::errc::resource_unavailable_try_again ? hbmio::thread_limit_message(e) : e.what());
+    return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "hbmio: {}\n", e.what());
     return 1;
