@@ -158,6 +158,15 @@ grep -q "do not match" <<<"$out" && grep -q -- "bad.safetensors" <<<"$out" || fa
 "$hbmio" ckpt checksum "$dir/bad.safetensors" --force | grep -q "checksums added to 1 file" || fail "checksum --force"
 "$hbmio" ckpt verify "$dir/bad.safetensors" >/dev/null || fail "verify after checksum --force"
 "$hbmio" ckpt checksum "$dir/bad.safetensors" | grep -q "already present and matching" || fail "checksum of a good file"
+# Two checksums of one sharded checkpoint at once take turns on each file (its flock): both
+# succeed, between them every shard is rewritten once, and the checkpoint verifies.
+"$hbmio" ckpt generate "$dir/twice" --count 12 --tensor-size 1MiB --max-shard-size 2MiB --no-checksums >/dev/null
+"$hbmio" ckpt checksum "$dir/twice" >"$dir/twice1.out" 2>&1 & p1=$!
+"$hbmio" ckpt checksum "$dir/twice" >"$dir/twice2.out" 2>&1 & p2=$!
+wait $p1 || fail "the first of two concurrent checksums: $(cat "$dir/twice1.out")"
+wait $p2 || fail "the second of two concurrent checksums: $(cat "$dir/twice2.out")"
+"$hbmio" ckpt verify "$dir/twice" >/dev/null || fail "after two concurrent checksums the checkpoint does not verify"
+! ls -A "$dir/twice" | grep -q hbmio-tmp || fail "two concurrent checksums left a temporary: $(ls -A "$dir/twice")"
 # Usage errors exit 1, like every other error; --max-shard-size 0 is one.
 set +e
 "$hbmio" ckpt generate "$dir/z.safetensors" --force --count 1 --tensor-size 4KiB --max-shard-size 0 >/dev/null 2>&1; rc1=$?
