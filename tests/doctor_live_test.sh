@@ -57,11 +57,16 @@ PY
 )" = 1 ] && into=cuda:0
 "$hbmio" read "$work/data.bin" --into $into --backend auto --verify >/dev/null || fail "auto read into $into"
 # A directory the user cannot write (a mounted dataset): O_DIRECT is judged on a file in it, not
-# reported missing. As root, through an unprivileged user; skipped where setpriv is missing.
+# reported missing. As root, through an unprivileged user; skipped where setpriv is missing. The
+# directory and a copy of the binary go under /tmp (world-searchable): the checkout's own parent
+# directories may be closed to other users (a clone under a mode-700 temporary directory).
 if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
-  ro="$work/read-only"
-  mkdir -p "$ro" && head -c 65536 /dev/urandom > "$ro/weights.bin" && chmod 755 "$work" && chmod 555 "$ro" && chmod 444 "$ro/weights.bin"
-  setpriv --reuid=65534 --regid=65534 --clear-groups "$hbmio" doctor "$ro" --json - > "$work/ro.json" 2>/dev/null || true
+  shared=$(mktemp -d /tmp/hbmio-doctor-ro.XXXXXX)
+  trap 'rm -rf "$work" "$shared"' EXIT
+  chmod 755 "$shared" && cp "$hbmio" "$shared/hbmio" && chmod 755 "$shared/hbmio"
+  ro="$shared/read-only"
+  mkdir -p "$ro" && head -c 65536 /dev/urandom > "$ro/weights.bin" && chmod 555 "$ro" && chmod 444 "$ro/weights.bin"
+  setpriv --reuid=65534 --regid=65534 --clear-groups "$shared/hbmio" doctor "$ro" --json - > "$work/ro.json" 2>/dev/null || true
   python3 - "$work/ro.json" <<'PY' || fail "read-only directory: $(cat "$work/ro.json")"
 import json, sys
 checks = {c["id"].split(":")[0]: c for c in json.load(open(sys.argv[1]))["checks"]}
