@@ -884,6 +884,66 @@ TEST(ConcurrentLoads, ALoadRacingReplacementsSeesOneFile) {
   EXPECT_GT(as_a + as_b, 0u);
 }
 
+// An opened checkpoint reads any tensor, or any byte range of one, in any order and in batches,
+// through the descriptors opened once: byte-identical to the saved tensors; a range past a
+// tensor's end is refused naming it; a file replaced after opening is still read as opened.
+TEST(OpenedCheckpoints, ReadTensorsAndRangesInAnyOrder) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  for (const std::uint64_t shard : {std::uint64_t{0}, std::uint64_t{300000}}) {
+    SCOPED_TRACE(shard ? "sharded" : "one file");
+    const std::string path = dir.file(shard ? "model" : "m.safetensors");
+    save_checkpoint(path, sample.tensors, {.max_shard_size = shard});
+    const OpenedCheckpoint opened(path);
+    ASSERT_EQ(opened.tensors().size(), sample.tensors.size());
+    auto engine = make_engine("uring", small_options());
+    for (std::size_t i = 0; i < opened.tensors().size(); ++i)  // file order
+      if (i > 0) {
+        const auto& a = opened.tensors()[i - 1];
+        const auto& b = opened.tensors()[i];
+        EXPECT_TRUE(a.file < b.file || (a.file == b.file && a.file_offset <= b.file_offset));
+      }
+    // Every tensor, in reverse order, one batch; then the middle third of each, one read each.
+    std::vector<Buffer> whole, parts;
+    std::vector<TensorRead> batch;
+    for (std::size_t k = sample.tensors.size(); k-- > 0;) {
+      const auto i = opened.find(sample.tensors[k].name);
+      ASSERT_TRUE(i.has_value());
+      whole.push_back(Buffer::allocate({MemoryKind::host}, std::max<std::size_t>(sample.bytes[k].size(), 1)));
+      batch.push_back({.tensor = *i, .offset = 0, .length = sample.bytes[k].size(), .into = whole.back().span()});
+    }
+    opened.read(batch, *engine);
+    for (std::size_t j = 0; j < batch.size(); ++j) {
+      const std::size_t k = sample.tensors.size() - 1 - j;
+      EXPECT_EQ(std::memcmp(whole[j].data(), sample.bytes[k].data(), sample.bytes[k].size()), 0) << sample.tensors[k].name;
+    }
+    for (std::size_t k = 0; k < sample.tensors.size(); ++k) {
+      const std::uint64_t size = sample.bytes[k].size(), from = size / 3, length = size / 3;
+      Buffer part = Buffer::allocate({MemoryKind::host}, std::max<std::uint64_t>(length, 1));
+      opened.read({{.tensor = *opened.find(sample.tensors[k].name), .offset = from, .length = length, .into = part.span()}}, *engine);
+      EXPECT_EQ(std::memcmp(part.data(), sample.bytes[k].data() + from, length), 0) << sample.tensors[k].name;
+    }
+    Buffer one = Buffer::allocate({MemoryKind::host}, 16);
+    const std::size_t norm = *opened.find("norm");
+    try {
+      opened.read({{.tensor = norm, .offset = 300, .length = 16, .into = one.span()}}, *engine);
+      ADD_FAILURE() << "a range past the tensor's end was read";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), std::errc::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("'norm'"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(opened.find("no such tensor").has_value());
+    // Replaced after opening: still the file as opened.
+    Sample other = make_sample({MemoryKind::host});
+    for (auto& b : other.buffers) fill_memory(b.span(), std::byte{0x33});
+    save_checkpoint(path, other.tensors, {.max_shard_size = shard});
+    Buffer again = Buffer::allocate({MemoryKind::host}, sample.bytes[0].size());
+    opened.read({{.tensor = *opened.find(sample.tensors[0].name), .offset = 0, .length = sample.bytes[0].size(), .into = again.span()}},
+                *engine);
+    EXPECT_EQ(std::memcmp(again.data(), sample.bytes[0].data(), sample.bytes[0].size()), 0);
+  }
+}
+
 // Many loads at once, as a server restoring several models does: 16 threads, each loading 4 of 8
 // files (one or sharded, every backend) with verification, through engines of their own and one
 // shared engine. Every tensor must be right; under the sanitizer build this also checks for

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "hbmio/engine.hpp"
@@ -115,6 +116,51 @@ std::vector<CheckpointFile> open_checkpoint(const std::string& path);
 // file opened again from its directory, checked to be the same file (Error ESTALE, naming it,
 // when another file has taken its name: the checkpoint was replaced while being read).
 std::shared_ptr<const File> reopen(const CheckpointFile& file);
+
+// A checkpoint opened for access a tensor (or part of one) at a time, in any order: what
+// frameworks' safe_open-style loaders do (Hugging Face transformers, vLLM). The headers are parsed
+// and the files opened once (open_checkpoint); each read goes through the descriptors so held, so
+// every read sees the files as they were when opened, even if they are replaced meanwhile, and a
+// file truncated meanwhile is an Error (the read ends early), never other bytes. Reads of several
+// tensors are one engine batch. Thread-safety: const methods may be called from several threads;
+// reads through one engine queue on it (see Engine).
+struct TensorRead {
+  std::size_t tensor = 0;     // index into OpenedCheckpoint::tensors()
+  std::uint64_t offset = 0;   // first byte, within the tensor's bytes
+  std::uint64_t length = 0;   // bytes; offset + length must not pass the tensor's end
+  MemorySpan into;            // at least `length` bytes, of any memory kind
+};
+
+class OpenedCheckpoint {
+ public:
+  struct Tensor {
+    std::size_t file = 0;                           // index into files()
+    const safetensors::TensorInfo* info = nullptr;  // name, dtype, shape, size
+    std::uint64_t file_offset = 0;                  // where its bytes start in its file
+  };
+  // Throws Error as open_checkpoint does.
+  explicit OpenedCheckpoint(const std::string& path);
+  OpenedCheckpoint(OpenedCheckpoint&&) noexcept = default;
+  OpenedCheckpoint& operator=(OpenedCheckpoint&&) noexcept = default;
+
+  const std::string& path() const noexcept { return path_; }
+  const std::vector<CheckpointFile>& files() const noexcept { return files_; }
+  // Every tensor, in file order (by file, then by offset): the order a walk reads sequentially.
+  const std::vector<Tensor>& tensors() const noexcept { return tensors_; }
+  // The index of `name` in tensors(), or nullopt.
+  std::optional<std::size_t> find(std::string_view name) const noexcept;
+  // __metadata__ of the first file (a sharded checkpoint's shards carry the same).
+  const std::map<std::string, std::string>& metadata() const noexcept;
+  // Reads the given byte ranges of tensors, all in one batch through `engine`. Throws Error
+  // naming the file, tensor and offset (EINVAL for a range past a tensor's end).
+  Stats read(const std::vector<TensorRead>& reads, Engine& engine, std::atomic<std::uint64_t>* progress = nullptr) const;
+
+ private:
+  std::string path_;
+  std::vector<CheckpointFile> files_;
+  std::vector<Tensor> tensors_;
+  std::map<std::string, std::size_t, std::less<>> by_name_;
+};
 
 // Loads tensors into memory of one kind. Reads are planned: tensors adjacent in the file and in
 // memory become one request, so a file of many small tensors loads like one of few big ones.

@@ -30,6 +30,7 @@ import time as _time
 
 from . import _hbmio
 from ._hbmio import Error, backends, cuda_device_count, cuda_unavailable_reason, _release_engines
+from ._lazy import SafeOpen
 
 # Test and diagnostic support, not public API.
 _inspect = _hbmio._inspect
@@ -290,32 +291,22 @@ def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=Fa
     return arrays
 
 
-class SafeOpen(_hbmio.SafeOpen):
-    """A checkpoint opened for lazy, per-tensor loads, like safetensors.safe_open: headers are
-    read once; .keys(), .metadata(), .dtype(name), .shape(name), .get_tensor(name)."""
-
-    def __init__(self, path, framework="auto", device="cpu"):
-        super().__init__(_os.fspath(path))
-        self._framework = framework
-        self._device = device
-        _framework(framework)  # a bad name fails here, not at the first get_tensor
-
-    def get_tensor(self, name, device=None, *, framework=None, backend="auto", verify=False):
-        """One tensor, loaded now; device and framework default to those given to open()."""
-        self.dtype(name)  # KeyError for an unknown name
-        return load_file(self.path, self._device if device is None else device,
-                         framework=self._framework if framework is None else framework, backend=backend,
-                         verify=verify, names=[name])[name]
-
-
-def open(path, framework="auto", device="cpu"):  # noqa: A001 - the safetensors.safe_open counterpart
-    """Opens a checkpoint for lazy loads, like safetensors.safe_open(path, framework, device):
+def open(path, framework="auto", device="cpu", *, backend="auto", readahead=None):  # noqa: A001 - safe_open's counterpart
+    """Opens a checkpoint (a file, a sharded index or a directory) for access a tensor at a time,
+    like safetensors.safe_open(path, framework, device):
 
         with hbmio.open("model.safetensors", framework="pt", device="cuda:0") as f:
-            head = f.get_tensor("head")
+            for name in f.offset_keys():          # file order: read ahead in batches
+                state[name] = f.get_tensor(name)
+            head = f.get_slice("lm_head.weight")[:1024]   # reads only those rows
 
-    framework: "auto", "torch"/"pt", "numpy"/"np" or "dlpack", as for load_file."""
-    return SafeOpen(path, framework, device)
+    keys() (sorted), offset_keys() (file order), metadata() (None without one), get_tensor(name),
+    get_slice(name) (get_shape(), get_dtype(), [ints, slices, ...]), get_tensors(). Headers are
+    parsed and files opened once; an unknown name raises KeyError naming it. framework: "auto",
+    "torch"/"pt", "numpy"/"np" or "dlpack", as for load_file. readahead: bytes of tensors that
+    a walk in file order may read before they are asked for (default 1 GiB, HBMIO_READAHEAD;
+    0 turns it off); see hbmio/_lazy.py."""
+    return SafeOpen(path, framework, device, backend=backend, readahead=readahead)
 
 
 def _nbytes(array) -> int:

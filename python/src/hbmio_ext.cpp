@@ -305,14 +305,65 @@ nb::dict stats_dict(const hbmio::Stats& s) {
 }
 
 struct Handle {
-  std::string path;
-  std::vector<hbmio::CheckpointFile> files;
+  hbmio::OpenedCheckpoint checkpoint;
 
-  const hbmio::safetensors::TensorInfo& info(const std::string& name) const {
-    for (const auto& f : files)
-      if (const auto* t = f.header.find(name)) return *t;
-    throw nb::key_error(("no tensor " + name + " in " + path).c_str());
+  const std::string& path() const noexcept { return checkpoint.path(); }
+  const std::vector<hbmio::CheckpointFile>& files() const noexcept { return checkpoint.files(); }
+  std::size_t index(const std::string& name) const {
+    if (const auto i = checkpoint.find(name)) return *i;
+    throw nb::key_error(("no tensor named '" + name + "' in " + path()).c_str());
   }
+  const hbmio::safetensors::TensorInfo& info(const std::string& name) const { return *checkpoint.tensors()[index(name)].info; }
+};
+
+// Reads of parts of tensors of a SafeOpen into arrays: indices into tensors(), destinations, and
+// optional byte offsets and lengths within each tensor (default: the whole tensor). The spans are
+// taken here, with the GIL held; the reads then need no Python object.
+std::vector<hbmio::TensorRead> tensor_reads(const Handle& h, const std::vector<std::size_t>& indices, const nb::list& dests,
+                                            const std::optional<std::vector<std::uint64_t>>& offsets,
+                                            const std::optional<std::vector<std::uint64_t>>& lengths) {
+  if (dests.size() != indices.size() || (offsets && offsets->size() != indices.size()) || (lengths && lengths->size() != indices.size()))
+    throw nb::value_error("_read: one destination (and offset and length, where given) per tensor");
+  std::vector<hbmio::TensorRead> reads(indices.size());
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    if (indices[i] >= h.checkpoint.tensors().size()) throw nb::index_error("_read: tensor index out of range");
+    const std::uint64_t size = h.checkpoint.tensors()[indices[i]].info->size();
+    reads[i].tensor = indices[i];
+    reads[i].offset = offsets ? (*offsets)[i] : 0;
+    reads[i].length = lengths ? (*lengths)[i] : size;
+    // A tensor of no bytes may come with an empty array, whose pointer may be null: nothing to read.
+    reads[i].into = reads[i].length == 0 ? hbmio::MemorySpan{} : raw_array(dests[i], true, "_read").span;
+  }
+  return reads;
+}
+
+// A read of a SafeOpen running on a thread of its own (read-ahead), with the engine it borrowed
+// and the destination arrays, which it keeps alive, until wait() or its destruction.
+class PendingRead {
+ public:
+  PendingRead(const Handle& h, std::vector<hbmio::TensorRead> reads, nb::list dests, std::string backend)
+      : dests_(std::move(dests)) {
+    auto lease = std::make_shared<EngineLease>(std::move(backend));
+    done_ = std::async(std::launch::async, [&h, reads = std::move(reads), lease] { h.checkpoint.read(reads, *lease->get()); });
+  }
+  ~PendingRead() {
+    if (done_.valid()) {
+      nb::gil_scoped_release release;
+      done_.wait();  // its error, if any, is dropped with it: nobody asked for the data
+    }
+  }
+  PendingRead(const PendingRead&) = delete;
+  PendingRead& operator=(const PendingRead&) = delete;
+  // Waits for the reads; raises their error.
+  void wait() {
+    if (!done_.valid()) return;
+    nb::gil_scoped_release release;
+    done_.get();
+  }
+
+ private:
+  nb::list dests_;
+  std::future<void> done_;
 };
 
 // A load's checkpoint: a path, or a SafeOpen (Handle) whose headers were read already, so a caller
@@ -324,7 +375,7 @@ struct Target {
 Target target_of(nb::handle h) {
   if (nb::isinstance<Handle>(h)) {
     const Handle& handle = nb::cast<const Handle&>(h);
-    return {handle.path, &handle.files};
+    return {handle.path(), &handle.files()};
   }
   return {nb::cast<std::string>(h), nullptr};
 }
@@ -641,38 +692,76 @@ NB_MODULE(_hbmio, m) {
     return d;
   });
 
+  nb::class_<PendingRead>(m, "_PendingRead", "Reads of a SafeOpen in flight (read-ahead).")
+      .def("wait", &PendingRead::wait, "Waits for the reads; raises their error.");
+
   nb::class_<Handle>(m, "SafeOpen", "A checkpoint opened for lazy, per-tensor loads (like safetensors.safe_open).")
       .def("__init__", [](Handle* self, const std::string& path) {
-        std::vector<hbmio::CheckpointFile> files;
+        std::optional<hbmio::OpenedCheckpoint> opened;
         {
           nb::gil_scoped_release release;
-          files = hbmio::open_checkpoint(path);
+          opened.emplace(path);
         }
-        new (self) Handle{path, std::move(files)};
+        new (self) Handle{std::move(*opened)};
       }, nb::arg("path"))
-      .def_prop_ro("path", [](const Handle& h) { return h.path; })
+      .def_prop_ro("path", [](const Handle& h) { return h.path(); })
       .def("keys", [](const Handle& h) {
+        // Sorted by name, as safetensors' safe_open.keys() (offset_keys() gives file order).
         std::vector<std::string> keys;
-        for (const auto& f : h.files)
-          for (const auto& t : f.header.tensors) keys.push_back(t.name);
+        for (const auto& t : h.checkpoint.tensors()) keys.push_back(t.info->name);
+        std::sort(keys.begin(), keys.end());
         return keys;
       })
-      .def("metadata", [](const Handle& h) {
-        return h.files.empty() ? std::map<std::string, std::string>{} : h.files.front().header.metadata;
+      .def("offset_keys", [](const Handle& h) {
+        std::vector<std::string> keys;
+        for (const auto& t : h.checkpoint.tensors()) keys.push_back(t.info->name);
+        return keys;
+      })
+      .def("metadata", [](const Handle& h) -> nb::object {
+        // None where the file has no __metadata__, as safetensors' safe_open.
+        if (h.checkpoint.metadata().empty()) return nb::none();
+        return nb::cast(h.checkpoint.metadata());
       })
       .def("files", [](const Handle& h) {
         std::vector<std::string> paths;
-        for (const auto& f : h.files) paths.push_back(f.path);
+        for (const auto& f : h.files()) paths.push_back(f.path);
         return paths;
       })
       .def("dtype", [](const Handle& h, const std::string& name) {
         return std::string(hbmio::safetensors::to_string(h.info(name).dtype));
       })
       .def("shape", [](const Handle& h, const std::string& name) { return h.info(name).shape; })
+      .def("_entries", [](const Handle& h) {
+        // (name, dtype, shape, bytes) of every tensor in file order: what the Python side indexes once.
+        nb::list out;
+        for (const auto& t : h.checkpoint.tensors()) {
+          nb::list shape;
+          for (auto n : t.info->shape) shape.append(n);
+          out.append(nb::make_tuple(t.info->name, std::string(hbmio::safetensors::to_string(t.info->dtype)), shape, t.info->size()));
+        }
+        return out;
+      })
+      .def("_read", [](const Handle& h, const std::vector<std::size_t>& indices, const nb::list& dests,
+                       std::optional<std::vector<std::uint64_t>> offsets, std::optional<std::vector<std::uint64_t>> lengths,
+                       const std::string& backend) {
+        std::vector<hbmio::TensorRead> reads = tensor_reads(h, indices, dests, offsets, lengths);
+        nb::gil_scoped_release release;
+        EngineLease engine(backend);
+        h.checkpoint.read(reads, *engine.get());
+      }, nb::arg("indices"), nb::arg("dests"), nb::arg("offsets") = nb::none(), nb::arg("lengths") = nb::none(),
+         nb::arg("backend") = "auto",
+         "Reads tensors (indices into _entries()), or byte ranges of them, into the arrays `dests`, in one batch.")
+      .def("_read_async", [](nb::handle self, const std::vector<std::size_t>& indices, const nb::list& dests,
+                             const std::string& backend) {
+        const Handle& h = nb::cast<const Handle&>(self);
+        std::vector<hbmio::TensorRead> reads = tensor_reads(h, indices, dests, std::nullopt, std::nullopt);
+        return new PendingRead(h, std::move(reads), dests, backend);
+      }, nb::arg("indices"), nb::arg("dests"), nb::arg("backend") = "auto", nb::keep_alive<0, 1>(),
+         "Starts _read of whole tensors on a thread of its own; .wait() on the result waits for it.")
       .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
                             const std::string& backend, bool verify) {
         h.info(name);  // KeyError for an unknown name
-        nb::dict one = load(h.path, device, backend, verify, std::vector<std::string>{name}, nullptr);
+        nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr);
         return nb::object(one[nb::str(name.c_str(), name.size())]);
       }, nb::arg("name"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
          nb::arg("verify") = false)

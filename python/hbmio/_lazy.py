@@ -1,0 +1,354 @@
+"""hbmio.open: a checkpoint opened for access a tensor (or a slice) at a time, like
+safetensors.safe_open, which is how transformers, vLLM and TGI load.
+
+The headers are parsed and the files opened once (hbmio::OpenedCheckpoint). Each tensor gets
+memory of its own (torch.empty / numpy.empty, so nothing returned keeps another tensor's memory
+alive) and is read straight into it through a pooled engine.
+
+Read-ahead: a caller that walks the tensors in file order (what every framework does) would pay
+one engine round trip per tensor. When get_tensor asks for the tensor after the previous one, the
+next tensors up to half the read-ahead budget are read with it in one batch, and the half after
+that is read on a thread of its own while the caller works; so at most `readahead` bytes (default
+1 GiB, HBMIO_READAHEAD) of tensors not yet asked for exist at once. Any other order reads just the
+tensor asked for. What was read ahead and is skipped is dropped when the walk passes it, and
+everything read ahead is freed by close() (or the end of a `with` block).
+"""
+from __future__ import annotations
+
+import operator as _operator
+import os as _os
+
+from . import _hbmio
+
+_DEFAULT_READAHEAD = 1 << 30
+
+# safetensors dtype -> NumPy dtype name (NumPy has no bfloat16 or float8).
+_NUMPY_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
+    "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64", "I64": "int64", "U64": "uint64",
+    "C64": "complex64",
+}
+_SUB_BYTE = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def _readahead_budget(readahead) -> int:
+    if readahead is None:
+        readahead = _os.environ.get("HBMIO_READAHEAD", _DEFAULT_READAHEAD)
+    from . import _parse_size
+    return _parse_size(readahead) if isinstance(readahead, str) else int(readahead)
+
+
+class _Target:
+    """Where tensors of a SafeOpen go and how their memory is made: torch (CPU or CUDA) or NumPy.
+    `None` from make() means the fast path cannot represent the dtype (the caller falls back)."""
+
+    def __init__(self, framework: str, device):
+        from . import _TORCH_DTYPES, _device_text, _torch, _torch_target
+        self.framework = framework
+        self.torch = _torch() if framework == "torch" else None
+        self.dev = None
+        self.ok = False
+        if framework == "torch":
+            self.dev = _torch_target(self.torch, _device_text(device))
+            self.ok = self.dev is not None and self.dev.type in ("cpu", "cuda")
+            self.dtypes = {k: getattr(self.torch, v, None) for k, v in _TORCH_DTYPES.items()}
+        elif framework == "numpy":
+            import numpy as np
+            self.np = np
+            self.ok = _device_text(device).lower() == "cpu"
+            self.dtypes = {k: np.dtype(v) for k, v in _NUMPY_DTYPES.items()}
+
+    def can(self, dtype: str) -> bool:
+        return self.ok and self.dtypes.get(dtype) is not None
+
+    def make(self, dtype: str, shape, nbytes: int):
+        """(array of `dtype` and `shape`, the uint8 array of its bytes to read into)."""
+        if self.torch is not None:
+            torch = self.torch
+            raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.dev)
+            return raw[:nbytes].view(self.dtypes[dtype]).reshape(shape), raw
+        np = self.np
+        raw = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return raw[:nbytes].view(self.dtypes[dtype]).reshape(shape), raw
+
+    def before_reads(self):
+        # PyTorch's caching allocator may hand out a block that work still queued on the current
+        # stream frees; hbmio copies on streams of its own, so that work must finish first.
+        if self.torch is not None and self.dev.type == "cuda":
+            self.torch.cuda.current_stream(self.dev).synchronize()
+
+
+class SafeOpen(_hbmio.SafeOpen):
+    """A checkpoint opened for lazy, per-tensor loads, like safetensors.safe_open: keys(),
+    offset_keys(), metadata(), get_tensor(name), get_slice(name)[...], get_tensors(); a
+    context manager. See hbmio.open."""
+
+    def __init__(self, path, framework="auto", device="cpu", *, backend="auto", readahead=None):
+        from . import _framework
+        super().__init__(_os.fspath(path))
+        self._framework = framework
+        self._device = device
+        self._backend = backend
+        self._resolved = _framework(framework)  # a bad name fails here, not at the first get_tensor
+        self._budget = max(0, _readahead_budget(readahead))
+        self._entries_list = self._entries()  # (name, dtype, shape, bytes) in file order
+        self._index = {e[0]: i for i, e in enumerate(self._entries_list)}
+        self._target = None   # made at the first get_tensor (imports torch/numpy then)
+        self._ready = {}      # index -> tensor read ahead and not yet asked for
+        self._pending = None  # (_PendingRead, {index: tensor}) being read ahead
+        self._ahead_end = 0   # first index not yet read or being read ahead
+        self._next = 0        # the index a walk in file order asks for next
+
+    # --- safe_open's interface -------------------------------------------------------------
+    def get_tensor(self, name, device=None, *, framework=None, backend=None, verify=False):
+        """One tensor, on the device and in the framework given to open() (or those given here)."""
+        i = self._lookup(name)
+        own = (device is None or device == self._device) and (framework is None or framework == self._framework)
+        if own and not verify:
+            target = self._own_target()
+            dtype = self._entries_list[i][1]
+            if target.can(dtype):
+                return self._get(i, target, backend or self._backend)
+        from . import load_file
+        return load_file(self.path, self._device if device is None else device,
+                         framework=self._framework if framework is None else framework,
+                         backend=backend or self._backend, verify=verify, names=[name])[name]
+
+    def get_slice(self, name):
+        """A lazy view of one tensor: get_shape(), get_dtype(), and [...] (ints, slices, ...),
+        reading only the bytes the slice needs."""
+        return _Slice(self, self._lookup(name))
+
+    def get_tensors(self):
+        """Every tensor, in file order, as (name, tensor) pairs (read ahead as a walk is)."""
+        for name, *_ in self._entries_list:
+            yield name, self.get_tensor(name)
+
+    def close(self):
+        """Frees what was read ahead (waiting for a read in flight). The SafeOpen stays usable."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending[0].wait()
+            except Error:  # nobody asked for those tensors
+                pass
+        self._ready.clear()
+        self._ahead_end = self._next
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # --- internals --------------------------------------------------------------------------
+    def _lookup(self, name) -> int:
+        try:
+            return self._index[name]
+        except (KeyError, TypeError):
+            raise KeyError(f"no tensor named {name!r} in {self.path}") from None
+
+    def _own_target(self) -> _Target:
+        if self._target is None:
+            self._target = _Target(self._resolved, self._device)
+        return self._target
+
+    def _get(self, i: int, target: _Target, backend: str):
+        tensor = self._ready.pop(i, None)
+        if tensor is None and self._pending is not None and i in self._pending[1]:
+            self._collect()
+            tensor = self._ready.pop(i)
+        sequential = i == self._next
+        self._next = i + 1
+        if tensor is None:
+            if sequential and self._budget > 0:
+                # Skipped tensors of the walk are not asked for any more: free them.
+                for k in [k for k in self._ready if k < i]:
+                    del self._ready[k]
+                batch = self._batch(i, target)
+            else:
+                batch = [i]
+            made = self._read_now(batch, target, backend)
+            tensor = made.pop(i)
+            self._ready.update(made)
+            if sequential:
+                self._ahead_end = max(self._ahead_end, batch[-1] + 1)
+        if sequential and self._budget > 0 and self._pending is None:
+            self._prefetch(target, backend)
+        return tensor
+
+    def _batch(self, first: int, target: _Target) -> list[int]:
+        """`first`, then the tensors after it in file order that are neither ready nor being read,
+        up to half the budget."""
+        batch, total = [first], self._entries_list[first][3]
+        pending = self._pending[1] if self._pending is not None else {}
+        k = first + 1
+        while k < len(self._entries_list) and k not in self._ready and k not in pending:
+            _, dtype, _, nbytes = self._entries_list[k]
+            if not target.can(dtype) or total + nbytes > self._budget // 2:
+                break
+            batch.append(k)
+            total += nbytes
+            k += 1
+        return batch
+
+    def _make(self, batch, target):
+        made, raws = {}, []
+        for k in batch:
+            _, dtype, shape, nbytes = self._entries_list[k]
+            made[k], raw = target.make(dtype, shape, nbytes)
+            raws.append(raw)
+        target.before_reads()
+        return made, raws
+
+    def _read_now(self, batch, target, backend):
+        made, raws = self._make(batch, target)
+        self._read(batch, raws, backend=backend)
+        return made
+
+    def _prefetch(self, target, backend):
+        """Reads the next half budget after what is read or ready, on a thread of its own."""
+        start = self._ahead_end
+        if start >= len(self._entries_list) or start in self._ready or not target.can(self._entries_list[start][1]):
+            return
+        held = sum(self._entries_list[k][3] for k in self._ready)
+        if held >= self._budget // 2:
+            return  # the caller has not caught up with what is ready
+        batch = self._batch(start, target)
+        made, raws = self._make(batch, target)
+        self._pending = (self._read_async(batch, raws, backend=backend), made)
+        self._ahead_end = batch[-1] + 1
+
+    def _collect(self):
+        pending, self._pending = self._pending, None
+        pending[0].wait()
+        self._ready.update(pending[1])
+
+
+from ._hbmio import Error  # noqa: E402  (after the class, which only names it at run time)
+
+
+class _Slice:
+    """safetensors' get_slice object: get_shape(), get_dtype(), and indexing."""
+
+    # A slice is read as one range per contiguous run of its bytes while runs are at least this
+    # long (or the rows covering them would be much larger); shorter runs (a column of a matrix)
+    # are read as the rows that cover them, and the slice is taken in memory.
+    _MIN_RUN = 64 << 10
+    _MAX_RUNS = 4096
+
+    def __init__(self, owner: SafeOpen, index: int):
+        self._owner = owner
+        self._index = index
+        self._name, self._dtype, self._shape, self._nbytes = owner._entries_list[index]
+
+    def get_shape(self):
+        return list(self._shape)
+
+    def get_dtype(self):
+        return self._dtype
+
+    def __getitem__(self, key):
+        owner = self._owner
+        dims = _normalize(key, self._shape, self._name)
+        target = owner._own_target()
+        if not target.can(self._dtype):
+            raise TypeError(f"tensor {self._name!r} ({self._dtype}): get_slice needs a dtype that "
+                            f"{owner._resolved} represents on {owner._device!r}")
+        out_shape = [len(range(a, b, s)) for a, b, s, is_int in dims if not is_int]
+        if all(a == 0 and b == n and s == 1 for (a, b, s, _), n in zip(dims, self._shape)):
+            tensor = owner.get_tensor(self._name)  # the whole tensor: read ahead as a walk is
+            return tensor.reshape(out_shape)
+        if any(len(range(a, b, s)) == 0 for a, b, s, _ in dims):
+            array, _ = target.make(self._dtype, out_shape, 0)
+            return array
+        item = self._nbytes // max(1, _prod(self._shape))
+        runs, run_bytes = _runs(dims, self._shape, item)
+        slice_bytes = len(runs) * run_bytes
+        covering = _covering(dims, self._shape, item)
+        if len(runs) <= self._MAX_RUNS and (run_bytes >= self._MIN_RUN or covering[1] > 8 * slice_bytes):
+            array, raw = target.make(self._dtype, out_shape, slice_bytes)
+            target.before_reads()
+            owner._read([self._index] * len(runs), [raw[k * run_bytes:(k + 1) * run_bytes] for k in range(len(runs))],
+                        offsets=runs, lengths=[run_bytes] * len(runs), backend=owner._backend)
+            return array
+        # Short runs: the rows covering the slice, then the slice of them in memory (a copy).
+        (first, length), rows = covering, dims[0]
+        block_shape = [len(range(rows[0], rows[1]))] + list(self._shape[1:])
+        block, raw = target.make(self._dtype, block_shape, length)
+        target.before_reads()
+        owner._read([self._index], [raw], offsets=[first], lengths=[length], backend=owner._backend)
+        index = tuple((a - rows[0] if d == 0 else a) if is_int else slice(a - rows[0] if d == 0 else a, b - rows[0] if d == 0 else b, s)
+                      for d, (a, b, s, is_int) in enumerate(dims))
+        result = block[index]
+        # A copy of its own: a view would keep all the covering rows alive.
+        return result.clone(memory_format=target.torch.contiguous_format) if target.torch is not None else result.copy()
+
+
+def _prod(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _normalize(key, shape, name):
+    """(start, stop, step, is_int) per dimension, as safetensors (and NumPy) read `key`."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    if sum(k is Ellipsis for k in key) > 1:
+        raise IndexError(f"tensor {name!r}: an index can only have a single ellipsis ('...')")
+    if Ellipsis in key:
+        at = key.index(Ellipsis)
+        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
+    if len(key) > len(shape):
+        raise IndexError(f"tensor {name!r}: too many indices ({len(key)}) for its {len(shape)} dimension(s)")
+    key = key + (slice(None),) * (len(shape) - len(key))
+    dims = []
+    for d, (k, n) in enumerate(zip(key, shape)):
+        if isinstance(k, slice):
+            start, stop, step = k.indices(n)
+            if step <= 0:
+                raise ValueError(f"tensor {name!r}: slice steps must be positive (dimension {d})")
+            dims.append((start, max(start, stop), step, False))
+            continue
+        try:
+            i = _operator.index(k)
+        except TypeError:
+            raise TypeError(f"tensor {name!r}: index {k!r} is not an int, a slice or '...'") from None
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"tensor {name!r}: index {i} is out of bounds for dimension {d} of size {n}")
+        dims.append((j, j + 1, 1, True))
+    return dims
+
+
+def _runs(dims, shape, item):
+    """The byte offsets (within the tensor) of the slice's contiguous runs, in C order, and the
+    length of each. The dimensions after the last partly selected one, d, are whole: a run is
+    d's selected range times them (or one index of d times them, where d has a step), and there
+    is one run per index of the dimensions before it."""
+    stride = [item * _prod(shape[j + 1:]) for j in range(len(shape))]  # bytes per index of each dimension
+    m = len(shape)
+    while m > 0 and dims[m - 1][:3] == (0, shape[m - 1], 1):
+        m -= 1
+    if m == 0:
+        return [0], item * _prod(shape)
+    d = m - 1
+    start, stop, step, _ = dims[d]
+    if step == 1:
+        run, outer, offsets = (stop - start) * stride[d], range(d), [start * stride[d]]
+    else:
+        run, outer, offsets = stride[d], range(d + 1), [0]
+    for j in outer:
+        a, b, st, _ = dims[j]
+        offsets = [o + i * stride[j] for o in offsets for i in range(a, b, st)]
+    return offsets, run
+
+
+def _covering(dims, shape, item):
+    """(offset, length) of the rows of dimension 0 that cover the slice."""
+    row = item * _prod(shape[1:])
+    start, stop, _, _ = dims[0]
+    return start * row, (stop - start) * row

@@ -1,0 +1,227 @@
+"""hbmio.open against safetensors.safe_open, on files made by the reference implementation.
+
+Every fixture, every access order (file order, reverse, random), every get_slice index form,
+scalars, empty tensors and every dtype NumPy or torch represents: the results must equal
+safe_open's, byte for byte, in NumPy and in torch (on the CPU here; the GPU tests run the same
+walks into cuda:0). Also the read-ahead's bound, a sharded index and directory, bad names and
+indices, and files replaced or truncated after open.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+
+import numpy as np
+import pytest
+
+import hbmio
+
+safetensors = pytest.importorskip("safetensors")
+from safetensors import safe_open  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FIXTURES = pathlib.Path(os.environ.get("HBMIO_FIXTURES", REPO.parent / "shared" / "fixtures")) / "safetensors"
+FILES = sorted(p.name for p in FIXTURES.glob("*.safetensors"))
+
+
+def raw(array) -> bytes:
+    """The bytes of a NumPy array or torch tensor (any dtype, any device)."""
+    if hasattr(array, "detach"):
+        import torch
+        flat = array.detach().cpu().reshape(-1)
+        if not flat.numel():
+            return b""
+        dense = torch.empty(flat.shape, dtype=flat.dtype)  # stride 1 whatever the source's strides
+        dense.copy_(flat)
+        return dense.view(torch.uint8).numpy().tobytes()
+    return np.ascontiguousarray(array).tobytes()
+
+
+def same(a, b) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and str(a.dtype) == str(b.dtype) and raw(a) == raw(b)
+
+
+def header_offsets(path) -> dict:
+    import json
+    import struct
+    with open(path, "rb") as file:
+        (n,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(n))
+    return {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def test_fixtures_exist():
+    assert FILES, f"no fixtures at {FIXTURES} (set HBMIO_FIXTURES)"
+
+
+def frameworks():
+    out = ["np"]
+    try:
+        import torch  # noqa: F401
+        out.append("pt")
+    except ImportError:
+        pass
+    return out
+
+
+def representable(framework, dtype) -> bool:
+    if framework == "np":
+        return dtype not in ("BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F4", "F6_E2M3", "F6_E3M2")
+    return dtype not in ("F4", "F6_E2M3", "F6_E3M2")
+
+
+@pytest.mark.parametrize("framework", frameworks())
+@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("order", ["file", "reverse", "random"])
+def test_every_tensor_in_every_order_equals_safe_open(name, framework, order):
+    path = FIXTURES / name
+    with safe_open(path, framework) as ref, hbmio.open(path, framework=framework, readahead=1 << 20) as f:
+        assert f.keys() == ref.keys()
+        # File order, as the header's data_offsets say (tensors at one offset, empty ones, may
+        # come in any order among themselves).
+        assert sorted(f.offset_keys()) == sorted(ref.offset_keys())
+        spans = [header_offsets(path)[k] for k in f.offset_keys()]
+        assert spans == sorted(spans)
+        assert f.metadata() == ref.metadata()
+        keys = list(ref.offset_keys())
+        if order == "reverse":
+            keys.reverse()
+        elif order == "random":
+            random.Random(7).shuffle(keys)
+        checked = 0
+        for key in keys:
+            if not representable(framework, f.get_slice(key).get_dtype()):
+                continue
+            assert same(f.get_tensor(key), ref.get_tensor(key)), key
+            checked += 1
+        assert checked > 0 or framework == "np"  # (NumPy has no bfloat16: some files have nothing for it)
+
+
+def slice_keys(shape):
+    """Index forms for a tensor of `shape`: ints (negative too), slices (steps, open ends,
+    negative bounds, empty), '...', and mixes, in every dimension."""
+    forms = [(), (Ellipsis,), (slice(None),)]
+    if not shape:
+        return forms
+    n = shape[0]
+    forms += [(0,), (-1,), (n - 1,), (slice(1, None),), (slice(None, max(1, n // 8)),), (slice(-2, None),),
+              (slice(0, n, 2),), (slice(n // 2, n // 2),), (Ellipsis, 0), (slice(None), Ellipsis)]
+    if len(shape) >= 2:
+        m = shape[1]
+        forms += [(slice(None), 0), (slice(None), -1), (slice(1, 3), slice(1, m - 1)), (0, slice(None, None, 3)),
+                  (Ellipsis, slice(1, 2)), (slice(None), slice(m // 2, None)), (-1, -1)]
+    if len(shape) >= 3:
+        forms += [(0, 0), (slice(None), slice(None), 1), (Ellipsis, -1), (1, Ellipsis, 0), (slice(0, 1), 0, slice(None))]
+    return forms
+
+
+@pytest.mark.parametrize("framework", frameworks())
+@pytest.mark.parametrize("name", FILES)
+def test_get_slice_equals_safe_open(name, framework):
+    path = FIXTURES / name
+    with safe_open(path, framework) as ref, hbmio.open(path, framework=framework) as f:
+        compared = 0
+        for key in ref.offset_keys():
+            mine, theirs = f.get_slice(key), ref.get_slice(key)
+            assert mine.get_shape() == theirs.get_shape() and mine.get_dtype() == theirs.get_dtype(), key
+            if not representable(framework, mine.get_dtype()):
+                continue
+            for index in slice_keys(mine.get_shape()):
+                try:
+                    expected = theirs[index]
+                except Exception:
+                    # safetensors refuses some indices that NumPy and torch take (negative slice
+                    # bounds in NumPy mode, slices of empty tensors): hbmio then gives what
+                    # indexing the whole tensor gives, and refuses what that refuses.
+                    try:
+                        expected = ref.get_tensor(key)[index]
+                    except Exception:
+                        with pytest.raises((IndexError, ValueError, TypeError)):
+                            mine[index]
+                        continue
+                assert same(mine[index], expected), (key, index)
+                compared += 1
+        assert compared > 0 or framework == "np"
+
+
+def test_a_row_slice_reads_only_its_rows(tmp_path):
+    """A slice of rows is one range: the engine reads its bytes (plus alignment), not the tensor."""
+    path = tmp_path / "rows.safetensors"
+    hbmio.save_file({"w": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)}, path, checksums=False)
+    with hbmio.open(path, framework="np") as f:
+        part = f.get_slice("w")[128:256]
+        assert part.shape == (128, 1024) and part[0, 0] == 128 * 1024 and part[-1, -1] == 256 * 1024 - 1
+        column = f.get_slice("w")[:, 5]
+        assert column.shape == (1024,) and (column == np.arange(1024) * 1024 + 5).all()
+        block = f.get_slice("w")[10:20, 100:900]
+        assert (block == np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)[10:20, 100:900]).all()
+
+
+def test_unknown_names_and_bad_indices(tmp_path):
+    path = FIXTURES / "layers.safetensors"
+    with hbmio.open(path, framework="np") as f:
+        with pytest.raises(KeyError, match="nope"):
+            f.get_tensor("nope")
+        with pytest.raises(KeyError, match="nope"):
+            f.get_slice("nope")
+        key = f.offset_keys()[0]
+        s = f.get_slice(key)
+        with pytest.raises(IndexError):
+            s[s.get_shape()[0]]
+        with pytest.raises(IndexError):
+            s[(0,) * (len(s.get_shape()) + 1)]
+        with pytest.raises(TypeError):
+            s["x"]
+
+
+def test_sharded_index_and_directory():
+    pytest.importorskip("torch")  # the sharded fixture is bfloat16, which NumPy lacks
+    sharded = FIXTURES / "sharded"
+    index = next(sharded.glob("*.index.json"))
+    with hbmio.open(sharded, framework="pt") as by_dir, hbmio.open(index, framework="pt") as by_index:
+        assert by_dir.keys() == by_index.keys() and len(by_dir.keys()) > 1
+        for key in by_dir.offset_keys():
+            a, b = by_dir.get_tensor(key), by_index.get_tensor(key)
+            assert same(a, b), key
+        files = {}
+        for shard in sharded.glob("*.safetensors"):
+            with safe_open(shard, "pt") as ref:
+                for key in ref.keys():
+                    files[key] = ref.get_tensor(key)
+        for key in by_dir.offset_keys():
+            assert same(by_dir.get_tensor(key), files[key]), key
+
+
+def test_readahead_stays_within_its_budget(tmp_path):
+    path = tmp_path / "walk.safetensors"
+    tensors = {f"t{i:03d}": np.full(64 << 10, i, dtype=np.uint8) for i in range(100)}
+    hbmio.save_file(tensors, path)
+    budget = 1 << 20  # 16 tensors of 64 KiB
+    with hbmio.open(path, framework="np", readahead=budget) as f:
+        for n, key in enumerate(f.offset_keys()):
+            assert (f.get_tensor(key) == int(key[1:])).all()
+            held = sum(f._entries_list[k][3] for k in f._ready)
+            pending = sum(f._entries_list[k][3] for k in (f._pending[1] if f._pending else {}))
+            assert held + pending <= budget, (n, held, pending)
+        # A walk that skips: every tensor still right, nothing skipped stays held.
+        f.close()
+        for key in f.offset_keys()[::3]:
+            assert (f.get_tensor(key) == int(key[1:])).all()
+        assert sum(f._entries_list[k][3] for k in f._ready) <= budget
+    assert not f._ready and f._pending is None
+
+
+def test_replaced_and_truncated_files(tmp_path):
+    path = tmp_path / "r.safetensors"
+    hbmio.save_file({"a": np.full(1 << 20, 1, dtype=np.uint8), "b": np.full(1 << 20, 2, dtype=np.uint8)}, path)
+    with hbmio.open(path, framework="np", readahead=0) as f:
+        # Replaced (rename over it): the file as opened is read, whole, never a mix.
+        hbmio.save_file({"a": np.full(1 << 20, 7, dtype=np.uint8), "b": np.full(1 << 20, 8, dtype=np.uint8)}, path)
+        assert (f.get_tensor("a") == 1).all() and (f.get_tensor("b") == 2).all()
+    with hbmio.open(path, framework="np", readahead=0) as f:
+        # Truncated in place: an error naming the file, never other bytes.
+        os.truncate(path, os.path.getsize(path) - (1 << 19))
+        last = f.offset_keys()[-1]
+        with pytest.raises(hbmio.Error, match="r.safetensors"):
+            f.get_tensor(last)
