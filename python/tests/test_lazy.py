@@ -145,6 +145,37 @@ def test_get_slice_equals_safe_open(name, framework):
         assert compared > 0 or framework == "np"
 
 
+def cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("name", FILES)
+def test_gpu_walks_and_slices_equal_safe_open(name):
+    """Into cuda:0: every order and slice, compared with safe_open's (on the GPU too)."""
+    path = FIXTURES / name
+    with safe_open(path, "pt", device="cuda:0") as ref, hbmio.open(path, framework="pt", device="cuda:0", readahead=1 << 20) as f:
+        keys = list(ref.offset_keys())
+        for order in (keys, keys[::-1], random.Random(3).sample(keys, len(keys))):
+            for key in order:
+                if representable("pt", f.get_slice(key).get_dtype()):
+                    got = f.get_tensor(key)
+                    assert got.device.type == "cuda" and same(got, ref.get_tensor(key)), key
+        for key in keys:
+            if not representable("pt", f.get_slice(key).get_dtype()):
+                continue
+            for index in slice_keys(f.get_slice(key).get_shape()):
+                try:
+                    expected = ref.get_slice(key)[index]
+                except Exception:
+                    continue
+                assert same(f.get_slice(key)[index], expected), (key, index)
+
+
 def test_a_row_slice_reads_only_its_rows(tmp_path):
     """A slice of rows is one range: the engine reads its bytes (plus alignment), not the tensor."""
     path = tmp_path / "rows.safetensors"
