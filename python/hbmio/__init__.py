@@ -38,7 +38,7 @@ _memory_counters = _hbmio._memory_counters
 _idle_engines = _hbmio._idle_engines
 
 __version__ = _hbmio.__version__
-__all__ = ["Error", "load_file", "save_file", "open", "read_into", "write_from", "backends", "SafeOpen",
+__all__ = ["Error", "load_file", "save_file", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers",
            "cuda_device_count", "cuda_unavailable_reason"]
 
 # Free the pooled engines while the CUDA runtime is still alive (a static destructor would run
@@ -383,3 +383,6 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", m
     with _ProgressBar(total, progress) as bar:
         _hbmio.save_file(tensors, _os.fspath(path), metadata,
                          checksums=checksums, backend=backend, max_shard_size=shard, progress=bar.counter)
+
+
+from .integrations import use_in_transformers  # noqa: E402  (it imports from this module)

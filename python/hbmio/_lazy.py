@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator as _operator
 import os as _os
+import threading as _threading
 
 from . import _hbmio
 
@@ -98,6 +99,9 @@ class SafeOpen(_hbmio.SafeOpen):
         self._pending = None  # (_PendingRead, {index: tensor}) being read ahead
         self._ahead_end = 0   # first index not yet read or being read ahead
         self._next = 0        # the index a walk in file order asks for next
+        # Frameworks read one handle from several threads (transformers 5 materialises slices on a
+        # pool of 4): the read-ahead state is changed under this lock.
+        self._lock = _threading.RLock()
 
     # --- safe_open's interface -------------------------------------------------------------
     def get_tensor(self, name, device=None, *, framework=None, backend=None, verify=False):
@@ -108,7 +112,8 @@ class SafeOpen(_hbmio.SafeOpen):
             target = self._own_target()
             dtype = self._entries_list[i][1]
             if target.can(dtype):
-                return self._get(i, target, backend or self._backend)
+                with self._lock:
+                    return self._get(i, target, backend or self._backend)
         from . import load_file
         return load_file(self.path, self._device if device is None else device,
                          framework=self._framework if framework is None else framework,
@@ -120,12 +125,15 @@ class SafeOpen(_hbmio.SafeOpen):
         return _Slice(self, self._lookup(name))
 
     def get_tensors(self):
-        """Every tensor, in file order, as (name, tensor) pairs (read ahead as a walk is)."""
-        for name, *_ in self._entries_list:
-            yield name, self.get_tensor(name)
+        """{name: tensor} of every tensor, read in file order (ahead, as a walk is), as safetensors'."""
+        return {name: self.get_tensor(name) for name, *_ in self._entries_list}
 
     def close(self):
         """Frees what was read ahead (waiting for a read in flight). The SafeOpen stays usable."""
+        with self._lock:
+            self._close()
+
+    def _close(self):
         pending, self._pending = self._pending, None
         if pending is not None:
             try:
@@ -159,12 +167,14 @@ class SafeOpen(_hbmio.SafeOpen):
         if tensor is None and self._pending is not None and i in self._pending[1]:
             self._collect()
             tensor = self._ready.pop(i)
-        sequential = i == self._next
-        self._next = i + 1
+        # The tensor after the last one asked for, or one of the next few: threads that share a
+        # walk (a pool materialising tensors in file order) ask slightly out of order.
+        sequential = self._next <= i < self._next + 4
+        self._next = max(self._next, i + 1) if sequential else i + 1
         if tensor is None:
             if sequential and self._budget > 0:
                 # Skipped tensors of the walk are not asked for any more: free them.
-                for k in [k for k in self._ready if k < i]:
+                for k in [k for k in self._ready if k < i - 8]:
                     del self._ready[k]
                 batch = self._batch(i, target)
             else:

@@ -256,3 +256,20 @@ def test_replaced_and_truncated_files(tmp_path):
         last = f.offset_keys()[-1]
         with pytest.raises(hbmio.Error, match="r.safetensors"):
             f.get_tensor(last)
+
+
+def test_threads_sharing_one_handle(tmp_path):
+    """Several threads reading one handle (transformers 5 materialises a file's slices on a pool
+    of 4), with a small read-ahead budget so batches and prefetches overlap the reads: every
+    tensor right, no error (the read-ahead state was shared unguarded and raised KeyError)."""
+    import concurrent.futures
+    path = tmp_path / "threads.safetensors"
+    tensors = {f"t{i:03d}": np.full(16 << 10, i, dtype=np.uint8) for i in range(200)}
+    hbmio.save_file(tensors, path)
+    for round_ in range(5):
+        with hbmio.open(path, framework="np", readahead=64 << 10) as f:
+            keys = f.offset_keys()
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                got = list(pool.map(lambda k: (k, f.get_slice(k)[...]), keys))
+            for key, array in got:
+                assert (array == int(key[1:])).all(), (round_, key)

@@ -1,0 +1,134 @@
+"""Makes Hugging Face transformers read safetensors checkpoints through hbmio:
+
+    import hbmio
+    hbmio.use_in_transformers()                      # for the rest of the process, or
+    with hbmio.use_in_transformers():                # only inside the block
+        model = AutoModelForCausalLM.from_pretrained(path, device_map="cuda:0")
+
+transformers (verified with 4.57, 5.17 and 5.24) opens every .safetensors file of a checkpoint,
+sharded or not, with `safe_open(file, framework="pt", device=...)`, a name bound at import time
+as a global of the modules below. 5.x passes device="cpu" and backend="mmap"|"pread" and calls
+keys() and get_slice(name), then get_shape()/get_dtype()/[...] on the slices from a pool of
+threads, and finally handle.__exit__(None, None, None) without having entered it; 4.x passes
+device_map's device ("cpu", or a CUDA index) and also calls metadata() and get_tensor(). So
+replacing that global in each module is the whole integration: from_pretrained is unchanged.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+
+__all__ = ["use_in_transformers"]
+
+# Modules of transformers that call safe_open. Those missing from a version are skipped; modules
+# of transformers already imported that also bound safetensors' safe_open are patched as well, so
+# a call site this list does not know about is still covered.
+_CALL_SITES = (
+    "transformers.modeling_utils",              # from_pretrained (_load_pretrained_model), load_state_dict
+    "transformers.modeling_layers",             # multi-token-prediction heads (MtpModel)
+    "transformers.integrations.accelerate",     # keys of a single file offloaded to disk
+    "transformers.quantizers.quantizer_torchao",  # metadata() of torchao-quantized checkpoints
+)
+
+_lock = threading.Lock()
+_patched = {}      # module -> the safe_open it had before (restored on disable)
+_original = None   # safetensors.safe_open, for what hbmio does not cover
+
+
+def _hbmio_device(device):
+    """hbmio's text for a device safe_open was given, or None where hbmio does not load there
+    (mps, xpu, meta, ...), in which case safetensors' own safe_open serves the call."""
+    if isinstance(device, bool):  # an int to Python, but never meant as a CUDA index
+        return None
+    if isinstance(device, int):   # safetensors reads an int as a CUDA device index
+        return f"cuda:{device}" if device >= 0 else None
+    text = str(device)            # a str or a torch.device ("cpu", "cuda", "cuda:1")
+    kind, colon, index = text.partition(":")
+    if kind == "cpu" and not colon:
+        return "cpu"
+    if kind == "cuda" and (not colon or index.isdigit()):
+        return text
+    return None
+
+
+def _safe_open(filename, framework, device="cpu", **kwargs):
+    """safetensors.safe_open's signature; hbmio.open serves what it can, safetensors the rest."""
+    # safetensors' backend= says how safetensors itself reads ("mmap" or "pread"); hbmio has its
+    # own engines and picks one, so the choice does not carry over. Any other option is one hbmio
+    # does not know: leave such a call to safetensors rather than drop the option.
+    unknown = set(kwargs) - {"backend"}
+    dev = _hbmio_device(device)
+    if framework not in ("pt", "torch") or dev is None or unknown:
+        return _original(filename, framework, device=device, **kwargs)
+    import hbmio  # looked up at each call, so a wrapper put on hbmio.open (tests) sees the calls
+    # hbmio.open's handle is safe_open's interface, and safe to share between the threads on
+    # which transformers 5 materialises the slices of one file.
+    return hbmio.open(filename, framework="pt", device=dev)
+
+
+def _enable() -> bool:
+    """Patches every call site; True when hbmio was not in use before this call."""
+    global _original
+    try:
+        import safetensors
+        importlib.import_module("transformers")
+    except ImportError as e:
+        raise ImportError("hbmio.use_in_transformers() needs transformers (and safetensors): "
+                          "pip install transformers") from e
+    with _lock:
+        was_off = not _patched
+        if _original is None:
+            _original = safetensors.safe_open
+        for name in _CALL_SITES:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # not in this version, or needs an optional package
+                pass
+        # Every imported transformers module holding safetensors' safe_open, the list above and
+        # any call site added by a later version alike; a repeated call patches only what is new.
+        # (vars(): transformers' lazy modules resolve missing attributes by importing.)
+        for name, module in list(sys.modules.items()):
+            if (name == "transformers" or name.startswith("transformers.")) and module is not None \
+                    and vars(module).get("safe_open") is _original and module not in _patched:
+                _patched[module] = module.safe_open
+                module.safe_open = _safe_open
+        return was_off
+
+
+def _disable():
+    with _lock:
+        for module, previous in _patched.items():
+            if getattr(module, "safe_open", None) is _safe_open:  # leave alone what others replaced since
+                module.safe_open = previous
+        _patched.clear()
+
+
+class _Use:
+    """What use_in_transformers() returns: a context manager whose exit (or restore()) puts back
+    the state from before the call: safetensors' safe_open if hbmio was not in use yet, else
+    nothing (an outer call keeps it on)."""
+
+    def __init__(self, turned_on: bool):
+        self._turned_on = turned_on
+
+    def restore(self):
+        if self._turned_on:
+            self._turned_on = False
+            _disable()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+
+def use_in_transformers():
+    """Makes transformers' from_pretrained (and load_state_dict) read .safetensors files through
+    hbmio.open instead of safetensors.safe_open, sharded checkpoints and device_map included.
+    Takes effect at once; as a context manager, undone at the end of the block. Calling it again
+    is harmless. Calls hbmio does not serve (another framework than torch, a device other than
+    cpu or cuda) still go to safetensors. ImportError if transformers is not installed."""
+    return _Use(_enable())
