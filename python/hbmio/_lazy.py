@@ -9,9 +9,10 @@ Read-ahead: a caller that walks the tensors in file order (what every framework 
 one engine round trip per tensor. When get_tensor asks for the tensor after the previous one, the
 next tensors up to half the read-ahead budget are read with it in one batch, and the half after
 that is read on a thread of its own while the caller works; so at most `readahead` bytes (default
-1 GiB, HBMIO_READAHEAD) of tensors not yet asked for exist at once. Any other order reads just the
-tensor asked for. What was read ahead and is skipped is dropped when the walk passes it, and
-everything read ahead is freed by close() (or the end of a `with` block).
+1 GiB, HBMIO_READAHEAD) of tensors not yet asked for exist at once. A walk backwards is read
+ahead backwards, half the budget at a time. Any other order reads just the tensor asked for.
+What was read ahead and is skipped is dropped when the walk passes it, and everything read ahead
+is freed by close() (or the end of a `with` block).
 """
 from __future__ import annotations
 
@@ -168,8 +169,10 @@ class SafeOpen(_hbmio.SafeOpen):
             self._collect()
             tensor = self._ready.pop(i)
         # The tensor after the last one asked for, or one of the next few: threads that share a
-        # walk (a pool materialising tensors in file order) ask slightly out of order.
+        # walk (a pool materialising tensors in file order) ask slightly out of order. A walk
+        # backwards (the one before the last) is read ahead backwards, in one batch at a time.
         sequential = self._next <= i < self._next + 4
+        backwards = i == self._next - 2 and not sequential
         self._next = max(self._next, i + 1) if sequential else i + 1
         if tensor is None:
             if sequential and self._budget > 0:
@@ -177,6 +180,10 @@ class SafeOpen(_hbmio.SafeOpen):
                 for k in [k for k in self._ready if k < i - 8]:
                     del self._ready[k]
                 batch = self._batch(i, target)
+            elif backwards and self._budget > 0:
+                for k in [k for k in self._ready if k > i + 8]:
+                    del self._ready[k]
+                batch = self._batch(i, target, step=-1)
             else:
                 batch = [i]
             made = self._read_now(batch, target, backend)
@@ -188,19 +195,19 @@ class SafeOpen(_hbmio.SafeOpen):
             self._prefetch(target, backend)
         return tensor
 
-    def _batch(self, first: int, target: _Target) -> list[int]:
-        """`first`, then the tensors after it in file order that are neither ready nor being read,
-        up to half the budget."""
+    def _batch(self, first: int, target: _Target, step: int = 1) -> list[int]:
+        """`first`, then the tensors after it in file order (before it, step -1) that are neither
+        ready nor being read, up to half the budget."""
         batch, total = [first], self._entries_list[first][3]
         pending = self._pending[1] if self._pending is not None else {}
-        k = first + 1
-        while k < len(self._entries_list) and k not in self._ready and k not in pending:
+        k = first + step
+        while 0 <= k < len(self._entries_list) and k not in self._ready and k not in pending:
             _, dtype, _, nbytes = self._entries_list[k]
             if not target.can(dtype) or total + nbytes > self._budget // 2:
                 break
             batch.append(k)
             total += nbytes
-            k += 1
+            k += step
         return batch
 
     def _make(self, batch, target):

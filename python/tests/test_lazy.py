@@ -240,6 +240,14 @@ def test_readahead_stays_within_its_budget(tmp_path):
         for key in f.offset_keys()[::3]:
             assert (f.get_tensor(key) == int(key[1:])).all()
         assert sum(f._entries_list[k][3] for k in f._ready) <= budget
+        # Backwards: read ahead backwards, within the budget, every tensor right.
+        f.close()
+        batches = 0
+        for key in reversed(f.offset_keys()):
+            batches += int(f._index[key]) not in f._ready
+            assert (f.get_tensor(key) == int(key[1:])).all()
+            assert sum(f._entries_list[k][3] for k in f._ready) <= budget
+        assert batches < 20, f"{batches} reads for 100 tensors walked backwards: no read-ahead"
     assert not f._ready and f._pending is None
 
 
