@@ -90,8 +90,11 @@ std::vector<CheckpointFile> open_checkpoint_once(const std::string& path) {
     return files;
   }
   // A directory, or an index in one: everything is opened relative to the directory as opened now.
-  const std::string dir_path = S_ISDIR(info.st_mode) ? path : fs::path(path).parent_path().string();
-  const int dir_fd = ::open(dir_path.empty() ? "." : dir_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  // Paths are shown as given (an index named relative to the working directory has no directory
+  // part); the directory itself is then ".".
+  const std::string shown_dir = S_ISDIR(info.st_mode) ? path : fs::path(path).parent_path().string();
+  const std::string dir_path = shown_dir.empty() ? "." : shown_dir;
+  const int dir_fd = ::open(dir_path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir_fd < 0) throw checkpoint_error(errno, path, fmt::format("open of its directory {}", dir_path));
   const auto dir = std::make_shared<const CheckpointDirectory>(dir_fd);
   std::string name;
@@ -101,7 +104,7 @@ std::vector<CheckpointFile> open_checkpoint_once(const std::string& path) {
     if (!still_named(*dir, dir_path)) throw DirectorySwapped{};  // listed while being emptied
     throw;
   }
-  const std::string target = (fs::path(dir_path) / name).string();
+  const std::string target = (fs::path(shown_dir) / name).string();
   const std::size_t bound = open_file_bound();
   auto open_one = [&](const std::string& file_name, const std::string& file_path, std::vector<CheckpointFile>& into) {
     auto file = std::make_shared<const File>(File::open_at(dir->fd(), file_name, file_path, OpenMode::read));
@@ -134,7 +137,7 @@ std::vector<CheckpointFile> open_checkpoint_once(const std::string& path) {
   ::close(index_fd);
   if (index.shards.empty()) throw checkpoint_error(EINVAL, target, "the index names no shard (its weight_map is empty)");
   for (const std::string& shard : index.shards) {
-    const std::string shard_path = (fs::path(dir_path) / shard).string();
+    const std::string shard_path = (fs::path(shown_dir) / shard).string();
     if (::fstatat(dir->fd(), shard.c_str(), &info, 0) != 0) {
       if (errno == ENOENT && !still_named(*dir, dir_path)) throw DirectorySwapped{};
       throw checkpoint_error(errno, target, fmt::format("shard '{}' named by the index cannot be opened", shard));
