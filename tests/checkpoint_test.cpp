@@ -915,13 +915,14 @@ TEST(OpenedCheckpoints, ReadTensorsAndRangesInAnyOrder) {
     opened.read(batch, *engine);
     for (std::size_t j = 0; j < batch.size(); ++j) {
       const std::size_t k = sample.tensors.size() - 1 - j;
-      EXPECT_EQ(std::memcmp(whole[j].data(), sample.bytes[k].data(), sample.bytes[k].size()), 0) << sample.tensors[k].name;
+      if (!sample.bytes[k].empty())  // (an empty vector's data() may be null, which memcmp must not get)
+        EXPECT_EQ(std::memcmp(whole[j].data(), sample.bytes[k].data(), sample.bytes[k].size()), 0) << sample.tensors[k].name;
     }
     for (std::size_t k = 0; k < sample.tensors.size(); ++k) {
       const std::uint64_t size = sample.bytes[k].size(), from = size / 3, length = size / 3;
       Buffer part = Buffer::allocate({MemoryKind::host}, std::max<std::uint64_t>(length, 1));
       opened.read({{.tensor = *opened.find(sample.tensors[k].name), .offset = from, .length = length, .into = part.span()}}, *engine);
-      EXPECT_EQ(std::memcmp(part.data(), sample.bytes[k].data() + from, length), 0) << sample.tensors[k].name;
+      if (length > 0) EXPECT_EQ(std::memcmp(part.data(), sample.bytes[k].data() + from, length), 0) << sample.tensors[k].name;
     }
     Buffer one = Buffer::allocate({MemoryKind::host}, 16);
     const std::size_t norm = *opened.find("norm");
