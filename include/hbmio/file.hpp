@@ -5,7 +5,9 @@
 // position); open/close are not concurrent with use.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -68,7 +70,15 @@ class File {
   bool writable() const noexcept { return mode_ != OpenMode::read; }
 
   std::uint64_t size() const;        // current size (fstat); throws Error
+  // The size fstat gave at open (0 for a block device). Engines check a read against it and ask
+  // size() only for a read beyond it; a file that shrank later ends the read early, which the
+  // engines report as such.
+  std::uint64_t size_at_open() const noexcept { return size_at_open_; }
   void sync() const;                 // fsync; an error is final and thrown, never retried
+  // Reads into `data` from `offset` through the page cache until `data` is full or the file
+  // ends; returns the bytes read. Short reads are resumed, EINTR and (a bounded number of) EAGAIN
+  // retried; throws Error naming the path and the offset that failed.
+  std::size_t read_at(std::span<std::byte> data, std::uint64_t offset) const;
   void truncate(std::uint64_t size) const;
 
  private:
@@ -79,6 +89,7 @@ class File {
   int direct_fd_ = -1;
   DirectIoInfo direct_{};
   FileIdentity identity_{};
+  std::uint64_t size_at_open_ = 0;
 };
 
 // The file system type of a path ("ext4", "tmpfs", ...), from statfs; "unknown" when unmapped.

@@ -1,4 +1,5 @@
 #include "checkpoint/integrity.hpp"
+#include "core/positional_io.hpp"
 
 #include <unistd.h>
 #include <xxhash.h>
@@ -113,14 +114,10 @@ std::optional<std::string> check_header(const CheckpointFile& file) {
   // Through the descriptor the header was parsed from: a file that took the name since is not it.
   std::string bytes(file.header.data_offset, '\0');
   const std::shared_ptr<const File> handle = reopen(file);
-  for (std::size_t done = 0; done < bytes.size();) {
-    const ssize_t r = ::pread(handle->fd(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0)
-      throw Error(errno_code(r < 0 ? errno : EIO), {.op = "verify", .path = file.path, .offset = done, .length = bytes.size() - done},
-                  r == 0 ? "file ends inside the header" : "");
-    done += static_cast<std::size_t>(r);
-  }
+  const std::size_t got = detail::read_fully(handle->fd(), std::as_writable_bytes(std::span(bytes)), 0, {.op = "verify", .path = file.path});
+  if (got < bytes.size())
+    throw Error(errno_code(EIO), {.op = "verify", .path = file.path, .offset = got, .length = bytes.size() - got},
+                "file ends inside the header");
   const auto computed = header_checksum(bytes);
   if (!computed)
     return fmt::format("header of {}: its checksum entry is not in the form hbmio writes (was the header rewritten by "
@@ -186,13 +183,13 @@ VerifyResult verify_checkpoint(const std::string& path) {
       const std::uint64_t start = file.header.data_offset + t.begin;
       for (std::uint64_t at = 0; at < t.size();) {
         const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), t.size() - at));
-        const ssize_t r = ::pread(handle->fd(), piece.data(), n, static_cast<off_t>(start + at));
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0)
-          throw Error(errno_code(r < 0 ? errno : EIO), {.op = "verify", .path = file.path, .offset = start + at, .length = n},
-                      r == 0 ? fmt::format("file ends inside tensor '{}'", t.name) : "");
-        XXH3_64bits_update(state.get(), piece.data(), static_cast<std::size_t>(r));
-        at += static_cast<std::uint64_t>(r);
+        const std::size_t got =
+            detail::read_fully(handle->fd(), {piece.data(), n}, start + at, {.op = "verify", .path = file.path});
+        if (got < n)
+          throw Error(errno_code(EIO), {.op = "verify", .path = file.path, .offset = start + at + got, .length = n - got},
+                      fmt::format("file ends inside tensor '{}'", t.name));
+        XXH3_64bits_update(state.get(), piece.data(), n);
+        at += n;
       }
       ++result.tensors_checked;
       if (auto bad = detail::check_tensor(file.header.metadata, t.name, file.path, start, XXH3_64bits_digest(state.get()))) {

@@ -41,7 +41,7 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
   // CUDA set-up on the communicator's GPU. This is the one part whose failure stays local (and
   // leaves the other ranks waiting in step 2): without a stream and the agreement buffer a rank
   // cannot take part. Everything that depends on the caller's options or files comes after.
-  cuda::set_device(device, context);
+  const cuda::DeviceGuard guard(device, context);
   cuda::Stream stream(device, context);
   Buffer agreement = Buffer::allocate({MemoryKind::device, device}, 3 * sizeof(std::uint64_t));
 

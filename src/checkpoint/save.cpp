@@ -26,6 +26,7 @@
 #include <xxhash.h>
 
 #include "checkpoint/integrity.hpp"
+#include "core/positional_io.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 #include "io/engine_internal.hpp"
@@ -435,12 +436,7 @@ void write_durably(const fs::path& file, const std::string& shown, const std::st
   File out = File::open_at(AT_FDCWD, file.string(), shown, OpenMode::create_new);
   if (const int err = detail::inject(faults, FaultSite::io, "write of the index"))
     throw Error(errno_code(err), {.op = "save", .path = shown}, "write (injected)");
-  for (std::size_t done = 0; done < bytes.size();) {
-    const ssize_t r = ::pwrite(out.fd(), bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) throw Error(errno_code(r < 0 ? errno : ENOSPC), {.op = "save", .path = shown, .offset = done});
-    done += static_cast<std::size_t>(r);
-  }
+  detail::write_fully(out.fd(), std::as_bytes(std::span(bytes)), 0, {.op = "save", .path = shown});
   if (const int err = detail::inject(faults, FaultSite::io, "fsync of the index"))
     throw Error(errno_code(err), {.op = "save", .path = shown}, "fsync (injected)");
   out.sync();
@@ -543,19 +539,14 @@ namespace {
 // been changed (truncated) by someone else since its header was read.
 void read_source(int fd, std::byte* into, std::size_t n, std::uint64_t offset, std::uint64_t expected_size,
                  const ErrorContext& context) {
-  for (std::size_t done = 0; done < n;) {
-    const ssize_t r = ::pread(fd, into + done, n - done, static_cast<off_t>(offset + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw Error(errno_code(errno), {.op = context.op, .path = context.path, .offset = offset + done, .length = n - done}, "read");
-    if (r == 0) {
-      struct stat st {};
-      const std::uint64_t now = ::fstat(fd, &st) == 0 ? static_cast<std::uint64_t>(st.st_size) : offset + done;
-      throw Error(errno_code(EIO), {.op = context.op, .path = context.path, .offset = offset + done},
-                  fmt::format("the file changed while being read: it now ends at byte {}, its header says {}; nothing "
-                              "was rewritten",
-                              now, expected_size));
-    }
-    done += static_cast<std::size_t>(r);
+  const std::size_t got = detail::read_fully(fd, {into, n}, offset, {.op = context.op, .path = context.path});
+  if (got < n) {
+    struct stat st {};
+    const std::uint64_t now = ::fstat(fd, &st) == 0 ? static_cast<std::uint64_t>(st.st_size) : offset + got;
+    throw Error(errno_code(EIO), {.op = context.op, .path = context.path, .offset = offset + got},
+                fmt::format("the file changed while being read: it now ends at byte {}, its header says {}; nothing "
+                            "was rewritten",
+                            now, expected_size));
   }
 }
 
@@ -612,12 +603,8 @@ void rewrite_with_checksums(int fd, const CheckpointFile& file, const fs::path& 
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
   if (!state) throw Error(errno_code(ENOMEM), context, "XXH3_createState");
   const auto write_all = [&](const void* data, std::size_t n, std::uint64_t offset) {
-    for (std::size_t done = 0; done < n;) {
-      const ssize_t r = ::pwrite(out, static_cast<const std::byte*>(data) + done, n - done, static_cast<off_t>(offset + done));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) throw Error(errno_code(r < 0 ? errno : ENOSPC), {.op = context.op, .path = context.path, .offset = offset + done}, "write of the new file");
-      done += static_cast<std::size_t>(r);
-    }
+    detail::write_fully(out, {static_cast<const std::byte*>(data), n}, offset, {.op = context.op, .path = context.path},
+                        {.what = "write of the new file"});
   };
   for (const auto& t : infos) {
     XXH3_64bits_reset(state.get());

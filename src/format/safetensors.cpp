@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/positional_io.hpp"
 #include "format/strict_json.hpp"
 #include "hbmio/error.hpp"
 
@@ -352,17 +353,8 @@ class ReadOnlyFile {
 
   // Reads exactly `length` bytes at `offset`, resuming short reads; a file that shrank is an error.
   void read_exactly(void* into, std::uint64_t length, std::uint64_t offset) const {
-    auto* out = static_cast<char*>(into);
-    std::uint64_t done = 0;
-    while (done < length) {
-      const ssize_t got = ::pread(fd_, out + done, length - done, static_cast<off_t>(offset + done));
-      if (got < 0 && errno == EINTR) continue;
-      if (got < 0) throw Error(errno_code(errno), {.op = "read", .path = path_, .offset = offset, .length = length});
-      if (got == 0)
-        throw Error(errno_code(EIO), {.op = "read", .path = path_, .offset = offset, .length = length},
-                    "file ended at byte " + std::to_string(offset + done) + " (changed while reading?)");
-      done += static_cast<std::uint64_t>(got);
-    }
+    detail::read_exactly(fd_, {static_cast<std::byte*>(into), static_cast<std::size_t>(length)}, offset,
+                         {.op = "read", .path = path_});
   }
 
  private:

@@ -1,8 +1,10 @@
-// The auto backend: per request, the fastest path that works for that file and memory.
+// The auto backend: per request, the fastest path that works for that file and memory. What
+// cuFile can do for a file is asked once per file and remembered.
 //
 // Order: cufile (only where it moves data by DMA: GDS or P2PDMA; its compatibility mode is a
 // pread + copy that the uring pipeline beats), then uring, then posix. Every pass-over is
 // recorded with its reason in Stats::note, so "why did it not use GDS?" has an answer.
+#include <map>
 #include <mutex>
 #include <optional>
 
@@ -34,9 +36,10 @@ class AutoEngine final : public Engine {
     if (request.file == nullptr) validate_request(request, name());
     std::string reasons;
     if (request.memory.kind() == MemoryKind::device && request.memory.size > 0) {
-      const CufileVerdict verdict = verdict_for(*request.file);
+      const int device = request.memory.location.device;
+      const CufileVerdict verdict = verdict_for(*request.file, device);
       if (verdict.usable && verdict.direct) {
-        if (Engine* cufile = cufile_engine()) {
+        if (Engine* cufile = cufile_engine(device)) {
           Stats stats = cufile->submit(request);
           stats.note = fmt::format("auto: cufile ({})", verdict.mode);
           return stats;
@@ -63,8 +66,9 @@ class AutoEngine final : public Engine {
       if (request.memory.kind() != MemoryKind::device || request.memory.size == 0 || request.file == checked) continue;
       device = true;
       checked = request.file;
-      const CufileVerdict verdict = verdict_for(*request.file);
-      if (verdict.usable && verdict.direct && cufile_engine() != nullptr) return Engine::submit_batch(requests);
+      const int device = request.memory.location.device;
+      const CufileVerdict verdict = verdict_for(*request.file, device);
+      if (verdict.usable && verdict.direct && cufile_engine(device) != nullptr) return Engine::submit_batch(requests);
       if (reason.empty())
         reason = !verdict.usable ? verdict.reason
                  : verdict.direct ? cufile_reason_  // DMA possible, but the cufile engine failed to start
@@ -76,9 +80,20 @@ class AutoEngine final : public Engine {
  private:
   // cuFile's verdict, without opening its driver where sysfs already rules DMA out: the driver's
   // set-up would be paid by the first load only to learn that cuFile would pread + copy.
-  static CufileVerdict verdict_for(const File& file) {
-    if (std::optional<std::string> why = cufile_dma_ruled_out(file)) return {.reason = *why + " (cuFile not asked)"};
-    return cufile_verdict(file);
+  // Decided once per file (device and inode) and kept: a lazy load asks thousands of times.
+  CufileVerdict verdict_for(const File& file, int device) {
+    const auto key = std::make_pair(file.identity().device, file.identity().inode);
+    {
+      std::lock_guard lock(mutex_);
+      if (auto it = verdicts_.find(key); it != verdicts_.end()) return it->second;
+    }
+    CufileVerdict verdict;
+    if (std::optional<std::string> why = cufile_dma_ruled_out(file)) verdict = {.reason = *why + " (cuFile not asked)"};
+    else verdict = cufile_verdict(file, device);
+    std::lock_guard lock(mutex_);
+    if (verdicts_.size() >= kMaxVerdicts) verdicts_.clear();  // bounded: a long-lived engine meets many files
+    verdicts_.emplace(key, verdict);
+    return verdict;
   }
 
   Stats fallback(std::span<const IoRequest> requests, std::string reasons) {
@@ -90,11 +105,11 @@ class AutoEngine final : public Engine {
     return stats;
   }
 
-  Engine* cufile_engine() {
+  Engine* cufile_engine(int device) {
     std::lock_guard lock(mutex_);
     if (!cufile_ && cufile_reason_.empty()) {
       try {
-        cufile_ = make_cufile_engine(options_, faults_);
+        cufile_ = make_cufile_engine(options_, faults_, device);
       } catch (const Error& e) {
         cufile_reason_ = e.detail();
       }
@@ -106,6 +121,8 @@ class AutoEngine final : public Engine {
   std::shared_ptr<FaultInjector> faults_;
   std::unique_ptr<Engine> uring_, posix_, cufile_;
   std::string uring_reason_, cufile_reason_;
+  static constexpr std::size_t kMaxVerdicts = 4096;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, CufileVerdict> verdicts_;  // by (device, inode)
   std::mutex mutex_;
 };
 

@@ -36,6 +36,7 @@
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
 #include "hbmio/testing/fault_injection.hpp"
+#include "core/worker_threads.hpp"
 #include "io/cufile_verdict.hpp"
 #include "io/engine_internal.hpp"
 #include "io/page_cache.hpp"
@@ -287,7 +288,8 @@ std::string error_code_name(long long code) {
 class CufileEngine final : public Engine {
  public:
   CufileEngine(const Options& options, std::shared_ptr<FaultInjector> faults, const DriverSession& session)
-      : options_(options), faults_(std::move(faults)), session_(session), api_(session.api()) {}
+      : options_(options), faults_(std::move(faults)), session_(session), api_(session.api()),
+        threads_(std::max(options.resolved_workers(), 1u), "cuFile worker") {}
 
   std::string_view name() const noexcept override { return kBackend; }
 
@@ -313,7 +315,7 @@ class CufileEngine final : public Engine {
     }
 
     const int device = request.memory.location.device;
-    cuda::set_device(device, context);
+    const cuda::DeviceGuard guard(device, context);  // the caller's device is restored on return
     const TransferPlan plan = plan_transfer(session_, *request.file, options_.direct_io, request.offset, size);
 
     if (const int err = inject(faults_.get(), FaultSite::setup, "cuFileHandleRegister"))
@@ -370,20 +372,8 @@ class CufileEngine final : public Engine {
       }
     };
 
-    if (workers <= 1) {
-      work(false);
-    } else {
-      std::vector<std::jthread> threads;
-      threads.reserve(workers);
-      try {
-        for (unsigned i = 0; i < workers; ++i) threads.emplace_back(work, true);
-      } catch (const std::system_error& e) {
-        failed.store(true);
-        const std::size_t started = threads.size();
-        threads.clear();  // joins the ones that started
-        throw Error(e.code(), context, fmt::format("could not start cuFile worker thread {} of {}", started + 1, workers));
-      }
-    }  // jthreads join here, before the locals they use go away
+    if (workers <= 1) work(false);  // on the caller's thread, under submit()'s device guard
+    else threads_.run(workers, [&](unsigned) { work(true); });
     if (first_error) std::rethrow_exception(first_error);
     return workers;
   }
@@ -434,6 +424,7 @@ class CufileEngine final : public Engine {
   std::shared_ptr<FaultInjector> faults_;
   const DriverSession& session_;
   const shim::CufileApi& api_;
+  WorkerThreads threads_;  // the engine's own; each makes the request's device current on itself
   std::mutex mutex_;
 };
 
@@ -480,10 +471,10 @@ std::optional<std::string> cufile_dma_ruled_out(const File& file, const doctor::
   return fmt::format("{} is on {}, not NVMe, and nvidia-fs is not loaded: no DMA path", file.path(), name);
 }
 
-CufileVerdict cufile_verdict(const File& file) {
+CufileVerdict cufile_verdict(const File& file, int device) {
   CufileVerdict verdict;
   try {
-    const DriverSession& session = DriverSession::acquire();
+    const DriverSession& session = DriverSession::acquire(device);
     if (!session.ok()) {
       verdict.reason = session.reason();
       return verdict;
@@ -509,9 +500,9 @@ CufileVerdict cufile_verdict(const File& file) {
   return verdict;
 }
 
-std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults) {
+std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults, int device) {
   options.validate();
-  const DriverSession& session = DriverSession::acquire();
+  const DriverSession& session = DriverSession::acquire(device);
   if (!session.ok())
     throw Error(errno_code(ENOTSUP), ErrorContext{.op = "open backend", .path = {}, .offset = 0, .length = 0, .backend = "cufile"},
                 session.reason());

@@ -20,7 +20,9 @@ struct CufileVerdict {
 
 // Opens the cuFile driver if needed (once per process) and registers, then releases, a cuFile
 // handle for `file` (its O_DIRECT descriptor where it has one). Never throws. Thread-safe.
-CufileVerdict cufile_verdict(const File& file);
+// `device`: the GPU the transfer is for, where the driver is opened if this thread has no
+// current CUDA context (see DriverSession::acquire).
+CufileVerdict cufile_verdict(const File& file, int device = -1);
 
 // Why cuFile cannot move `file`'s data by DMA, judged from sysfs alone (microseconds; opening the
 // cuFile driver to ask costs about 0.3 s of a process's first load on the H200 machine, see

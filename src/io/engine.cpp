@@ -33,8 +33,8 @@ void validate_request(const IoRequest& request, std::string_view backend) {
     throw Error(errno_code(EOVERFLOW), context, "offset + length overflows a file offset");
   if (length == 0) return;
   if (request.memory.data == nullptr) throw Error(errno_code(EFAULT), context, "memory span has no data pointer");
-  if (request.op == IoOp::read) {
-    const std::uint64_t size = request.file->size();
+  if (request.op == IoOp::read && request.offset + length > request.file->size_at_open()) {
+    const std::uint64_t size = request.file->size();  // it may have grown since it was opened
     if (request.offset + length > size)
       throw Error(errno_code(EINVAL), context,
                   fmt::format("range ends at byte {}, past the end of the file ({} bytes)", request.offset + length, size));

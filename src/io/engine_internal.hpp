@@ -48,7 +48,9 @@ inline long long inject_io(FaultInjector* faults, long long result, std::uint64_
 // Backend factories. Each throws Error(ENOTSUP) with the reason when it cannot run here.
 std::unique_ptr<Engine> make_posix_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
 std::unique_ptr<Engine> make_uring_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
-std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
+// `device`: the GPU of the first transfer, if known (where the cuFile driver is opened when the
+// calling thread has no CUDA context).
+std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults, int device = -1);
 std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
 
 // Availability probes (no exceptions): what `hbmio backends` prints.

@@ -14,6 +14,7 @@
 
 #include <fmt/format.h>
 
+#include "core/positional_io.hpp"
 #include "hbmio/error.hpp"
 
 namespace hbmio {
@@ -66,6 +67,7 @@ File File::open_at(int dir_fd, const std::string& name, const std::string& path,
   if (S_ISDIR(st.st_mode)) throw Error(errno_code(EISDIR), context);
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode))
     throw Error(errno_code(EINVAL), context, "not a regular file or block device");
+  if (S_ISREG(st.st_mode)) file.size_at_open_ = static_cast<std::uint64_t>(st.st_size);
 
   // A second descriptor with O_DIRECT, through /proc/self/fd so it is the very same inode even
   // if the path is renamed meanwhile. Some file systems (tmpfs, some FUSE) refuse O_DIRECT.
@@ -121,7 +123,8 @@ File::File(File&& other) noexcept
       fd_(std::exchange(other.fd_, -1)),
       direct_fd_(std::exchange(other.direct_fd_, -1)),
       direct_(std::move(other.direct_)),
-      identity_(other.identity_) {}
+      identity_(other.identity_),
+      size_at_open_(other.size_at_open_) {}
 
 File& File::operator=(File&& other) noexcept {
   if (this != &other) {
@@ -132,8 +135,13 @@ File& File::operator=(File&& other) noexcept {
     direct_fd_ = std::exchange(other.direct_fd_, -1);
     direct_ = std::move(other.direct_);
     identity_ = other.identity_;
+    size_at_open_ = other.size_at_open_;
   }
   return *this;
+}
+
+std::size_t File::read_at(std::span<std::byte> data, std::uint64_t offset) const {
+  return detail::read_fully(fd_, data, offset, {.op = "read", .path = path_});
 }
 
 std::uint64_t File::size() const {

@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "core/positional_io.hpp"
 #include "io/engine_internal.hpp"
 #include "memory/cuda_runtime.hpp"
 
@@ -31,7 +32,7 @@ class PosixEngine final : public Engine {
     Stats stats{.backend = "posix", .workers = 1};
     const MemorySpan memory = request.memory;
     if (memory.kind() == MemoryKind::device) {
-      cuda::set_device(memory.location.device, context_of(request, name()));
+      const cuda::DeviceGuard guard(memory.location.device, context_of(request, name()));
       // Pageable staging: allocated per request on purpose, like the naive loader it models.
       std::vector<std::byte> staging(std::min<std::size_t>(chunk_size_, memory.size));
       for (std::size_t done = 0; done < memory.size;) {
@@ -55,26 +56,13 @@ class PosixEngine final : public Engine {
   }
 
  private:
-  // pread/pwrite until all n bytes moved: short transfers continue, EINTR/EAGAIN retry.
+  // The whole range, through the library's one pread/pwrite loop (short transfers resumed,
+  // EINTR retried, EAGAIN bounded, a file that ends early an error).
   void transfer_all(const IoRequest& request, std::uint64_t offset, std::byte* data, std::size_t n) {
-    std::size_t done = 0;
-    while (done < n) {
-      if (request.cancel != nullptr && request.cancel->load(std::memory_order_relaxed))
-        throw Error(errno_code(ECANCELED), at(request, offset + done, n - done), "stopped on request");
-      const auto pos = static_cast<off_t>(offset + done);
-      ssize_t r = request.op == IoOp::read ? ::pread(request.file->fd(), data + done, n - done, pos)
-                                           : ::pwrite(request.file->fd(), data + done, n - done, pos);
-      const long long result = inject_io(faults_.get(), r < 0 ? -errno : r, n - done, op_name(request.op));
-      if (result == -EINTR || result == -EAGAIN) continue;
-      if (result < 0) throw Error(errno_code(static_cast<int>(-result)), at(request, offset + done, n - done));
-      if (result == 0)
-        throw Error(errno_code(request.op == IoOp::read ? EIO : ENOSPC), at(request, offset + done, n - done),
-                    request.op == IoOp::read
-                        ? fmt::format("file ended at byte {} (did it shrink during the read?)", offset + done)
-                        : std::string("write made no progress"));
-      if (request.progress) *request.progress += static_cast<std::uint64_t>(result);
-      done += static_cast<std::size_t>(result);
-    }
+    const PositionalIo io{.faults = faults_.get(), .what = op_name(request.op), .cancel = request.cancel, .progress = request.progress};
+    const ErrorContext context = context_of(request, name());
+    if (request.op == IoOp::read) read_exactly(request.file->fd(), {data, n}, offset, context, io);
+    else write_fully(request.file->fd(), {data, n}, offset, context, io);
   }
 
   void copy(const IoRequest& request, std::byte* dst, const std::byte* src, std::size_t n) {

@@ -28,8 +28,10 @@
 // sequence, so the workers stay busy across request boundaries (a checkpoint of 3,000 tensors
 // is read at the speed of one large file).
 //
-// Each worker owns one ring, its slots and its CUDA stream for the engine's life (rings are not
-// thread-safe; one owner each). The engine serves one job at a time.
+// Each worker owns one ring, its slots and its CUDA stream for the engine's life, and runs on the
+// engine's thread of the same index (WorkerThreads), never on the caller's: rings are set up for
+// a single issuer, and the caller's current CUDA device is left alone. The engine serves one job
+// at a time.
 #include <liburing.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -42,12 +44,15 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "core/positional_io.hpp"
+#include "core/worker_threads.hpp"
 #include "io/engine_internal.hpp"
 #include "io/page_cache.hpp"
 #include "memory/cuda_runtime.hpp"
@@ -56,7 +61,6 @@ namespace hbmio::detail {
 namespace {
 
 constexpr std::size_t kSlotAlignment = 4096;  // slots and grid; O_DIRECT needs at most this
-constexpr unsigned kMaxRetries = 1000;        // consecutive EAGAIN/EINTR on one I/O before giving up
 // Pieces read from the page cache are at most this big, while O_DIRECT pieces fill the slot
 // (Options::bounce_buffer_size, 8 MiB by default). Measured on the H200 machine (bench/RESULTS.md):
 // 8 MiB direct reads took cold 6 GiB loads from 0.81-0.82x to 0.87-1.0x of the O_DIRECT ceiling,
@@ -65,6 +69,9 @@ constexpr unsigned kMaxRetries = 1000;        // consecutive EAGAIN/EINTR on one
 // piece copied by the kernel is then read by the DMA engine: small pieces are more often still in
 // the CPU's caches); 1 MiB pieces were slower again.
 constexpr std::uint64_t kPageCachePiece = std::uint64_t{2} << 20;
+// A job wakes one worker per this many bytes (and per chunk): handing a task to a thread costs
+// a few microseconds, about what copying this much from the page cache takes.
+constexpr std::uint64_t kBytesPerWorker = std::uint64_t{256} << 10;
 
 std::uint64_t round_down(std::uint64_t v, std::uint64_t a) { return v / a * a; }
 std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
@@ -72,8 +79,13 @@ std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / 
 // An io_uring instance. Not movable: the kernel maps its rings at this address.
 class Ring {
  public:
+  // Set up for one issuer, the thread that creates it (each worker creates its own ring on its
+  // own thread and is its only user), with completions run when that thread asks for them: the
+  // kernel then skips the locking and the interrupts a shared ring needs. Kernels before 6.1
+  // refuse the flags (EINVAL): a plain ring works the same way there.
   Ring(unsigned entries, const ErrorContext& context) {
-    const int r = io_uring_queue_init(entries, &ring_, 0);
+    int r = io_uring_queue_init(entries, &ring_, IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN);
+    if (r == -EINVAL) r = io_uring_queue_init(entries, &ring_, 0);
     if (r < 0) throw Error(errno_code(-r), context, "io_uring_queue_init");
   }
   ~Ring() { io_uring_queue_exit(&ring_); }  // also unregisters the fixed buffers
@@ -506,9 +518,13 @@ class Worker {
     return wait_for_oldest_copy();
   }
 
-  // Copies run in order on the worker's stream, so the oldest finishes first.
+  // Copies run in order on the worker's stream, so the oldest finishes first. A small copy is
+  // done within microseconds: poll for it a short while before sleeping in the driver (the events
+  // block rather than spin, see cuda::Event, and waking from that costs more than a small copy).
   int wait_for_oldest_copy() {
     const int slot = copying_.front();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
+    while (!slots_[slot].copied.ready(context()) && std::chrono::steady_clock::now() < until) {}
     slots_[slot].copied.synchronize(context());
     copying_.pop_front();
     slots_[slot].state = SlotState::free;
@@ -533,8 +549,9 @@ class Worker {
     io_uring* ring = ring_->get();
     io_uring_sqe* sqe = io_uring_get_sqe(ring);
     if (sqe == nullptr) {  // submission queue full: hand what is queued to the kernel first
-      io_uring_submit(ring);
-      pending_sqes_ = 0;
+      const int r = io_uring_submit(ring);
+      if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) throw Error(errno_code(-r), context(), "io_uring_submit");
+      if (r >= 0) pending_sqes_ = 0;
       sqe = io_uring_get_sqe(ring);
       if (sqe == nullptr) throw Error(errno_code(EBUSY), context(), "io_uring submission queue stays full");
     }
@@ -651,9 +668,10 @@ class Worker {
 class UringEngine final : public Engine {
  public:
   UringEngine(const Options& options, std::shared_ptr<FaultInjector> faults)
-      : options_(options), faults_(std::move(faults)) {
+      : options_(options), faults_(std::move(faults)), threads_(options.resolved_workers(), "uring worker") {
     workers_.resize(options_.resolved_workers());
   }
+
 
   std::string_view name() const noexcept override { return "uring"; }
 
@@ -725,14 +743,13 @@ class UringEngine final : public Engine {
     }
     job.op = requests.front().op;
 
-    const auto count = static_cast<unsigned>(std::min<std::uint64_t>(workers_.size(), job.chunks));
+    // A worker per chunk, up to the engine's, and no more than the bytes are worth: waking a
+    // thread costs about what copying kBytesPerWorker from the page cache does.
+    const auto count = static_cast<unsigned>(std::min<std::uint64_t>(
+        {workers_.size(), job.chunks, std::max<std::uint64_t>(1, (stats.bytes + kBytesPerWorker - 1) / kBytesPerWorker)}));
     for (unsigned i = 0; i < count; ++i)
       if (!workers_[i]) workers_[i] = std::make_unique<Worker>(options_, faults_.get());
-    {
-      std::vector<std::jthread> threads;
-      for (unsigned i = 1; i < count; ++i) threads.emplace_back([&, i] { workers_[i]->run(job); });
-      workers_[0]->run(job);
-    }  // joins
+    threads_.run(count, [&](unsigned i) { workers_[i]->run(job); });
     if (job.error) std::rethrow_exception(job.error);
     write_edges(job);
 
@@ -768,20 +785,15 @@ class UringEngine final : public Engine {
       context.offset = edge.begin;
       context.length = n;
       staging.resize(n);
-      if (part.device) cuda::set_device(part.first().memory.location.device, context);
+      std::optional<cuda::DeviceGuard> guard;  // this runs on the caller's thread
+      if (part.device) guard.emplace(part.first().memory.location.device, context);
       part.for_each_request(edge.begin, edge.end, [&](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
         const std::byte* from = r.memory.data + (lo - r.offset);
         if (part.device) cuda::memcpy_sync(staging.data() + (lo - edge.begin), from, hi - lo, context);
         else std::memcpy(staging.data() + (lo - edge.begin), from, hi - lo);
       });
-      for (std::size_t done = 0, retries = 0; done < n;) {
-        const ssize_t r = ::pwrite(part.first().file->fd(), staging.data() + done, n - done, static_cast<off_t>(edge.begin + done));
-        const long long result = inject_io(faults_.get(), r < 0 ? -errno : r, n - done, "pwrite (unaligned edge)");
-        if ((result == -EINTR || result == -EAGAIN) && ++retries <= kMaxRetries) continue;
-        if (result < 0) throw Error(errno_code(static_cast<int>(-result)), context, "write of an unaligned edge");
-        if (result == 0) throw Error(errno_code(ENOSPC), context, "write made no progress");
-        done += static_cast<std::size_t>(result);
-      }
+      write_fully(part.first().file->fd(), staging, edge.begin, context,
+                  {.faults = faults_.get(), .what = "pwrite (unaligned edge)"});
       job.bytes_buffered += n;
       part.for_each_request(edge.begin, edge.end, [](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
         if (r.progress) *r.progress += hi - lo;
@@ -791,7 +803,8 @@ class UringEngine final : public Engine {
 
   Options options_;
   std::shared_ptr<FaultInjector> faults_;
-  std::vector<std::unique_ptr<Worker>> workers_;
+  std::vector<std::unique_ptr<Worker>> workers_;  // workers_[i] is used by thread i only
+  WorkerThreads threads_;  // declared after workers_: the threads stop before the workers go
   std::mutex mutex_;
 };
 

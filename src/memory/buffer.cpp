@@ -178,7 +178,7 @@ void copy_memory(MemorySpan dst, MemorySpan src) {
     std::memcpy(dst.data, src.data, src.size);
     return;
   }
-  cuda::set_device(dst.kind() == MemoryKind::device ? dst.location.device : src.location.device, context);
+  const cuda::DeviceGuard guard(dst.kind() == MemoryKind::device ? dst.location.device : src.location.device, context);
   cuda::memcpy_sync(dst.data, src.data, src.size, context);
 }
 
@@ -189,7 +189,7 @@ void fill_memory(MemorySpan dst, std::byte value) {
     return;
   }
   const ErrorContext context{.op = "fill " + dst.location.to_string(), .length = dst.size};
-  cuda::set_device(dst.location.device, context);
+  const cuda::DeviceGuard guard(dst.location.device, context);
   cuda::memset_device(dst.data, static_cast<int>(value), dst.size, context);
 }
 

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "hbmio/memory.hpp"
@@ -130,6 +131,53 @@ void set_device(int device, const ErrorContext& context) {
   check(cudaSetDevice(device), context, "cudaSetDevice");
 }
 
+namespace {
+// The driver's context calls, reached through the runtime (the static runtime links no libcuda):
+// the runtime API cannot say "no context is current", nor make none current again.
+struct ContextCalls {
+  int (*get_current)(void** context) = nullptr;    // cuCtxGetCurrent
+  int (*set_current)(void* context) = nullptr;     // cuCtxSetCurrent
+  int (*get_device)(int* device) = nullptr;        // cuCtxGetDevice
+};
+const ContextCalls& context_calls() {
+  static const ContextCalls calls = [] {
+    ContextCalls c;
+    cudaDriverEntryPointQueryResult found{};
+    const auto get = [&](const char* name, auto& fn) {
+      void* p = nullptr;
+      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+          found == cudaDriverEntryPointSuccess)
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
+    };
+    get("cuCtxGetCurrent", c.get_current);
+    get("cuCtxSetCurrent", c.set_current);
+    get("cuCtxGetDevice", c.get_device);
+    return c;
+  }();
+  return calls;
+}
+}  // namespace
+
+DeviceGuard::DeviceGuard(int device, const ErrorContext& context) {
+  const ContextCalls& calls = context_calls();
+  if (calls.get_current != nullptr && calls.set_current != nullptr && calls.get_current(&previous_) == 0) restore_ = true;
+  set_device(device, context);
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (restore_) (void)context_calls().set_current(previous_);
+}
+
+int current_device() noexcept {
+  if (cuda_device_count() == 0) return -1;
+  const ContextCalls& calls = context_calls();
+  void* current = nullptr;
+  int device = -1;
+  if (calls.get_current == nullptr || calls.get_device == nullptr || calls.get_current(&current) != 0 || current == nullptr)
+    return -1;
+  return calls.get_device(&device) == 0 ? device : -1;
+}
+
 void check_device_pointer(const void* ptr, int device, const ErrorContext& context) {
   require_device(context);
   cudaPointerAttributes attributes{};
@@ -141,7 +189,7 @@ void check_device_pointer(const void* ptr, int device, const ErrorContext& conte
 }
 
 void* malloc_device(std::size_t size, int device, const ErrorContext& context) {
-  set_device(device, context);
+  const DeviceGuard guard(device, context);
   void* ptr = nullptr;
   check(cudaMalloc(&ptr, size), context, "cudaMalloc");
   return ptr;
@@ -162,7 +210,7 @@ void memset_device(void* dst, int value, std::size_t size, const ErrorContext& c
 }
 
 Stream::Stream(int device, const ErrorContext& context) : device_(device) {
-  set_device(device, context);
+  const DeviceGuard guard(device, context);
   cudaStream_t stream = nullptr;
   // Non-blocking: our copies must not serialise against work on the legacy default stream.
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), context, "cudaStreamCreate");
@@ -242,6 +290,9 @@ namespace {
 
 bool available() noexcept { return false; }
 void set_device(int, const ErrorContext& context) { no_cuda(context); }
+DeviceGuard::DeviceGuard(int, const ErrorContext& context) { no_cuda(context); }
+DeviceGuard::~DeviceGuard() = default;
+int current_device() noexcept { return -1; }
 void check_device_pointer(const void*, int, const ErrorContext& context) { no_cuda(context); }
 void* malloc_device(std::size_t, int, const ErrorContext& context) { no_cuda(context); }
 void free_device(void*) noexcept {}

@@ -15,7 +15,28 @@ using StreamHandle = void*;
 using EventHandle = void*;
 
 bool available() noexcept;  // built with CUDA and at least one device
+// Makes `device` current on this thread and leaves it so: for the library's own worker threads
+// only. Code that runs on a caller's thread uses DeviceGuard.
 void set_device(int device, const ErrorContext& context);
+
+// Makes `device` current on the calling thread for the guard's life, then restores exactly the
+// context that was current before (none included: restoring through cudaSetDevice would create
+// a context on that device). Every public call that touches CUDA on the caller's thread holds
+// one, so none leaves the caller's current device changed.
+class DeviceGuard {
+ public:
+  DeviceGuard(int device, const ErrorContext& context);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  void* previous_ = nullptr;  // the CUcontext current before
+  bool restore_ = false;
+};
+
+// The device of the context current on this thread, or -1 when none is (no context is created).
+int current_device() noexcept;
 // Throws unless `ptr` is device memory on `device` (cudaPointerGetAttributes).
 void check_device_pointer(const void* ptr, int device, const ErrorContext& context);
 

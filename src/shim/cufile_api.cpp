@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <exception>
+#include <optional>
 #include <utility>
 
 #include <fmt/format.h>
@@ -273,14 +274,14 @@ void FileHandle::reset() noexcept {
 
 // ---------------------------------------------------------------------------------------------
 
-const DriverSession& DriverSession::acquire() noexcept {
+const DriverSession& DriverSession::acquire(int device) noexcept {
   // Leaked on purpose, like CufileApi::instance(): see the class comment for why the driver is
   // never closed.
-  static const DriverSession* const session = new DriverSession();
+  static const DriverSession* const session = new DriverSession(device);
   return *session;
 }
 
-DriverSession::DriverSession() : api_(&CufileApi::instance()) {
+DriverSession::DriverSession(int device) : api_(&CufileApi::instance()) {
   try {
     // Collect every blocking problem, not just the first: "no library" and "no GPU" are
     // separate fixes, and the caller should learn both at once.
@@ -306,9 +307,13 @@ DriverSession::DriverSession() : api_(&CufileApi::instance()) {
     }
 
     // cuFileDriverOpen initialises per-GPU state through the CUDA driver and needs a current
-    // context: cudaSetDevice makes device 0's primary context current on this thread.
+    // context: the caller's if it has one, else the requested device's primary context, made
+    // current for the open only.
+    std::optional<cuda::DeviceGuard> guard;
     try {
-      cuda::set_device(0, ErrorContext{.op = "open cuFile driver", .path = {}, .offset = 0, .length = 0, .backend = "cufile"});
+      if (cuda::current_device() < 0)
+        guard.emplace(device >= 0 ? device : 0,
+                      ErrorContext{.op = "open cuFile driver", .path = {}, .offset = 0, .length = 0, .backend = "cufile"});
     } catch (const Error& e) {
       error_ = e.code();
       reason_ = std::string("no CUDA device usable for cuFile: ") + e.what();

@@ -435,7 +435,10 @@ class FileHandle {
 class DriverSession {
  public:
   // The session, opening the driver on the first call (thread-safe). Never throws; check ok().
-  static const DriverSession& acquire() noexcept;
+  // cuFileDriverOpen needs a current CUDA context: the caller's, when its thread has one;
+  // otherwise `device` (the GPU the first request is for; 0 when unknown) is made current for
+  // the open and the thread left as it was, so no process gets a context on a GPU it never used.
+  static const DriverSession& acquire(int device = -1) noexcept;
 
   bool ok() const noexcept { return open_; }
   // Why the driver is not open: cufile_category() for a cuFile status, generic (ENOENT for a
@@ -454,7 +457,7 @@ class DriverSession {
   std::string nvidia_fs_version() const;  // "2.26"
 
  private:
-  DriverSession();
+  explicit DriverSession(int device);
   const CufileApi* api_ = nullptr;
   bool open_ = false;
   std::error_code error_;

@@ -274,21 +274,14 @@ Machine describe_machine(const std::string& file_path, const MemoryLocation& int
 // backend itself would not do: O_DIRECT "auto" reads a cold file past the cache and leaves it
 // cold, so every "warm" run would again come from storage.
 void fill_page_cache(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(errno_code(errno), {.op = "open", .path = path}, "to read it into the page cache");
-  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-  std::vector<char> scratch(std::size_t{8} << 20);
-  off_t offset = 0;
-  for (ssize_t n; (n = ::pread(fd, scratch.data(), scratch.size(), offset)) != 0; offset += n < 0 ? 0 : n) {
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      throw Error(errno_code(err), {.op = "read", .path = path, .offset = static_cast<std::uint64_t>(offset)},
-                  "while filling the page cache");
-    }
+  const File file = File::open(path, OpenMode::read, /*with_direct_io=*/false);
+  ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  std::vector<std::byte> scratch(std::size_t{8} << 20);
+  for (std::uint64_t offset = 0;;) {
+    const std::size_t n = file.read_at(scratch, offset);
+    if (n < scratch.size()) break;
+    offset += n;
   }
-  ::close(fd);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -86,14 +86,9 @@ std::optional<std::uint64_t> first_difference(MemorySpan memory, const std::stri
   std::vector<std::byte> expected(piece), actual(piece);
   for (std::size_t at = 0; at < memory.size; at += piece) {
     const std::size_t length = std::min(piece, memory.size - at);
-    for (std::size_t done = 0; done < length;) {
-      const ssize_t r = ::pread(file.fd(), expected.data() + done, length - done, static_cast<off_t>(offset + at + done));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0)
-        throw Error(errno_code(r < 0 ? errno : EIO), {.op = "verify read", .path = path, .offset = offset + at + done},
-                    r == 0 ? "the file ends before the range in memory" : "");
-      done += static_cast<std::size_t>(r);
-    }
+    if (const std::size_t got = file.read_at({expected.data(), length}, offset + at); got < length)
+      throw Error(errno_code(EIO), {.op = "verify read", .path = path, .offset = offset + at + got},
+                  "the file ends before the range in memory");
     copy_memory({actual.data(), length, {}}, memory.subspan(at, length));
     const auto end = actual.begin() + static_cast<std::ptrdiff_t>(length);
     const auto [a, e] = std::mismatch(actual.begin(), end, expected.begin());
