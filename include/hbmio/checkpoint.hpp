@@ -35,8 +35,9 @@ struct LoadOptions {
   bool verify = false;             // recompute the checksums stored in the file; throw on mismatch
   std::optional<Options> engine_options;  // default: Options::from_env()
   std::atomic<std::uint64_t>* progress = nullptr;  // bytes loaded so far, for a progress display
-  // An engine to reuse (its rings and pinned buffers stay set up across loads); when null, the
-  // load makes one from `backend` and `engine_options`.
+  // An engine to reuse (its rings and pinned buffers stay set up across loads). When null, the
+  // load leases one of `backend` from EnginePool::shared(), or makes its own when
+  // `engine_options` is set.
   Engine* engine = nullptr;
   // Memory of the caller's to load into, instead of a new allocation per load (single_allocation
   // layout only): repeated loads then reuse it, as PyTorch's caching allocator does for its
@@ -266,6 +267,10 @@ struct SaveOptions {
   bool checksums = true;  // XXH3-64 of each tensor in __metadata__ ("hbmio.xxh3.<name>")
   std::string backend = "auto";
   std::optional<Options> engine_options;
+  // The engine that writes every file of the save (all shards of a sharded one). When null, the
+  // save leases one of `backend` from EnginePool::shared(), or makes its own when
+  // `engine_options` or `faults` is set.
+  Engine* engine = nullptr;
   std::shared_ptr<FaultInjector> faults;  // test support: injected write and fsync failures
   // 0: one file at `path`. Otherwise `path` is a directory that receives a Hugging Face sharded
   // checkpoint: model-0000K-of-0000N.safetensors of at most this many tensor bytes each (a larger

@@ -15,7 +15,9 @@
 #include <atomic>
 #include <cstdint>
 #include <future>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -84,5 +86,57 @@ struct BackendStatus {
 std::vector<BackendStatus> probe_backends(const Options& options = Options::from_env());
 
 std::vector<std::string> backend_names();  // {"posix", "uring", "cufile", "auto"}
+
+// Idle engines by backend name, for reuse: an engine's first transfer pays for its rings, pinned
+// bounce buffers and threads; later ones do not. A call leases an idle engine (or a new one) and
+// the lease gives it back when it ends, so concurrent calls each hold their own engine and run
+// truly at once (an Engine serves one request at a time). Loads and saves that are given no
+// engine lease one from EnginePool::shared(). Engines are made with Options::from_env(): HBMIO_*
+// changes apply to engines made after release_all(). Thread-safe.
+class EnginePool {
+ public:
+  // Idle engines kept per backend; more given back are freed (each idle one holds up to workers x
+  // bounce_buffers x bounce_buffer_size bytes of pinned memory).
+  explicit EnginePool(std::size_t max_idle_per_backend = 4) : max_idle_(max_idle_per_backend) {}
+  ~EnginePool();
+  EnginePool(const EnginePool&) = delete;
+  EnginePool& operator=(const EnginePool&) = delete;
+
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& other) noexcept;
+    Lease& operator=(Lease&& other) noexcept;
+    ~Lease();  // gives the engine back (an engine that threw has nothing in flight: fit for reuse)
+    Engine& operator*() const noexcept { return *engine_; }
+    Engine* operator->() const noexcept { return engine_.get(); }
+    Engine* get() const noexcept { return engine_.get(); }
+
+   private:
+    friend class EnginePool;
+    Lease(EnginePool* pool, std::string backend, std::unique_ptr<Engine> engine)
+        : pool_(pool), backend_(std::move(backend)), engine_(std::move(engine)) {}
+    void give_back() noexcept;
+    EnginePool* pool_ = nullptr;
+    std::string backend_;
+    std::unique_ptr<Engine> engine_;
+  };
+
+  // An idle engine of `backend`, or a new one (make_engine's errors).
+  Lease acquire(std::string_view backend);
+  // Frees the idle engines (leased ones come back later as usual); returns how many.
+  std::size_t release_all();
+  std::map<std::string, std::size_t> idle_counts() const;  // {backend: idle engines}
+
+  // The process's pool. Never destroyed: a static destructor would free CUDA memory after the
+  // CUDA runtime's own teardown at exit; call release_all() to free its engines before then.
+  static EnginePool& shared();
+
+ private:
+  void give_back(const std::string& backend, std::unique_ptr<Engine> engine) noexcept;
+  const std::size_t max_idle_;
+  mutable std::mutex mutex_;
+  std::map<std::string, std::vector<std::unique_ptr<Engine>>, std::less<>> idle_;
+};
 
 }  // namespace hbmio

@@ -7,8 +7,8 @@
 // The GIL is released around every call that does I/O.
 //
 // Engines (io_uring rings, worker threads, pinned bounce buffers) take tens of milliseconds to set
-// up, more than a small load takes, so loads and raw reads/writes borrow one from a pool kept here
-// instead of making their own; see EnginePool.
+// up, more than a small load takes, so loads, saves and raw reads/writes borrow one from the
+// library's pool (hbmio::EnginePool) instead of making their own; see EngineLease.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -124,86 +124,17 @@ int dlpack_device_type(const hbmio::MemoryLocation& where) {
 // array_api: an object with __dlpack__, __dlpack_device__ and the buffer protocol (nanobind.nb_ndarray).
 using Array = nb::ndarray<nb::array_api>;
 
-// Idle engines by backend name. A call takes an idle one (or makes one) and gives it back when it
-// is done, so repeated loads skip the setup; concurrent calls (threads) each hold their own engine,
-// so they run truly at once (an Engine serves one request at a time). Idle engines keep their
-// rings and pinned buffers until _release_engines() (registered with atexit by hbmio/__init__.py).
-// Engines read Options::from_env() when they are made: HBMIO_* changes apply after a release.
-class EnginePool {
- public:
-  // Enough for a few threads loading at once; engines returned beyond it are freed, since each
-  // idle one holds up to workers x bounce_buffers x bounce_buffer_size bytes of pinned memory.
-  static constexpr std::size_t kMaxIdlePerBackend = 4;
-
-  std::unique_ptr<hbmio::Engine> acquire(const std::string& backend) {
-    {
-      std::lock_guard lock(mutex_);
-      auto& idle = idle_[backend];
-      if (!idle.empty()) {
-        auto engine = std::move(idle.back());
-        idle.pop_back();
-        return engine;
-      }
-    }
-    return hbmio::make_engine(backend, hbmio::Options::from_env());  // outside the lock: it is slow
-  }
-
-  void give_back(const std::string& backend, std::unique_ptr<hbmio::Engine> engine) {
-    {
-      std::lock_guard lock(mutex_);
-      auto& idle = idle_[backend];
-      if (idle.size() < kMaxIdlePerBackend) {
-        idle.push_back(std::move(engine));
-        return;
-      }
-    }
-    engine.reset();  // outside the lock: freeing pinned memory can take a while
-  }
-
-  std::size_t release_all() {
-    std::map<std::string, std::vector<std::unique_ptr<hbmio::Engine>>> doomed;
-    {
-      std::lock_guard lock(mutex_);
-      doomed.swap(idle_);
-    }
-    std::size_t n = 0;
-    for (const auto& [name, engines] : doomed) n += engines.size();
-    return n;  // `doomed` frees them here, outside the lock
-  }
-
-  std::map<std::string, std::size_t> idle_counts() {
-    std::lock_guard lock(mutex_);
-    std::map<std::string, std::size_t> counts;
-    for (const auto& [name, engines] : idle_)
-      if (!engines.empty()) counts[name] = engines.size();
-    return counts;
-  }
-
- private:
-  std::mutex mutex_;
-  std::map<std::string, std::vector<std::unique_ptr<hbmio::Engine>>> idle_;
-};
-
-// Never destroyed: a static destructor would free CUDA memory after the CUDA runtime's own
-// teardown at exit. Python's atexit releases the engines instead, while everything is alive.
-EnginePool& engine_pool() {
-  static auto* pool = new EnginePool();
-  return *pool;
-}
-
-// An engine borrowed from the pool for one call; returned on every path, errors included (an
-// engine that threw has nothing in flight and is fit for reuse, per the Engine contract).
+// An engine borrowed from the library's shared pool (hbmio::EnginePool) for one call, so repeated
+// loads skip the set-up; returned on every path, errors included. The idle engines keep their
+// rings and pinned buffers until _release_engines() (registered with atexit by hbmio/__init__.py,
+// while the CUDA runtime is still alive).
 class EngineLease {
  public:
-  explicit EngineLease(std::string backend) : backend_(std::move(backend)), engine_(engine_pool().acquire(backend_)) {}
-  ~EngineLease() { engine_pool().give_back(backend_, std::move(engine_)); }
-  EngineLease(const EngineLease&) = delete;
-  EngineLease& operator=(const EngineLease&) = delete;
-  hbmio::Engine* get() const noexcept { return engine_.get(); }
+  explicit EngineLease(const std::string& backend) : lease_(hbmio::EnginePool::shared().acquire(backend)) {}
+  hbmio::Engine* get() const noexcept { return lease_.get(); }
 
  private:
-  std::string backend_;
-  std::unique_ptr<hbmio::Engine> engine_;
+  hbmio::EnginePool::Lease lease_;
 };
 
 // Bytes done so far, which the engine adds to while Python (another thread, holding the GIL
@@ -622,10 +553,10 @@ NB_MODULE(_hbmio, m) {
 
   m.def("_release_engines", [] {
     nb::gil_scoped_release release;
-    return engine_pool().release_all();
+    return hbmio::EnginePool::shared().release_all();
   }, "Frees the idle engines that loads keep for reuse (their rings, threads and pinned buffers); "
      "returns how many. Engines in use by a running call go back to the pool when it ends.");
-  m.def("_idle_engines", [] { return engine_pool().idle_counts(); }, "{backend: idle engines kept for reuse}.");
+  m.def("_idle_engines", [] { return hbmio::EnginePool::shared().idle_counts(); }, "{backend: idle engines kept for reuse}.");
 
   m.def("save_file", &save, nb::arg("tensors"), nb::arg("path"), nb::arg("metadata") = nb::none(), nb::kw_only(),
         nb::arg("checksums") = true, nb::arg("backend") = "auto", nb::arg("max_shard_size") = 0,

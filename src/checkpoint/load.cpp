@@ -334,11 +334,17 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   }
 
   // Read: one engine for the whole checkpoint, so rings and pinned buffers are set up once.
+  // Given none, an engine of the shared pool (set up by an earlier transfer), or one made with
+  // the options given.
   std::unique_ptr<Engine> own_engine;
+  EnginePool::Lease lease;
   Engine* engine = options.engine;
-  if (engine == nullptr) {
-    own_engine = make_engine(options.backend, options.engine_options.value_or(Options::from_env()));
+  if (engine == nullptr && options.engine_options) {
+    own_engine = make_engine(options.backend, *options.engine_options);
     engine = own_engine.get();
+  } else if (engine == nullptr) {
+    lease = EnginePool::shared().acquire(options.backend);
+    engine = lease.get();
   }
   // Every read of every file in one batch: the engine keeps its whole queue busy across tensor
   // and file boundaries. Each read goes through the descriptor its file's header was read from

@@ -66,9 +66,9 @@ class AutoEngine final : public Engine {
       if (request.memory.kind() != MemoryKind::device || request.memory.size == 0 || request.file == checked) continue;
       device = true;
       checked = request.file;
-      const int device = request.memory.location.device;
-      const CufileVerdict verdict = verdict_for(*request.file, device);
-      if (verdict.usable && verdict.direct && cufile_engine(device) != nullptr) return Engine::submit_batch(requests);
+      const int gpu = request.memory.location.device;
+      const CufileVerdict verdict = verdict_for(*request.file, gpu);
+      if (verdict.usable && verdict.direct && cufile_engine(gpu) != nullptr) return Engine::submit_batch(requests);
       if (reason.empty())
         reason = !verdict.usable ? verdict.reason
                  : verdict.direct ? cufile_reason_  // DMA possible, but the cufile engine failed to start

@@ -1,0 +1,81 @@
+// EnginePool: idle engines kept for reuse (see engine.hpp).
+#include <utility>
+
+#include "hbmio/engine.hpp"
+
+namespace hbmio {
+
+EnginePool::~EnginePool() = default;
+
+EnginePool::Lease::Lease(Lease&& other) noexcept
+    : pool_(std::exchange(other.pool_, nullptr)), backend_(std::move(other.backend_)), engine_(std::move(other.engine_)) {}
+
+EnginePool::Lease& EnginePool::Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    give_back();
+    pool_ = std::exchange(other.pool_, nullptr);
+    backend_ = std::move(other.backend_);
+    engine_ = std::move(other.engine_);
+  }
+  return *this;
+}
+
+EnginePool::Lease::~Lease() { give_back(); }
+
+void EnginePool::Lease::give_back() noexcept {
+  if (pool_ != nullptr && engine_) pool_->give_back(backend_, std::move(engine_));
+  pool_ = nullptr;
+  engine_.reset();
+}
+
+EnginePool::Lease EnginePool::acquire(std::string_view backend) {
+  {
+    std::lock_guard lock(mutex_);
+    if (auto it = idle_.find(backend); it != idle_.end() && !it->second.empty()) {
+      auto engine = std::move(it->second.back());
+      it->second.pop_back();
+      return Lease(this, std::string(backend), std::move(engine));
+    }
+  }
+  // Outside the lock: making an engine can take a while (cuFile's driver opens on first use).
+  return Lease(this, std::string(backend), make_engine(backend, Options::from_env()));
+}
+
+void EnginePool::give_back(const std::string& backend, std::unique_ptr<Engine> engine) noexcept {
+  try {
+    std::lock_guard lock(mutex_);
+    auto& idle = idle_[backend];
+    if (idle.size() < max_idle_) {
+      idle.push_back(std::move(engine));
+      return;
+    }
+  } catch (...) {  // no memory for the map entry: free the engine instead
+  }
+  engine.reset();  // outside the lock: freeing pinned memory can take a while
+}
+
+std::size_t EnginePool::release_all() {
+  decltype(idle_) doomed;
+  {
+    std::lock_guard lock(mutex_);
+    doomed.swap(idle_);
+  }
+  std::size_t n = 0;
+  for (const auto& [name, engines] : doomed) n += engines.size();
+  return n;  // `doomed` frees them here, outside the lock
+}
+
+std::map<std::string, std::size_t> EnginePool::idle_counts() const {
+  std::lock_guard lock(mutex_);
+  std::map<std::string, std::size_t> counts;
+  for (const auto& [name, engines] : idle_)
+    if (!engines.empty()) counts[name] = engines.size();
+  return counts;
+}
+
+EnginePool& EnginePool::shared() {
+  static auto* pool = new EnginePool();
+  return *pool;
+}
+
+}  // namespace hbmio

@@ -1,0 +1,212 @@
+// The execution context (engine-owned worker threads, the caller's CUDA device left alone), the
+// one positional-I/O loop, and the engine pool.
+#include <gtest/gtest.h>
+
+#include <pthread.h>
+
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include "hbmio/testing/fault_injection.hpp"
+#include "hbmio/checkpoint.hpp"
+#include "core/positional_io.hpp"
+#include "core/worker_threads.hpp"
+#include "memory/cuda_runtime.hpp"
+#include "test_support.hpp"
+
+namespace hbmio::test {
+namespace {
+
+TEST(WorkerThreads, EachIndexRunsOnItsOwnThreadEveryTime) {
+  detail::WorkerThreads threads(4, "test worker");
+  std::mutex mutex;
+  std::vector<std::thread::id> first(4), seen(4);
+  threads.run(4, [&](unsigned i) {
+    std::lock_guard lock(mutex);
+    first[i] = std::this_thread::get_id();
+  });
+  for (int round = 0; round < 50; ++round) {
+    threads.run(1 + round % 4, [&](unsigned i) {
+      std::lock_guard lock(mutex);
+      seen[i] = std::this_thread::get_id();
+      EXPECT_EQ(seen[i], first[i]) << "index " << i << " moved to another thread in round " << round;
+    });
+  }
+  std::set<std::thread::id> distinct(first.begin(), first.end());
+  EXPECT_EQ(distinct.size(), 4u);
+  EXPECT_EQ(distinct.count(std::this_thread::get_id()), 0u) << "a task ran on the caller's thread";
+}
+
+TEST(WorkerThreads, TheFirstExceptionReachesTheCallerAfterAllTasksReturned) {
+  detail::WorkerThreads threads(3, "test worker");
+  std::atomic<int> returned{0};
+  try {
+    threads.run(3, [&](unsigned i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5 * i));
+      returned.fetch_add(1);
+      if (i == 1) throw std::runtime_error("task 1 failed");
+    });
+    FAIL() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "task 1 failed");
+  }
+  EXPECT_EQ(returned.load(), 3);
+  // The threads are fit for the next run.
+  std::atomic<int> ran{0};
+  threads.run(3, [&](unsigned) { ran.fetch_add(1); });
+  EXPECT_EQ(ran.load(), 3);
+}
+
+TEST(WorkerThreads, ThreadsStartOnlyWhenNeeded) {
+  const auto threads_of_process = [] {
+    int n = 0;
+    for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) (void)entry, ++n;
+    return n;
+  };
+  const int before = threads_of_process();
+  {
+    detail::WorkerThreads threads(16, "test worker");
+    EXPECT_EQ(threads_of_process(), before);
+    threads.run(2, [](unsigned) {});
+    EXPECT_EQ(threads_of_process(), before + 2);
+  }
+  EXPECT_EQ(threads_of_process(), before) << "threads outlived their owner";
+}
+
+TEST(PositionalIo, ShortReadsResumeAndEveryByteArrives) {
+  TempDir dir;
+  const auto data = random_bytes(1 << 20, 7);
+  write_file(dir.file("f"), data);
+  const File file = File::open(dir.file("f"), OpenMode::read, false);
+  FaultInjector faults(FaultPlan{.seed = 3, .short_probability = 0.7, .eagain_count = 5, .eintr_count = 5});
+  std::vector<std::byte> out(data.size() - 100);
+  detail::read_exactly(file.fd(), out, 100, {.op = "read", .path = file.path()}, {.faults = &faults});
+  EXPECT_EQ(first_mismatch(out, std::vector<std::byte>(data.begin() + 100, data.end())), -1);
+  EXPECT_GT(faults.log().size(), 10u) << "the injector cut nothing short";
+}
+
+TEST(PositionalIo, EndOfFileIsReportedWithTheOffset) {
+  TempDir dir;
+  write_file(dir.file("f"), random_bytes(1000, 1));
+  const File file = File::open(dir.file("f"), OpenMode::read, false);
+  std::vector<std::byte> out(2000);
+  EXPECT_EQ(detail::read_fully(file.fd(), out, 0, {.op = "read", .path = file.path()}), 1000u);
+  try {
+    detail::read_exactly(file.fd(), out, 0, {.op = "read", .path = file.path()});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(EIO));
+    EXPECT_NE(std::string(e.what()).find("file ended at byte 1000"), std::string::npos) << e.what();
+    EXPECT_EQ(e.context().offset, 1000u);
+  }
+}
+
+TEST(PositionalIo, EndlessEagainIsAnErrorNotAHang) {
+  TempDir dir;
+  write_file(dir.file("f"), random_bytes(4096, 1));
+  const File file = File::open(dir.file("f"), OpenMode::read, false);
+  FaultInjector faults(FaultPlan{.eagain_count = detail::kMaxRetries + 1});
+  std::vector<std::byte> out(4096);
+  try {
+    detail::read_exactly(file.fd(), out, 0, {.op = "read", .path = file.path()}, {.faults = &faults});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(EAGAIN));
+    EXPECT_NE(std::string(e.what()).find("kept reporting EAGAIN"), std::string::npos) << e.what();
+  }
+}
+
+TEST(PositionalIo, WritesResumeAndANoProgressWriteIsEnospc) {
+  TempDir dir;
+  const auto data = random_bytes(300000, 9);
+  {
+    const File out = File::open(dir.file("w"), OpenMode::write, false);
+    FaultInjector faults(FaultPlan{.seed = 5, .short_probability = 0.8});
+    detail::write_fully(out.fd(), data, 0, {.op = "write", .path = out.path()}, {.faults = &faults});
+  }
+  EXPECT_EQ(first_mismatch(pread_range(dir.file("w"), 0, data.size()), data), -1);
+  const File out = File::open(dir.file("w"), OpenMode::write, false);
+  FaultInjector zero(FaultPlan{.end_of_file_io = 1});  // the first call "moves nothing"
+  try {
+    detail::write_fully(out.fd(), data, 0, {.op = "write", .path = out.path()}, {.faults = &zero});
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(ENOSPC));
+  }
+}
+
+TEST(EnginePools, ALeaseIsReusedAndConcurrentLeasesDiffer) {
+  EnginePool pool(2);
+  Engine* first = nullptr;
+  {
+    auto a = pool.acquire("posix");
+    first = a.get();
+    auto b = pool.acquire("posix");
+    EXPECT_NE(a.get(), b.get()) << "two leases share one engine";
+  }
+  EXPECT_EQ(pool.idle_counts().at("posix"), 2u);
+  {
+    auto again = pool.acquire("posix");
+    EXPECT_TRUE(again.get() == first || pool.idle_counts().at("posix") == 1u);
+  }
+  EXPECT_EQ(pool.release_all(), 2u);
+  EXPECT_TRUE(pool.idle_counts().empty());
+  EXPECT_THROW(pool.acquire("nonsense"), Error);
+}
+
+TEST(EnginePools, SavesAndLoadsWithoutAnEngineLeaseOneFromTheSharedPool) {
+  TempDir dir;
+  EnginePool::shared().release_all();
+  const auto data = random_bytes(1 << 16, 2);
+  save_checkpoint(dir.file("a.safetensors"),
+                  {{.name = "t", .dtype = safetensors::Dtype::U8, .shape = {data.size()},
+                    .data = {const_cast<std::byte*>(data.data()), data.size(), {}}}},
+                  {.backend = "posix"});
+  EXPECT_EQ(EnginePool::shared().idle_counts().at("posix"), 1u);
+  const LoadedCheckpoint loaded = load_checkpoint(dir.file("a.safetensors"), {.backend = "posix"});
+  EXPECT_EQ(EnginePool::shared().idle_counts().at("posix"), 1u) << "the load did not reuse the save's engine";
+  EXPECT_EQ(first_mismatch(to_host(loaded.tensors().at(0).data), data), -1);
+  EnginePool::shared().release_all();
+}
+
+// Public calls on a thread without a current CUDA context leave it without one (no context is
+// created on a GPU the caller did not name), and a thread whose current device is another GPU
+// keeps it. One GPU shows the first; the second needs two.
+class GpuCallerDevice : public testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  }
+};
+
+TEST_F(GpuCallerDevice, TransfersLeaveTheCallersContextAsItWas) {
+  TempDir dir;
+  const auto data = random_bytes(3 << 20, 4);
+  write_file(dir.file("f"), data);
+  Buffer device = Buffer::allocate({MemoryKind::device, cuda_device_count() - 1}, data.size());
+  for (const char* backend : {"posix", "uring", "auto"}) {
+    auto engine = make_engine(backend, small_options());
+    const File file = File::open(dir.file("f"), OpenMode::read);
+    std::thread([&] {
+      ASSERT_EQ(cuda::current_device(), -1) << "a new thread has no current context";
+      engine->read(file, 0, device.span());
+      EXPECT_EQ(cuda::current_device(), -1) << backend << " left a context current on the caller's thread";
+      std::vector<std::byte> back(data.size());
+      copy_memory({back.data(), back.size(), {}}, device.span());
+      EXPECT_EQ(cuda::current_device(), -1) << "copy_memory left a context current";
+      EXPECT_EQ(first_mismatch(back, data), -1) << backend;
+    }).join();
+    if (cuda_device_count() > 1) {
+      std::thread([&] {
+        cuda::set_device(0, {});
+        engine->read(file, 0, device.span());
+        EXPECT_EQ(cuda::current_device(), 0) << backend << " changed the caller's current device";
+      }).join();
+    }
+  }
+}
+
+}  // namespace
+}  // namespace hbmio::test
