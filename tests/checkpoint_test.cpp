@@ -275,6 +275,7 @@ TEST(CrashSafety, InjectedWriteAndFsyncFailuresKeepTheOldCheckpoint) {
   const auto old_bytes = read_all(path);
   for (int err : {EIO, ENOSPC}) {
     bool succeeded = false;
+    int after_rename = 0;
     std::set<std::string> failed;  // what the injected faults hit
     for (std::uint64_t n = 1; n < 200 && !succeeded; ++n) {
       SCOPED_TRACE(fmt::format("errno {} at call {}", err, n));
@@ -287,7 +288,15 @@ TEST(CrashSafety, InjectedWriteAndFsyncFailuresKeepTheOldCheckpoint) {
         EXPECT_TRUE(faults->fired()) << e.what();
         EXPECT_EQ(e.code().value(), err) << e.what();
         const auto now = read_all(path);
-        EXPECT_TRUE(now == old_bytes || now == new_bytes) << "neither the old nor the new checkpoint after " << e.what();
+        // Before the rename: the old file, untouched. After it (the directory's fsync): the new one
+        // is in place, and the error says so rather than "nothing happened".
+        if (e.context().op == "make the save durable") {
+          EXPECT_TRUE(now == new_bytes) << "published, yet not the new checkpoint: " << e.what();
+          EXPECT_NE(std::string(e.what()).find("is in place"), std::string::npos) << e.what();
+          ++after_rename;
+        } else {
+          EXPECT_TRUE(now == old_bytes) << "a failure before the rename changed the file: " << e.what();
+        }
         for (const std::string& line : faults->log()) failed.insert(line.substr(line.find(':') + 2));
       }
       save_checkpoint(path, old_sample.tensors);  // the old one again for the next call
@@ -298,6 +307,7 @@ TEST(CrashSafety, InjectedWriteAndFsyncFailuresKeepTheOldCheckpoint) {
     };
     EXPECT_TRUE(hit("fsync")) << "the file's fsync was never failed";
     EXPECT_TRUE(hit("fsync of the directory")) << "the directory's fsync was never failed";
+    EXPECT_EQ(after_rename, 1) << "the failure after the rename was not reported as such";
     EXPECT_TRUE(hit("io_uring write")) << "no data write was failed";
     EXPECT_EQ(temporaries_in(dir.path()), 0u);
   }
@@ -708,7 +718,14 @@ TEST(ShardedSave, AFailureLeavesTheOldDirectoryIntact) {
     } catch (const Error& e) {
       EXPECT_TRUE(faults->fired()) << e.what();
       EXPECT_EQ(e.code().value(), ENOSPC) << e.what();
-      EXPECT_TRUE(holds(old_sample) || holds(new_sample)) << "a mix of old and new after " << e.what();
+      if (e.context().op == "make the save durable") {
+        // The swap happened: the new checkpoint is in place and the old one is kept, named.
+        EXPECT_TRUE(holds(new_sample)) << e.what();
+        EXPECT_NE(std::string(e.what()).find("the previous checkpoint is kept at"), std::string::npos) << e.what();
+        EXPECT_EQ(temporaries_in(dir.path()), 1u) << "the previous checkpoint was not kept";
+      } else {
+        EXPECT_TRUE(holds(old_sample)) << "not the old checkpoint after a failure before the swap: " << e.what();
+      }
       for (const std::string& line : faults->log()) failed.insert(line.substr(line.find(':') + 2));
       save_checkpoint(target, old_sample.tensors, {.max_shard_size = 600000});
     }

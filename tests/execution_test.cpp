@@ -11,6 +11,7 @@
 
 #include "hbmio/testing/fault_injection.hpp"
 #include "hbmio/checkpoint.hpp"
+#include "core/error_boundary.hpp"
 #include "core/positional_io.hpp"
 #include "core/worker_threads.hpp"
 #include "memory/cuda_runtime.hpp"
@@ -135,6 +136,26 @@ TEST(PositionalIo, WritesResumeAndANoProgressWriteIsEnospc) {
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), errno_code(ENOSPC));
   }
+}
+
+TEST(ErrorBoundary, StandardLibraryErrorsLeaveAsHbmioErrors) {
+  const ErrorContext context{.op = "save", .path = "/x/model"};
+  try {
+    detail::errors_as_hbmio(context, [] { std::filesystem::directory_iterator("/nonexistent/hbmio-dir"); });
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(ENOENT));
+    EXPECT_EQ(e.context().op, "save");
+    EXPECT_EQ(e.context().path, "/nonexistent/hbmio-dir") << "the path the file system named";
+  }
+  try {
+    detail::errors_as_hbmio(context, [] { throw std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again), "thread"); });
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(EAGAIN));
+    EXPECT_EQ(e.context().path, "/x/model");
+  }
+  EXPECT_EQ(detail::errors_as_hbmio(context, [] { return 7; }), 7);
 }
 
 TEST(EnginePools, ALeaseIsReusedAndConcurrentLeasesDiffer) {

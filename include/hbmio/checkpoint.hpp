@@ -294,8 +294,10 @@ struct SaveOptions {
 // Writes a safetensors file that the reference reader accepts, crash-safe: a new file in the same
 // directory, unnamed (O_TMPFILE, mode 0666 so the umask applies) where the file system allows it,
 // else a hidden temporary name (O_CREAT|O_EXCL|O_NOFOLLOW); fsync; a rename over `path`; fsync of
-// the directory. On any error the previous file at `path` is untouched, nothing of the new one is
-// left, and the error (never retried: an fsync failure is final) is thrown; a save killed outright
+// the directory. On any error before the rename the previous file at `path` is untouched, nothing
+// of the new one is left, and the error (never retried: an fsync failure is final) is thrown. An
+// error after it (the fsync of the directory) is thrown with op "make the save durable": the new
+// file is in place, and whether its name survives a power loss is unknown. A save killed outright
 // leaves nothing either where the file was unnamed. Temporary files left by a crashed earlier save
 // of the same name are removed first (those of a save still running are not: each holds a lock).
 // A symbolic link at `path` is followed: the file it names is replaced, and the link stays. Only a

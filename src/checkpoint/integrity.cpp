@@ -1,4 +1,5 @@
 #include "checkpoint/integrity.hpp"
+#include "core/error_boundary.hpp"
 #include "core/positional_io.hpp"
 
 #include <unistd.h>
@@ -150,7 +151,16 @@ std::optional<std::string> check_tensor(const std::map<std::string, std::string>
 
 std::string xxh3_hex(const std::byte* data, std::size_t size) { return detail::to_hex(XXH3_64bits(data, size)); }
 
+namespace {
+VerifyResult verify_unguarded(const std::string& path);
+}
+
 VerifyResult verify_checkpoint(const std::string& path) {
+  return detail::errors_as_hbmio({.op = "verify", .path = path}, [&] { return verify_unguarded(path); });
+}
+
+namespace {
+VerifyResult verify_unguarded(const std::string& path) {
   VerifyResult result;
   const std::vector<CheckpointFile> files = open_checkpoint(path);
   // Headers first, every file's: when one is damaged, what it says about its tensors (and even
@@ -200,5 +210,6 @@ VerifyResult verify_checkpoint(const std::string& path) {
   }
   return result;
 }
+}  // namespace
 
 }  // namespace hbmio

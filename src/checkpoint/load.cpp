@@ -18,6 +18,7 @@
 
 #include "checkpoint/integrity.hpp"
 #include "checkpoint/load_internal.hpp"
+#include "core/error_boundary.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 #include "io/engine_internal.hpp"
@@ -181,7 +182,16 @@ CheckpointDirectory::~CheckpointDirectory() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+namespace {
+std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path);
+}
+
 std::vector<CheckpointFile> open_checkpoint(const std::string& path) {
+  return detail::errors_as_hbmio({.op = "open checkpoint", .path = path}, [&] { return open_checkpoint_retrying(path); });
+}
+
+namespace {
+std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path) {
   // A sharded save that swaps a new directory in while the old one is read empties the old one:
   // a file gone by the time it is opened is then not a fault of the checkpoint, which is whole
   // under its name again. That one is opened instead (a few tries).
@@ -194,6 +204,7 @@ std::vector<CheckpointFile> open_checkpoint(const std::string& path) {
     }
   }
 }
+}  // namespace
 
 std::shared_ptr<const File> reopen(const CheckpointFile& file) {
   if (file.file) return file.file;
@@ -266,25 +277,31 @@ std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::v
 }
 
 std::uint64_t load_size(const std::string& path, const LoadOptions& options) {
-  std::uint64_t size = 0;
-  pick_tensors(path, open_checkpoint(path), options, size);
-  return size;
+  return detail::errors_as_hbmio({.op = "load", .path = path}, [&] {
+    std::uint64_t size = 0;
+    pick_tensors(path, open_checkpoint(path), options, size);
+    return size;
+  });
 }
 
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
-  detail::TransferTimer timer;
-  LoadedCheckpoint result = detail::LoadAccess::load(path, options, open_checkpoint(path), nullptr);
-  timer.finish(detail::LoadAccess::stats(result));
-  return result;
+  return detail::errors_as_hbmio({.op = "load", .path = path}, [&] {
+    detail::TransferTimer timer;
+    LoadedCheckpoint result = detail::LoadAccess::load(path, options, open_checkpoint(path), nullptr);
+    timer.finish(detail::LoadAccess::stats(result));
+    return result;
+  });
 }
 
 LoadedCheckpoint load_checkpoint_files(const std::string& path, const std::vector<CheckpointFile>& files,
                                        const LoadOptions& options) {
   if (files.empty()) throw checkpoint_error(EINVAL, path, "no file to load (open it with open_checkpoint)");
-  detail::TransferTimer timer;
-  LoadedCheckpoint result = detail::LoadAccess::load(path, options, files, nullptr);
-  timer.finish(detail::LoadAccess::stats(result));
-  return result;
+  return detail::errors_as_hbmio({.op = "load", .path = path}, [&] {
+    detail::TransferTimer timer;
+    LoadedCheckpoint result = detail::LoadAccess::load(path, options, files, nullptr);
+    timer.finish(detail::LoadAccess::stats(result));
+    return result;
+  });
 }
 
 LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOptions& options,

@@ -26,6 +26,7 @@
 #include <xxhash.h>
 
 #include "checkpoint/integrity.hpp"
+#include "core/error_boundary.hpp"
 #include "core/positional_io.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
@@ -181,6 +182,23 @@ void sync_directory(const fs::path& dir, const std::string& target, FaultInjecto
   if (r != 0) throw Error(errno_code(err), {.op = "save", .path = target}, "fsync of its directory");
 }
 
+// The fsync of the directory after the rename: the save has published by then, so a failure here
+// is not "nothing happened". It says what is true: the new file is in place, and whether its name
+// survives a power loss is unknown. `kept`: where the previous checkpoint still is (a sharded
+// save keeps it then: if the rename were lost, the name would lead back to it).
+void sync_published(const fs::path& dir, const std::string& target, FaultInjector* faults, const fs::path& kept = {}) {
+  try {
+    sync_directory(dir, target, faults);
+  } catch (const Error& e) {
+    throw Error(e.code(), {.op = "make the save durable", .path = target},
+                fmt::format("the new {} is in place, but the fsync of its directory failed ({}), so whether it "
+                            "survives a power loss is unknown{}",
+                            kept.empty() ? "file" : "checkpoint", e.detail(),
+                            kept.empty() ? std::string()
+                                         : fmt::format("; the previous checkpoint is kept at {} until the next save", kept.string())));
+  }
+}
+
 // The file a save replaces, held (O_PATH: no read permission needed, never blocks on a FIFO)
 // across the rename so that freeing its blocks, which takes the kernel seconds for a large file,
 // happens at our close instead of inside rename(2); the close runs on a thread of its own, so it
@@ -311,12 +329,14 @@ class EngineChoice {
 
 Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
 Stats save_file(const fs::path& target, const std::string& shown, const std::vector<TensorToSave>& tensors,
-                const SaveOptions& options, bool lock_target);
+                const SaveOptions& options, bool top_level);
 }
 
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
-  if (options.max_shard_size > 0) return save_sharded(path, tensors, options);
-  return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true);
+  return detail::errors_as_hbmio({.op = "save", .path = path}, [&] {
+    if (options.max_shard_size > 0) return save_sharded(path, tensors, options);
+    return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true);
+  });
 }
 
 namespace {
@@ -324,7 +344,10 @@ namespace {
 // One safetensors file at `target` (a regular file's path or nothing, links resolved), named
 // `shown` in errors and notes.
 Stats save_file(const fs::path& target, const std::string& shown, const std::vector<TensorToSave>& tensors,
-                const SaveOptions& options, bool lock_target) {
+                const SaveOptions& options, bool top_level) {
+  // top_level: `target` is the caller's path, not a shard in a sharded save's temporary directory.
+  // Only there does the rename wait for a rewrite of the file in place, and only there is it a
+  // publication (a failure after it is reported as such).
   detail::TransferTimer timer;
   const ErrorContext context{.op = "save", .path = shown};
 
@@ -431,9 +454,10 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
     // The last point a stop request is heeded: from the rename on, the new file is the checkpoint.
     check_cancel(options.cancel, context);
     previous.emplace(target);
-    pending.publish(context, lock_target);
+    pending.publish(context, top_level);
   }
-  sync_directory(target.parent_path(), shown, options.faults.get());
+  if (top_level) sync_published(target.parent_path(), shown, options.faults.get());
+  else sync_directory(target.parent_path(), shown, options.faults.get());
   const double all = seconds_since(started);
   std::string engine_note = total.note;
   total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}; data writes {:.3f} s{}, header {:.3f} s, "
@@ -544,7 +568,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
     fs::remove_all(temp, ec);
     throw;
   }
-  sync_directory(target.parent_path(), path, options.faults.get());
+  sync_published(target.parent_path(), path, options.faults.get(), temp);
   std::error_code ec;
   fs::remove_all(temp, ec);  // the old checkpoint, after the exchange
   std::sort(dropped.begin(), dropped.end());
@@ -658,12 +682,13 @@ void rewrite_with_checksums(int fd, const CheckpointFile& file, const fs::path& 
   pending.file().sync();
   check_cancel(cancel, context);
   pending.publish(context, /*lock_target=*/false);
-  sync_directory(target.parent_path(), context.path, nullptr);
+  sync_published(target.parent_path(), context.path, nullptr);
 }
 
 }  // namespace
 
-AddChecksumsResult add_checksums(const std::string& path, bool force, const std::atomic<bool>* cancel) {
+namespace {
+AddChecksumsResult add_checksums_unguarded(const std::string& path, bool force, const std::atomic<bool>* cancel) {
   // Each file on its own, crash-safe: after a crash every shard holds either its old bytes or its
   // bytes with checksums, and both load. The index does not change (it maps names to shards).
   AddChecksumsResult result;
@@ -721,6 +746,11 @@ AddChecksumsResult add_checksums(const std::string& path, bool force, const std:
     ++result.files_rewritten;
   }
   return result;
+}
+}  // namespace
+
+AddChecksumsResult add_checksums(const std::string& path, bool force, const std::atomic<bool>* cancel) {
+  return detail::errors_as_hbmio({.op = "add checksums", .path = path}, [&] { return add_checksums_unguarded(path, force, cancel); });
 }
 
 }  // namespace hbmio
