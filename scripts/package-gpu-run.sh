@@ -9,10 +9,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --build --preset default -j "$(nproc)"
 rm -rf .gpu && mkdir -p .gpu/deps/include
-cp build/hbmio build/tests/hbmio_tests build/tests/cufile_tests build/tests/checkpoint_tests build/tests/nccl_rank build/libhbmio.a .gpu/
+cp build/hbmio build/request_overhead build/tests/hbmio_tests build/tests/cufile_tests build/tests/checkpoint_tests build/tests/nccl_rank build/libhbmio.a .gpu/
+# An older build to compare with, where one was put there (bench/overhead_gpu_run.sh).
+if [ -d .bench-bin ]; then cp -r .bench-bin .gpu/before; fi
 # The page-cache DMA experiment (bench/micro/page_cache_dma.cpp; bench/tune_run.sh hybrid).
 /usr/local/cuda/bin/nvcc -O2 -std=c++20 -o .gpu/page_cache_dma bench/micro/page_cache_dma.cpp
-strip --strip-debug .gpu/page_cache_dma .gpu/hbmio .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/nccl_rank .gpu/libhbmio.a
+strip --strip-debug .gpu/page_cache_dma .gpu/hbmio .gpu/request_overhead .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/nccl_rank .gpu/libhbmio.a
 
 # The same layout as /usr, so the copied CMake package files find their files relative to the prefix.
 multiarch=lib/x86_64-linux-gnu

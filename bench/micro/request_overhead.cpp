@@ -1,7 +1,7 @@
 // What one request costs beyond its bytes: many small warm reads through one engine, and batches
 // of them (how lazy loads and read-ahead use an engine). Uses only the public API, so the same
 // source measures an older build beside a newer one (bench/RESULTS.md, "per-request overhead").
-// Build: the CMake target `request_overhead` (tools on), or against an installed hbmio.
+// Build: the CMake target `request_overhead` (built with the tools), or against an installed hbmio.
 // Run:   request_overhead FILE [requests=20000] [size=64K] [memory=pinned|host|cuda:0] [backends=uring,posix]
 // FILE should be warm (read it once) and at least requests * size / 16 bytes long: offsets cycle.
 // Prints one JSON line per backend and shape.

@@ -1,5 +1,6 @@
 #include "core/worker_threads.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <system_error>
 #include <utility>
@@ -9,41 +10,28 @@
 namespace hbmio::detail {
 namespace {
 
-// How long a thread spins on a hand-off before it sleeps. A few of a small request's transfer
-// times; an idle engine's threads stop spinning this long after their last task.
-// Measured with bench/micro/request_overhead.cpp on the 2-core development VM, 64 KiB warm reads:
-// a caller that sleeps at once took 30.6 us per request, one that spins 10 us 29.1 us, 50 us 21.8 us.
+// How long a thread yields on a hand-off before it sleeps: a few small requests' transfer times.
 constexpr auto kSpin = std::chrono::microseconds(50);
-constexpr auto kCallerSpin = std::chrono::microseconds(50);
 
-inline void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
-// Waits until `value` differs from `old` and returns the new value: spins up to `spin`, then sleeps.
-std::uint32_t wait_for_change(const std::atomic<std::uint32_t>& value, std::uint32_t old,
-                              std::chrono::nanoseconds spin) {
+// Waits until `value` differs from `old` and returns the new value: yields for up to kSpin (a
+// thread that yields lets a runnable worker have its core on a busy machine), then sleeps.
+std::uint32_t wait_for_change(const std::atomic<std::uint32_t>& value, std::uint32_t old) {
   std::uint32_t now = value.load(std::memory_order_acquire);
-  if (now != old) return now;
-  const auto until = std::chrono::steady_clock::now() + spin;
-  for (unsigned i = 0; now == old; ++i) {
-    cpu_relax();
-    now = value.load(std::memory_order_acquire);
-    if (now == old && i % 64 == 63 && std::chrono::steady_clock::now() > until) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  while (now == old) {
+    if (std::chrono::steady_clock::now() > until) {
       value.wait(old, std::memory_order_acquire);
-      now = value.load(std::memory_order_acquire);
+    } else {
+      std::this_thread::yield();
     }
+    now = value.load(std::memory_order_acquire);
   }
   return now;
 }
 
 }  // namespace
 
-WorkerThreads::WorkerThreads(unsigned capacity, std::string name) : capacity_(capacity), name_(std::move(name)) {
+WorkerThreads::WorkerThreads(unsigned capacity, std::string name) : capacity_(std::max(capacity, 1u)), name_(std::move(name)) {
   seats_.reserve(capacity_);
 }
 
@@ -57,11 +45,12 @@ WorkerThreads::~WorkerThreads() {
 }
 
 void WorkerThreads::start_threads(unsigned count) {
-  while (seats_.size() < count) {
+  // Seat i serves index i + 1: index 0 is the caller's.
+  while (seats_.size() + 1 < count) {
     auto seat = std::make_unique<Seat>();
     const auto index = static_cast<unsigned>(seats_.size());
     try {
-      seat->thread = std::jthread([this, index, s = seat.get()] { serve(*s, index); });
+      seat->thread = std::jthread([this, index, s = seat.get()] { serve(*s, index + 1); });
     } catch (const std::system_error& e) {
       throw Error(e.code(), {.op = "start " + name_ + " thread " + std::to_string(index + 1)}, thread_limit_message(e));
     }
@@ -75,15 +64,19 @@ void WorkerThreads::run(unsigned count, const std::function<void(unsigned)>& tas
   start_threads(count);
   error_ = nullptr;
   task_ = &task;
-  remaining_.store(count, std::memory_order_relaxed);
-  for (unsigned i = 0; i < count; ++i) {
-    seats_[i]->ticket.fetch_add(1, std::memory_order_release);
-    seats_[i]->ticket.notify_one();
+  remaining_.store(count - 1, std::memory_order_relaxed);
+  for (unsigned i = 1; i < count; ++i) {
+    seats_[i - 1]->ticket.fetch_add(1, std::memory_order_release);
+    seats_[i - 1]->ticket.notify_one();
   }
-  for (std::uint32_t left = remaining_.load(std::memory_order_acquire); left != 0;) {
-    // remaining_ only falls; wait_for_change returns once it moved, then check again.
-    left = wait_for_change(remaining_, left, kCallerSpin);
+  try {
+    task(0);
+  } catch (...) {
+    std::lock_guard lock(error_mutex_);
+    if (!error_) error_ = std::current_exception();
   }
+  for (std::uint32_t left = remaining_.load(std::memory_order_acquire); left != 0;)
+    left = wait_for_change(remaining_, left);  // remaining_ only falls
   task_ = nullptr;
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
@@ -91,7 +84,7 @@ void WorkerThreads::run(unsigned count, const std::function<void(unsigned)>& tas
 void WorkerThreads::serve(Seat& seat, unsigned index) {
   std::uint32_t seen = 0;
   for (;;) {
-    seen = wait_for_change(seat.ticket, seen, kSpin);
+    seen = wait_for_change(seat.ticket, seen);
     if (stopping_.load(std::memory_order_acquire)) return;
     try {
       (*task_)(index);

@@ -1,15 +1,20 @@
 // The threads an engine owns for its whole life: its execution context.
 //
-// run(count, task) calls task(0) ... task(count - 1), each on its own thread, and returns when
-// all have returned. Thread i always serves index i, so what a task keeps per index (an io_uring
-// set up for a single issuer, a CUDA stream, the device made current) stays with one thread, and
-// the caller's thread is never used: its current CUDA device is never touched. Threads are
-// started on first need, up to the size given, and joined by the destructor.
+// run(count, task) calls task(0) ... task(count - 1) at once and returns when all have returned.
+// The caller's thread runs task(0); the engine's thread i runs task(i) for i >= 1, always the same
+// thread for the same index, so what a task keeps per index (an io_uring set up for a single
+// issuer, a CUDA stream, the device made current) stays with one thread. Threads are started on
+// first need, up to capacity - 1, and joined by the destructor. A task(0) that touches CUDA holds
+// a cuda::DeviceGuard: the caller's current device is the caller's.
 //
-// Why spin before sleeping: a lazy load asks for small tensors back to back; a futex wake each
-// way costs more than reading 64 KiB from the page cache. A worker that finished spins a short
-// while for the next task, and the caller spins a short while for the result, before either
-// sleeps (bench/RESULTS.md, "per-request overhead"). Long transfers sleep as before.
+// Why the caller takes a share: a lazy load asks for small tensors one after another, and most of
+// those jobs are one piece. Handing such a job to a thread and waiting for it cost 15 -> 120 us per
+// 64 KiB read on a busy 2-core machine (the waiting caller held the core the worker needed), while
+// the caller doing it costs nothing extra (bench/RESULTS.md, "per-request overhead").
+//
+// Why threads spin a little before sleeping: a futex wake costs about what copying 64 KiB does. A
+// worker that finished yields the CPU for up to 50 us waiting for the next task, and the caller
+// waits for the others the same way, before either sleeps. Long transfers sleep as before.
 #pragma once
 
 #include <atomic>
@@ -26,7 +31,8 @@ namespace hbmio::detail {
 
 class WorkerThreads {
  public:
-  // `capacity`: most threads ever started; `name`: what errors call them ("uring worker").
+  // `capacity`: most tasks of one run (the caller's included); `name`: what errors call the
+  // threads ("uring worker").
   WorkerThreads(unsigned capacity, std::string name);
   ~WorkerThreads();
   WorkerThreads(const WorkerThreads&) = delete;
@@ -34,7 +40,8 @@ class WorkerThreads {
 
   unsigned capacity() const noexcept { return capacity_; }
 
-  // Runs task(i) for i in [0, count) on threads 0..count-1 (count <= capacity) and waits for all.
+  // Runs task(0) here and task(i), 0 < i < count, on thread i (count is capped at capacity), and
+  // waits for all.
   // If tasks throw, the first exception is rethrown after every task has returned. Throws
   // Error(EAGAIN) naming the thread limit when a thread cannot be started. One run at a time:
   // callers serialise (engines hold their request mutex).

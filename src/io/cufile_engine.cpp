@@ -372,8 +372,8 @@ class CufileEngine final : public Engine {
       }
     };
 
-    if (workers <= 1) work(false);  // on the caller's thread, under submit()'s device guard
-    else threads_.run(workers, [&](unsigned) { work(true); });
+    // Task 0 runs on the caller's thread, under submit()'s device guard; the others on the engine's.
+    threads_.run(workers, [&](unsigned i) { work(i != 0); });
     if (first_error) std::rethrow_exception(first_error);
     return workers;
   }

@@ -28,10 +28,10 @@
 // sequence, so the workers stay busy across request boundaries (a checkpoint of 3,000 tensors
 // is read at the speed of one large file).
 //
-// Each worker owns one ring, its slots and its CUDA stream for the engine's life, and runs on the
-// engine's thread of the same index (WorkerThreads), never on the caller's: rings are set up for
-// a single issuer, and the caller's current CUDA device is left alone. The engine serves one job
-// at a time.
+// Each worker owns one ring, its slots and its CUDA stream for the engine's life. Worker 0 runs on
+// the submitting thread (a one-piece job then costs no hand-off) and restores that thread's CUDA
+// device when done; worker i >= 1 runs on the engine's thread i (WorkerThreads), whose ring is set
+// up for a single issuer. The engine serves one job at a time.
 #include <liburing.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -83,8 +83,9 @@ class Ring {
   // own thread and is its only user), with completions run when that thread asks for them: the
   // kernel then skips the locking and the interrupts a shared ring needs. Kernels before 6.1
   // refuse the flags (EINVAL): a plain ring works the same way there.
-  Ring(unsigned entries, const ErrorContext& context) {
-    int r = io_uring_queue_init(entries, &ring_, IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN);
+  // `shared`: used from callers' threads (worker 0, see WorkerThreads), so a plain ring.
+  Ring(unsigned entries, bool shared, const ErrorContext& context) {
+    int r = shared ? -EINVAL : io_uring_queue_init(entries, &ring_, IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN);
     if (r == -EINVAL) r = io_uring_queue_init(entries, &ring_, 0);
     if (r < 0) throw Error(errno_code(-r), context, "io_uring_queue_init");
   }
@@ -194,7 +195,9 @@ struct Job {
 
 class Worker {
  public:
-  Worker(const Options& options, FaultInjector* faults) : options_(options), faults_(faults) {}
+  // `on_callers_thread`: worker 0, run by whichever thread submits (see WorkerThreads).
+  Worker(const Options& options, FaultInjector* faults, bool on_callers_thread)
+      : options_(options), faults_(faults), on_callers_thread_(on_callers_thread) {}
 
   // Runs chunks of `job` until none are left or the job failed. Throws nothing: failures go to
   // job.fail(), after every I/O of this worker has completed and every copy has finished.
@@ -219,6 +222,7 @@ class Worker {
     copying_.clear();
     job_ = nullptr;
     part_ = nullptr;
+    device_guard_.reset();
   }
 
  private:
@@ -248,7 +252,7 @@ class Worker {
     if (!ring_) {
       fault_point(FaultSite::setup, "io_uring_queue_init");
       set_up = true;
-      ring_ = std::make_unique<Ring>(options_.queue_depth, ctx);
+      ring_ = std::make_unique<Ring>(options_.queue_depth, on_callers_thread_, ctx);
       ops_.resize(options_.queue_depth);
       reset_ops();
     }
@@ -292,7 +296,9 @@ class Worker {
     if (!fixed_buffers_) job_->fixed_buffer_errno.store(fixed_buffer_errno_);
     if (job.device >= 0) {
       const int device = job.device;
-      cuda::set_device(device, ctx);
+      // The engine's own threads keep the device current; the caller's gets its own back.
+      if (on_callers_thread_) device_guard_.emplace(device, ctx);
+      else cuda::set_device(device, ctx);
       if (!stream_.valid() || stream_.device() != device) {
         set_up = true;
         fault_point(FaultSite::setup, "cudaStreamCreate");
@@ -646,6 +652,8 @@ class Worker {
 
   Options options_;
   FaultInjector* faults_;
+  bool on_callers_thread_;
+  std::optional<cuda::DeviceGuard> device_guard_;  // worker 0, during a device job
   Job* job_ = nullptr;
   const Part* part_ = nullptr;  // the part of the chunk at hand
   std::unique_ptr<Ring> ring_;
@@ -748,7 +756,7 @@ class UringEngine final : public Engine {
     const auto count = static_cast<unsigned>(std::min<std::uint64_t>(
         {workers_.size(), job.chunks, std::max<std::uint64_t>(1, (stats.bytes + kBytesPerWorker - 1) / kBytesPerWorker)}));
     for (unsigned i = 0; i < count; ++i)
-      if (!workers_[i]) workers_[i] = std::make_unique<Worker>(options_, faults_.get());
+      if (!workers_[i]) workers_[i] = std::make_unique<Worker>(options_, faults_.get(), i == 0);
     threads_.run(count, [&](unsigned i) { workers_[i]->run(job); });
     if (job.error) std::rethrow_exception(job.error);
     write_edges(job);
