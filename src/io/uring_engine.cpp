@@ -249,6 +249,13 @@ class Worker {
     };
     bool set_up = false;
     const ErrorContext ctx = context();
+    // A device job's CUDA work (the slots' pinning included, which otherwise takes whatever
+    // context is current, or makes device 0's) happens on the job's device. The engine's own
+    // threads keep it current; the caller's thread gets its own context back after the job.
+    if (job.device >= 0) {
+      if (on_callers_thread_) device_guard_.emplace(job.device, ctx);
+      else cuda::set_device(job.device, ctx);
+    }
     if (!ring_) {
       fault_point(FaultSite::setup, "io_uring_queue_init");
       set_up = true;
@@ -296,9 +303,6 @@ class Worker {
     if (!fixed_buffers_) job_->fixed_buffer_errno.store(fixed_buffer_errno_);
     if (job.device >= 0) {
       const int device = job.device;
-      // The engine's own threads keep the device current; the caller's gets its own back.
-      if (on_callers_thread_) device_guard_.emplace(device, ctx);
-      else cuda::set_device(device, ctx);
       if (!stream_.valid() || stream_.device() != device) {
         set_up = true;
         fault_point(FaultSite::setup, "cudaStreamCreate");
