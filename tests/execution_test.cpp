@@ -12,6 +12,9 @@
 #include "hbmio/testing/fault_injection.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "core/error_boundary.hpp"
+#include "hbmio/doctor.hpp"
+#include "io/cufile_verdict.hpp"
+#include "io/engine_internal.hpp"
 #include "core/positional_io.hpp"
 #include "core/worker_threads.hpp"
 #include "memory/cuda_runtime.hpp"
@@ -158,6 +161,21 @@ TEST(ErrorBoundary, StandardLibraryErrorsLeaveAsHbmioErrors) {
     EXPECT_EQ(e.context().path, "/x/model");
   }
   EXPECT_EQ(detail::errors_as_hbmio(context, [] { return 7; }), 7);
+}
+
+// `hbmio doctor PATH` names the path the auto backend takes for PATH, because both ask
+// choose_auto(); a file on a disk without nvidia-fs (this machine, and the H200 machine) gets uring.
+TEST(AutoChoice, TheDoctorSaysWhatAutoPicks) {
+  TempDir dir;
+  write_file(dir.file("f"), random_bytes(8192, 1));
+  const File file = File::open(dir.file("f"), OpenMode::read);
+  const detail::AutoChoice choice = detail::choose_auto(file, -1, detail::probe_uring());
+  ASSERT_FALSE(choice.backend.empty());
+  if (choice.backend != "cufile") EXPECT_NE(choice.passed_over.find("cufile: "), std::string::npos) << choice.passed_over;
+  const std::vector<Check> checks = run_doctor({.paths = {dir.file("f")}});
+  const auto summary = std::find_if(checks.begin(), checks.end(), [&](const Check& c) { return c.id == "summary.auto:" + dir.file("f"); });
+  ASSERT_NE(summary, checks.end());
+  EXPECT_EQ(summary->found.rfind("auto: " + choice.backend + " ", 0), 0u) << summary->found << " vs " << choice.backend;
 }
 
 TEST(EnginePools, ALeaseIsReusedAndConcurrentLeasesDiffer) {

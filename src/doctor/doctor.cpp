@@ -134,18 +134,21 @@ void check_summary(const Root& root, const Inventory& inventory, const std::vect
     bool through_host_memory = true;
     if (!root.is_live()) {
       choice = "auto: cannot be decided from a recorded tree (cuFile and io_uring are probed on the live machine)";
-    } else if (facts.cufile_usable && facts.cufile_direct) {
+    } else if (facts.auto_backend == "cufile") {
+      // The auto backend's own decision (detail::choose_auto), not a second derivation of it.
       choice = "auto: cufile (" + facts.cufile_mode + "): DMA from storage into GPU memory";
       status = CheckStatus::pass;
       through_host_memory = false;
-    } else if (const BackendStatus uring = detail::probe_uring(); uring.available) {
+    } else if (facts.auto_backend == "uring") {
       choice = fmt::format("auto: uring (io_uring{}, pinned bounce buffers)",
                            !facts.direct_io_tried ? ", O_DIRECT not checked here"
                            : facts.direct_io_works ? " + O_DIRECT"
                                                    : ", page cache: no O_DIRECT here");
-    } else {
-      choice = "auto: posix (io_uring unavailable: " + uring.detail + ")";
+    } else if (facts.auto_backend == "posix") {
+      choice = "auto: posix (" + facts.auto_passed_over + ")";
       status = CheckStatus::warn;
+    } else {
+      choice = "auto: not decided (" + (facts.cufile_reason.empty() ? std::string("the path could not be opened") : facts.cufile_reason) + ")";
     }
     std::vector<std::string> unknown;
     const auto links = links_of(inventory, facts, through_host_memory, unknown);

@@ -66,6 +66,9 @@ struct PathFacts {
   bool direct_io_tried = false, direct_io_works = false;
   bool verdict_tried = false, cufile_usable = false, cufile_direct = false;
   std::string cufile_mode, cufile_reason;
+  // What the auto backend picks for this file into GPU memory (detail::choose_auto, the function
+  // the backend itself calls): "cufile", "uring" or "posix"; empty when not decided.
+  std::string auto_backend, auto_passed_over;
 };
 
 Check make_check(std::string id, const char* group, CheckStatus status, std::string found, std::string expected = {},

@@ -17,6 +17,7 @@
 #include "doctor/doctor_internal.hpp"
 #include "hbmio/file.hpp"
 #include "io/cufile_verdict.hpp"
+#include "io/engine_internal.hpp"
 
 namespace hbmio::doctor {
 
@@ -317,6 +318,9 @@ void check_direct_io_and_cufile(const std::string& path, bool is_directory, Path
     facts.cufile_direct = verdict.direct;
     facts.cufile_mode = verdict.mode;
     facts.cufile_reason = verdict.reason;
+    const detail::AutoChoice choice = detail::choose_auto(file, -1, detail::probe_uring());
+    facts.auto_backend = choice.backend;
+    facts.auto_passed_over = choice.passed_over;
   } catch (const std::exception& e) {
     alignment = e.what();
     facts.cufile_reason = e.what();

@@ -1,9 +1,7 @@
-// The auto backend: per request, the fastest path that works for that file and memory. What
-// cuFile can do for a file is asked once per file and remembered.
-//
-// Order: cufile (only where it moves data by DMA: GDS or P2PDMA; its compatibility mode is a
-// pread + copy that the uring pipeline beats), then uring, then posix. Every pass-over is
-// recorded with its reason in Stats::note, so "why did it not use GDS?" has an answer.
+// The auto backend: per request, the fastest path that works for that file and memory, as
+// choose_auto() (io/cufile_verdict.hpp) decides it, once per file. `hbmio doctor` reports the
+// same function's answer. Every pass-over is recorded with its reason in Stats::note, so "why did
+// it not use GDS?" has an answer.
 #include <map>
 #include <mutex>
 #include <optional>
@@ -20,10 +18,11 @@ class AutoEngine final : public Engine {
  public:
   AutoEngine(const Options& options, std::shared_ptr<FaultInjector> faults)
       : options_(options), faults_(std::move(faults)) {
+    uring_status_ = {.name = "uring", .available = true, .detail = {}};
     try {
       uring_ = make_uring_engine(options_, faults_);
     } catch (const Error& e) {
-      uring_reason_ = e.detail();
+      uring_status_ = {.name = "uring", .available = false, .detail = e.detail()};
     }
     posix_ = make_posix_engine(options_, faults_);
   }
@@ -34,24 +33,19 @@ class AutoEngine final : public Engine {
     // A request without a file is refused here (EBADF) rather than dereferenced below; every
     // other check is the serving engine's, whose name the error then carries.
     if (request.file == nullptr) validate_request(request, name());
-    std::string reasons;
-    if (request.memory.kind() == MemoryKind::device && request.memory.size > 0) {
-      const int device = request.memory.location.device;
-      const CufileVerdict verdict = verdict_for(*request.file, device);
-      if (verdict.usable && verdict.direct) {
-        if (Engine* cufile = cufile_engine(device)) {
-          Stats stats = cufile->submit(request);
-          stats.note = fmt::format("auto: cufile ({})", verdict.mode);
-          return stats;
-        }
-        reasons += "cufile: " + cufile_reason_ + "; ";
-      } else {
-        reasons += "cufile: " + (verdict.usable ? verdict.mode + ", no faster than uring" : verdict.reason) + "; ";
+    if (request.memory.kind() != MemoryKind::device || request.memory.size == 0)
+      return fallback({&request, 1}, host_reasons());
+    const int device = request.memory.location.device;
+    const AutoChoice choice = choice_for(*request.file, device);
+    if (choice.backend == "cufile") {
+      if (Engine* cufile = cufile_engine(device)) {
+        Stats stats = cufile->submit(request);
+        stats.note = fmt::format("auto: cufile ({})", choice.cufile_mode);
+        return stats;
       }
-    } else {
-      reasons += "cufile: moves device memory only; ";
+      return fallback({&request, 1}, "cufile: " + cufile_reason_);
     }
-    return fallback({&request, 1}, reasons);
+    return fallback({&request, 1}, choice.passed_over);
   }
 
   // A batch goes whole to uring (or posix) unless one of its requests would go to cufile by DMA;
@@ -60,48 +54,45 @@ class AutoEngine final : public Engine {
     for (const IoRequest& request : requests)
       if (request.file == nullptr) validate_request(request, name());  // EBADF, not a crash below
     bool device = false;
-    const File* checked = nullptr;  // requests of one file come in runs: ask cuFile once per run
-    std::string reason;  // the first file's, for the note
+    const File* checked = nullptr;  // requests of one file come in runs: ask once per run
+    std::string reasons;            // the first file's, for the note
     for (const IoRequest& request : requests) {
       if (request.memory.kind() != MemoryKind::device || request.memory.size == 0 || request.file == checked) continue;
       device = true;
       checked = request.file;
       const int gpu = request.memory.location.device;
-      const CufileVerdict verdict = verdict_for(*request.file, gpu);
-      if (verdict.usable && verdict.direct && cufile_engine(gpu) != nullptr) return Engine::submit_batch(requests);
-      if (reason.empty())
-        reason = !verdict.usable ? verdict.reason
-                 : verdict.direct ? cufile_reason_  // DMA possible, but the cufile engine failed to start
-                                  : verdict.mode + ", no faster than uring";
+      const AutoChoice choice = choice_for(*request.file, gpu);
+      if (choice.backend == "cufile" && cufile_engine(gpu) != nullptr) return Engine::submit_batch(requests);
+      if (reasons.empty()) reasons = choice.backend == "cufile" ? "cufile: " + cufile_reason_ : choice.passed_over;
     }
-    return fallback(requests, device ? "cufile: " + reason + "; " : "cufile: moves device memory only; ");
+    return fallback(requests, device ? reasons : host_reasons());
   }
 
  private:
-  // cuFile's verdict, without opening its driver where sysfs already rules DMA out: the driver's
-  // set-up would be paid by the first load only to learn that cuFile would pread + copy.
-  // Decided once per file (device and inode) and kept: a lazy load asks thousands of times.
-  CufileVerdict verdict_for(const File& file, int device) {
+  // choose_auto() for this file, asked once per file (device and inode) and kept: a lazy load asks
+  // thousands of times.
+  AutoChoice choice_for(const File& file, int device) {
     const auto key = std::make_pair(file.identity().device, file.identity().inode);
     {
       std::lock_guard lock(mutex_);
-      if (auto it = verdicts_.find(key); it != verdicts_.end()) return it->second;
+      if (auto it = choices_.find(key); it != choices_.end()) return it->second;
     }
-    CufileVerdict verdict;
-    if (std::optional<std::string> why = cufile_dma_ruled_out(file)) verdict = {.reason = *why + " (cuFile not asked)"};
-    else verdict = cufile_verdict(file, device);
+    AutoChoice choice = choose_auto(file, device, uring_status_);
     std::lock_guard lock(mutex_);
-    if (verdicts_.size() >= kMaxVerdicts) verdicts_.clear();  // bounded: a long-lived engine meets many files
-    verdicts_.emplace(key, verdict);
-    return verdict;
+    if (choices_.size() >= kMaxChoices) choices_.clear();  // bounded: a long-lived engine meets many files
+    choices_.emplace(key, choice);
+    return choice;
   }
 
-  Stats fallback(std::span<const IoRequest> requests, std::string reasons) {
+  std::string host_reasons() const {
+    return "cufile: moves device memory only" + (uring_ ? std::string() : "; uring: " + uring_status_.detail);
+  }
+
+  Stats fallback(std::span<const IoRequest> requests, const std::string& reasons) {
     Engine& engine = uring_ ? *uring_ : *posix_;
-    if (!uring_) reasons += "uring: " + uring_reason_ + "; ";
     Stats stats = engine.submit_batch(requests);
-    stats.note = fmt::format("auto picked {} (passed over {}){}{}", engine.name(), reasons.substr(0, reasons.size() - 2),
-                             stats.note.empty() ? "" : "; ", stats.note);
+    stats.note = fmt::format("auto picked {} (passed over {}){}{}", engine.name(), reasons, stats.note.empty() ? "" : "; ",
+                             stats.note);
     return stats;
   }
 
@@ -120,9 +111,10 @@ class AutoEngine final : public Engine {
   Options options_;
   std::shared_ptr<FaultInjector> faults_;
   std::unique_ptr<Engine> uring_, posix_, cufile_;
-  std::string uring_reason_, cufile_reason_;
-  static constexpr std::size_t kMaxVerdicts = 4096;
-  std::map<std::pair<std::uint64_t, std::uint64_t>, CufileVerdict> verdicts_;  // by (device, inode)
+  BackendStatus uring_status_;
+  std::string cufile_reason_;
+  static constexpr std::size_t kMaxChoices = 4096;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, AutoChoice> choices_;  // by (device, inode)
   std::mutex mutex_;
 };
 

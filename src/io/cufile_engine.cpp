@@ -500,6 +500,28 @@ CufileVerdict cufile_verdict(const File& file, int device) {
   return verdict;
 }
 
+AutoChoice choose_auto(const File& file, int device, const BackendStatus& uring) {
+  AutoChoice choice;
+  // Without opening cuFile's driver where sysfs already rules DMA out: its set-up would be paid by
+  // the first load only to learn that cuFile would pread + copy.
+  CufileVerdict verdict;
+  if (std::optional<std::string> why = cufile_dma_ruled_out(file)) verdict.reason = *why + " (cuFile not asked)";
+  else verdict = cufile_verdict(file, device);
+  if (verdict.usable && verdict.direct) {
+    choice.backend = "cufile";
+    choice.cufile_mode = verdict.mode;
+    return choice;
+  }
+  choice.passed_over = "cufile: " + (verdict.usable ? verdict.mode + ", no faster than uring" : verdict.reason);
+  if (uring.available) {
+    choice.backend = "uring";
+  } else {
+    choice.backend = "posix";
+    choice.passed_over += "; uring: " + uring.detail;
+  }
+  return choice;
+}
+
 std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults, int device) {
   options.validate();
   const DriverSession& session = DriverSession::acquire(device);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "doctor/sysfs.hpp"
+#include "hbmio/engine.hpp"
 #include "hbmio/file.hpp"
 
 namespace hbmio::detail {
@@ -23,6 +24,18 @@ struct CufileVerdict {
 // `device`: the GPU the transfer is for, where the driver is opened if this thread has no
 // current CUDA context (see DriverSession::acquire).
 CufileVerdict cufile_verdict(const File& file, int device = -1);
+
+// What `auto` does with a transfer between `file` and device memory on `device`: the one place
+// that decides it, used by the auto backend and by `hbmio doctor`'s summary, so the two cannot
+// disagree. Order: cufile where it moves the data by DMA (GDS or P2PDMA: its compatibility mode is
+// a pread + copy that uring beats), else uring where io_uring runs (`uring`: probe_uring()'s
+// answer), else posix. Never throws.
+struct AutoChoice {
+  std::string backend;      // "cufile", "uring" or "posix"
+  std::string cufile_mode;  // how cufile moves it, when that is the pick
+  std::string passed_over;  // "cufile: why not; uring: why not", for what was not picked
+};
+AutoChoice choose_auto(const File& file, int device, const BackendStatus& uring);
 
 // Why cuFile cannot move `file`'s data by DMA, judged from sysfs alone (microseconds; opening the
 // cuFile driver to ask costs about 0.3 s of a process's first load on the H200 machine, see
