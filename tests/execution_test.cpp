@@ -1,13 +1,17 @@
 // The execution context (engine-owned worker threads, the caller's CUDA device left alone), the
-// one positional-I/O loop, and the engine pool.
+// one positional-I/O loop, the engine pool, the one place auto decides, the error boundary, and
+// fault injection that replays with any number of workers.
 #include <gtest/gtest.h>
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <mutex>
 #include <set>
 #include <stdexcept>
 #include <thread>
+
+#include <fmt/format.h>
 
 #include "hbmio/testing/fault_injection.hpp"
 #include "hbmio/checkpoint.hpp"
@@ -176,6 +180,45 @@ TEST(AutoChoice, TheDoctorSaysWhatAutoPicks) {
   const auto summary = std::find_if(checks.begin(), checks.end(), [&](const Check& c) { return c.id == "summary.auto:" + dir.file("f"); });
   ASSERT_NE(summary, checks.end());
   EXPECT_EQ(summary->found.rfind("auto: " + choice.backend + " ", 0), 0u) << summary->found << " vs " << choice.backend;
+}
+
+// A seed replays the same short transfers at the same bytes whatever the number of workers and
+// however their calls interleave, and fail_offset fails the I/O at a place, with any worker count.
+TEST(FaultReplay, ASeedReplaysTheSameFaultsWithAnyNumberOfWorkers) {
+  TempDir dir;
+  const auto data = random_bytes(3 << 20, 11);
+  write_file(dir.file("f"), data);
+  const auto run = [&](unsigned workers, const FaultPlan& plan) {
+    Options options = small_options(DirectIo::off);
+    options.workers = workers;
+    auto faults = std::make_shared<FaultInjector>(plan);
+    auto engine = make_engine("uring", options, faults);
+    const File file = File::open(dir.file("f"), OpenMode::read);
+    Buffer out = Buffer::allocate({MemoryKind::host}, data.size());
+    std::string error;
+    try {
+      engine->read(file, 0, out.span());
+      EXPECT_EQ(first_mismatch(to_host(out.span()), data), -1);
+    } catch (const Error& e) {
+      error = fmt::format("errno {} at byte {}", e.code().value(), e.context().offset);
+    }
+    auto log = faults->log();
+    std::sort(log.begin(), log.end());
+    return std::make_pair(log, error);
+  };
+  const FaultPlan cuts{.seed = 42, .short_probability = 0.3};
+  const auto one = run(1, cuts);
+  EXPECT_GT(one.first.size(), 3u) << "nothing was cut short";
+  for (unsigned workers : {2u, 3u}) {
+    // Every I/O that exists with one worker exists with several (same pieces), and is cut alike.
+    const auto several = run(workers, cuts);
+    EXPECT_EQ(several.first, one.first) << workers << " workers";
+    EXPECT_EQ(several.first, run(workers, cuts).first) << workers << " workers, again";
+  }
+  const FaultPlan place{.fail_errno = EIO, .fail_offset = 2'000'000, .fail_what = "read"};
+  const auto failed_one = run(1, place);
+  EXPECT_EQ(failed_one.second, fmt::format("errno {} at byte {}", EIO, 1966080)) << "the piece holding byte 2,000,000";
+  for (unsigned workers : {2u, 3u}) EXPECT_EQ(run(workers, place).second, failed_one.second) << workers << " workers";
 }
 
 TEST(EnginePools, ALeaseIsReusedAndConcurrentLeasesDiffer) {

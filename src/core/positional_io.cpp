@@ -30,7 +30,7 @@ std::size_t transfer(int fd, std::byte* data, std::size_t size, std::uint64_t of
     const auto pos = static_cast<off_t>(offset + done);
     const ssize_t r = kRead ? ::pread(fd, data + done, size - done, pos) : ::pwrite(fd, data + done, size - done, pos);
     long long result = r < 0 ? -static_cast<long long>(errno) : r;
-    if (io.faults != nullptr) result = io.faults->on_io_result(result, size - done, what);
+    if (io.faults != nullptr) result = io.faults->on_io_result(result, size - done, what, offset + done);
     if (result == -EINTR) continue;
     if (result == -EAGAIN && ++retries <= kMaxRetries) continue;
     if (result < 0)

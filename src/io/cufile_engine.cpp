@@ -395,7 +395,7 @@ class CufileEngine final : public Engine {
           reading ? api_.read(handle, request.memory.data, want, static_cast<off_t>(file_offset), static_cast<off_t>(buffer_offset))
                   : api_.write(handle, request.memory.data, want, static_cast<off_t>(file_offset),
                                static_cast<off_t>(buffer_offset));
-      const long long result = inject_io(faults_.get(), moved, want, call);
+      const long long result = inject_io(faults_.get(), moved, want, call, file_offset);
       if (result > 0) {
         const auto n = static_cast<std::size_t>(std::min<long long>(result, static_cast<long long>(want)));
         done += n;

@@ -41,8 +41,9 @@ class TransferTimer {
 inline int inject(FaultInjector* faults, FaultSite site, const char* what) {
   return faults ? faults->check(site, what) : 0;
 }
-inline long long inject_io(FaultInjector* faults, long long result, std::uint64_t requested, const char* what) {
-  return faults ? faults->on_io_result(result, requested, what) : result;
+inline long long inject_io(FaultInjector* faults, long long result, std::uint64_t requested, const char* what,
+                           std::uint64_t offset) {
+  return faults ? faults->on_io_result(result, requested, what, offset) : result;
 }
 
 // Backend factories. Each throws Error(ENOTSUP) with the reason when it cannot run here.

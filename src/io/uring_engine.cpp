@@ -586,7 +586,8 @@ class Worker {
     const Part& part = *op.part;
     const bool read = job_->op == IoOp::read;
     const std::uint64_t pos = op.file_pos + op.done;
-    const long long result = inject_io(faults_, kernel_result, op.length - op.done, read ? "io_uring read" : "io_uring write");
+    const long long result =
+        inject_io(faults_, kernel_result, op.length - op.done, read ? "io_uring read" : "io_uring write", pos);
     if (result == -EAGAIN || result == -EINTR) {
       if (++op.retries > kMaxRetries)
         throw Error(errno_code(static_cast<int>(-result)), context(part, pos, op.length - op.done), "retried too often");

@@ -3,8 +3,14 @@
 // An engine made with make_engine(name, options, injector) asks the injector about each of its
 // calls that can fail: setup calls (ring creation, buffer registration, pinned allocation),
 // each storage I/O completion, and each copy to or from the GPU. The injector can fail the
-// N-th call, turn completions into short transfers, or into -EAGAIN / -EINTR a number of times.
-// Everything is decided by the seed, so a failing case replays exactly; log() lists what it did.
+// N-th call, fail the I/O at a given file offset, turn completions into short transfers, or into
+// -EAGAIN / -EINTR a number of times. log() lists what it did.
+//
+// Replaying: whether an I/O is cut short, and where, is decided from the seed and the I/O itself
+// (its call name, file offset and length), not from the order of calls, so a seed replays the same
+// cuts at the same bytes with any number of workers; so does fail_offset. fail_call counts calls
+// over all threads: it replays exactly with one worker (Options::workers = 1), and with several it
+// fails some call of the N-th rank, whichever thread makes it.
 //
 // SQLite-style use: for N = 1, 2, ... run an operation with fail_call = N until it succeeds;
 // after each failure the error must be clear and nothing may leak.
@@ -32,6 +38,11 @@ struct FaultPlan {
   unsigned eagain_count = 0;         // the first N I/O completions report -EAGAIN
   unsigned eintr_count = 0;          // then N report -EINTR
   std::uint64_t end_of_file_io = 0;  // the N-th storage I/O (1-based) finds the end of the file
+  // Fail (with fail_errno, once) the first storage I/O whose range holds this file offset and
+  // whose call name contains fail_what ("" matches any): a failure at a place, not at a rank.
+  std::uint64_t fail_offset = kNoOffset;
+  std::string fail_what;
+  static constexpr std::uint64_t kNoOffset = ~std::uint64_t{0};
 };
 
 class FaultInjector {
@@ -40,9 +51,10 @@ class FaultInjector {
 
   // For setup and device copies: 0 to proceed, or a positive errno to fail with.
   int check(FaultSite site, const char* what);
-  // For an I/O that moved `result` bytes (or -errno) of `requested`: the result to act on.
-  // May return fewer bytes (short transfer), -EAGAIN, -EINTR or -fail_errno.
-  long long on_io_result(long long result, std::uint64_t requested, const char* what);
+  // For an I/O at file `offset` that moved `result` bytes (or -errno) of `requested`: the result
+  // to act on. May return fewer bytes (short transfer), -EAGAIN, -EINTR or -fail_errno.
+  long long on_io_result(long long result, std::uint64_t requested, const char* what,
+                         std::uint64_t offset = FaultPlan::kNoOffset);
 
   std::uint64_t calls() const;           // calls seen so far
   bool fired() const;                    // whether fail_call was reached
@@ -56,6 +68,7 @@ class FaultInjector {
   std::uint64_t io_calls_ = 0;
   unsigned eagain_left_, eintr_left_;
   bool fired_ = false;
+  bool offset_fired_ = false;
   std::vector<std::string> log_;
 };
 
