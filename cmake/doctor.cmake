@@ -1,6 +1,5 @@
 # hbmio doctor: read-only probes of sysfs/procfs/cufile.json (src/doctor) and the `doctor` subcommand.
 target_sources(hbmio PRIVATE
-  src/doctor/sysfs.cpp
   src/doctor/pci.cpp
   src/doctor/gpu.cpp
   src/doctor/storage.cpp

@@ -313,7 +313,7 @@ TEST(CufileProbe, DmaIsRuledOutFromSysfsOnlyWhereNoPathCanExist) {
   ASSERT_EQ(::fstat(file.fd(), &st), 0);
   const fs::path base = fs::path(temp.path()).string() + ".root";  // stands for "/"
   const fs::path sys = base / "sys";
-  const hbmio::doctor::Root root(base);
+  const hbmio::platform::Root root(base);
   struct Cleanup {
     fs::path p;
     ~Cleanup() { std::error_code ec; fs::remove_all(p, ec); }

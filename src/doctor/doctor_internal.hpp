@@ -8,10 +8,16 @@
 #include <vector>
 
 #include "doctor/pci.hpp"
-#include "doctor/sysfs.hpp"
+#include "platform/sysfs.hpp"
 #include "hbmio/doctor.hpp"
 
 namespace hbmio::doctor {
+
+// The platform layer's sysfs reading, under the names the doctor's checks use.
+using platform::attribute_value;
+using platform::name_of;
+using platform::parent_of;
+using platform::Root;
 
 inline constexpr const char* kGroupGpus = "GPUs";
 inline constexpr const char* kGroupStorage = "Storage";

@@ -7,9 +7,15 @@
 #include <string_view>
 #include <vector>
 
-#include "doctor/sysfs.hpp"
+#include "platform/sysfs.hpp"
 
 namespace hbmio::doctor {
+
+// The platform layer's sysfs reading, under the names the doctor's checks use.
+using platform::attribute_value;
+using platform::name_of;
+using platform::parent_of;
+using platform::Root;
 
 struct PciLink {
   std::string current_speed, max_speed;  // "16.0 GT/s PCIe" as sysfs writes it; empty when absent

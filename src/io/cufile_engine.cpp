@@ -449,7 +449,7 @@ std::string registration_test(const DriverSession& session) {
 
 }  // namespace
 
-std::optional<std::string> cufile_dma_ruled_out(const File& file, const doctor::Root& root) {
+std::optional<std::string> cufile_dma_ruled_out(const File& file, const platform::Root& root) {
   // nvidia-fs loaded (its module, or its /proc entry, which `hbmio doctor` reads), or a
   // /sys/module that cannot be read (a container may mask it): only the driver can say.
   if (!root.is_directory("sys/module") || root.exists("sys/module/nvidia_fs") || root.exists("proc/driver/nvidia-fs"))
@@ -466,7 +466,7 @@ std::optional<std::string> cufile_dma_ruled_out(const File& file, const doctor::
   // .../virtio3/block/vda for virtio.
   const std::optional<std::string> place = root.resolve(fmt::format("sys/dev/block/{}:{}", maj, min));
   if (!place) return std::nullopt;
-  const std::string name = doctor::name_of(*place);
+  const std::string name = platform::name_of(*place);
   if (place->find("nvme") != std::string::npos || name.starts_with("md") || name.starts_with("dm-")) return std::nullopt;
   return fmt::format("{} is on {}, not NVMe, and nvidia-fs is not loaded: no DMA path", file.path(), name);
 }

@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-#include "doctor/sysfs.hpp"
+#include "platform/sysfs.hpp"
 #include "hbmio/engine.hpp"
 #include "hbmio/file.hpp"
 
@@ -44,7 +44,7 @@ AutoChoice choose_auto(const File& file, int device, const BackendStatus& uring)
 // other block device (virtio, SCSI, ...) or on none (network, FUSE, overlay) is ruled out.
 // Composite devices (md, device mapper), and machines whose /sys/module cannot be read, are left
 // to the driver. `root` stands for "/" (tests give a recorded tree).
-std::optional<std::string> cufile_dma_ruled_out(const File& file, const doctor::Root& root = doctor::Root("/"));
+std::optional<std::string> cufile_dma_ruled_out(const File& file, const platform::Root& root = platform::Root("/"));
 
 // Why cuFileHandleRegister may have refused `fd` with CU_FILE_HANDLE_NOT_REGISTERED (5027):
 // libcufile needs the udev data of the file's block device even in compatibility mode. Inspects

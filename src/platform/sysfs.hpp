@@ -1,5 +1,7 @@
-// Reading a sysfs/procfs tree under a settable root, so recorded trees from other machines can be
-// checked (and tested) exactly like the live one.
+// The platform layer: reading a sysfs/procfs tree under a settable root, so recorded trees from
+// other machines can be checked (and tested) exactly like the live one. Used by the engines (what
+// a file's block device is, for auto's choice) and by the doctor alike; it depends on nothing of
+// hbmio's but the standard library.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-namespace hbmio::doctor {
+namespace hbmio::platform {
 
 // A directory that stands for "/" of the machine being checked. Paths given to it are relative
 // ("sys/class/nvme"); a leading '/' is ignored. Every read returns nothing on any error: a
@@ -56,4 +58,4 @@ std::string parent_of(std::string_view relative);
 // Last component ("a/b/c" -> "c").
 std::string name_of(std::string_view relative);
 
-}  // namespace hbmio::doctor
+}  // namespace hbmio::platform

@@ -1,11 +1,11 @@
-#include "doctor/sysfs.hpp"
+#include "platform/sysfs.hpp"
 
 #include <algorithm>
 #include <charconv>
 #include <fstream>
 #include <system_error>
 
-namespace hbmio::doctor {
+namespace hbmio::platform {
 
 namespace fs = std::filesystem;
 
@@ -119,4 +119,4 @@ std::string name_of(std::string_view relative) {
   return std::string(slash == std::string_view::npos ? relative : relative.substr(slash + 1));
 }
 
-}  // namespace hbmio::doctor
+}  // namespace hbmio::platform
