@@ -688,6 +688,54 @@ TEST(ShardedSave, RoundTripsAndReplacesTheWholeDirectory) {
 // writes and fsyncs, the index's write and fsync, the new directory's fsync, the parent's after
 // the swap): after each failure the directory holds all old or all new shards, never a mix, and
 // loads with every checksum right.
+// The one plan of a distributed load (the NCCL load and the Python torch.distributed one both use
+// it): contiguous runs in layout order that cover every tensor once, ranges that match them, a
+// shard_map applied and checked, and a digest that changes with anything the ranks must agree on.
+TEST(DistributedPlans, RunsCoverTheLayoutAndTheDigestNamesEverythingAgreedOn) {
+  TempDir dir;
+  const std::string path = dir.file("m.safetensors");
+  const Sample sample = make_sample({MemoryKind::host});
+  save_checkpoint(path, sample.tensors);
+  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  for (int world : {1, 2, 3, 7}) {
+    SCOPED_TRACE(fmt::format("world {}", world));
+    const DistributedPlan plan = plan_distributed(path, files, {}, world, Placement::replicate);
+    ASSERT_EQ(plan.reader.size(), plan.tensors.size());
+    ASSERT_EQ(plan.range.size(), static_cast<std::size_t>(world));
+    for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
+      EXPECT_TRUE(plan.reader[i] >= 0 && plan.reader[i] < world);
+      if (i > 0) EXPECT_GE(plan.reader[i], plan.reader[i - 1]) << "runs are contiguous in layout order";
+      const auto [begin, end] = plan.range[static_cast<std::size_t>(plan.reader[i])];
+      EXPECT_LE(begin, plan.tensors[i].memory_offset);
+      EXPECT_GE(end, plan.tensors[i].memory_offset + plan.tensors[i].size);
+    }
+    EXPECT_EQ(plan_distributed(path, files, {}, world, Placement::replicate).digest, plan.digest) << "not deterministic";
+    EXPECT_NE(plan_distributed(path, files, {}, world, Placement::shard).digest, plan.digest) << "placement not in the digest";
+    EXPECT_NE(plan_distributed(path, files, {.verify = true}, world, Placement::replicate).digest, plan.digest)
+        << "verify not in the digest";
+  }
+  const DistributedPlan mapped = plan_distributed(path, files, {}, 2, Placement::shard, {{"norm", 1}, {"big", 0}});
+  for (std::size_t i = 0; i < mapped.tensors.size(); ++i) {
+    if (mapped.tensors[i].name == "norm") EXPECT_EQ(mapped.reader[i], 1);
+    if (mapped.tensors[i].name == "big") EXPECT_EQ(mapped.reader[i], 0);
+  }
+  // A replicated load ignores shard maps (every rank gets everything).
+  EXPECT_EQ(plan_distributed(path, files, {}, 2, Placement::replicate, {{"norm", 1}}).digest,
+            plan_distributed(path, files, {}, 2, Placement::replicate).digest);
+  try {
+    plan_distributed(path, files, {}, 2, Placement::shard, {{"norm", 2}});
+    ADD_FAILURE() << "a rank out of range was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(EINVAL)) << e.what();
+  }
+  try {
+    plan_distributed(path, files, {}, 2, Placement::shard, {{"nonexistent", 0}});
+    ADD_FAILURE() << "an unknown name was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(ENOENT)) << e.what();
+  }
+}
+
 TEST(ShardedSave, AFailureLeavesTheOldDirectoryIntact) {
   TempDir dir;
   const std::string target = dir.file("model");

@@ -255,6 +255,22 @@ std::vector<PlannedTensor> plan_load(const std::string& path, const LoadOptions&
 std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::vector<CheckpointFile>& files,
                                            const LoadOptions& options = {});
 
+// Who reads what in a load spread over `world` ranks, computed once here for load_checkpoint_nccl
+// and for the Python package's torch.distributed loads (which keep only the collectives):
+// the layout (plan_load_files of `options`), the rank that reads each tensor (contiguous runs of
+// about equal bytes in layout order; with Placement::shard, the tensors `shard_map` names go to
+// the rank it gives), each rank's byte range of the layout, and a digest of all of it with the
+// placement and options.verify, which the ranks compare before any data moves. Throws Error:
+// EINVAL for a rank out of range in `shard_map`, ENOENT for a name the load does not hold.
+struct DistributedPlan {
+  std::vector<PlannedTensor> tensors;
+  std::vector<int> reader;                                     // per tensor
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> range;  // per rank: [first, second); none when first >= second
+  std::uint64_t digest = 0;
+};
+DistributedPlan plan_distributed(const std::string& path, const std::vector<CheckpointFile>& files, const LoadOptions& options,
+                                 int world, Placement placement, const std::map<std::string, int>& shard_map = {});
+
 struct TensorToSave {
   std::string name;
   safetensors::Dtype dtype = safetensors::Dtype::U8;

@@ -8,6 +8,9 @@ of the whole layout, then each run is broadcast from its reader to the others ov
 (NCCL between GPUs, gloo between CPUs). placement="shard": rank k gets only its run (or the tensors
 `shard_map` assigns it) and nothing moves between ranks.
 
+Who reads what, the shard_map checks and the digest the ranks compare come from the library
+(hbmio::plan_distributed, the plan its own NCCL load uses); this module keeps only the collectives.
+
 Failures: every rank reports to the others whether its read worked before any data moves, so a
 rank that cannot read (a missing shard on its node) makes every rank raise hbmio.Error naming
 it, instead of leaving the others waiting in a collective. The group's own timeout bounds the
@@ -15,25 +18,10 @@ wait for a rank that dies outright.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from contextlib import nullcontext as _nullcontext
 
 from . import _hbmio
-
-def _runs(sizes: list[int], world: int) -> list[int]:
-    """Run (rank) of each tensor: contiguous in file order, about equal bytes; a tensor goes to
-    the run its middle byte falls in (load_checkpoint_multi splits the same way)."""
-    total = sum(sizes)
-    out, before = [], 0
-    for i, size in enumerate(sizes):
-        if total == 0:
-            out.append(i * world // max(len(sizes), 1))
-        else:
-            out.append(min(world - 1, (before + size // 2) * world // total))
-        before += size
-    return out
-
 
 def load(path: str, device: str, group, placement: str, shard_map, backend: str, verify: bool, names, report):
     import torch
@@ -47,7 +35,7 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
     start = time.perf_counter()
     # Whatever fails on one rank must reach the others through the gather below, never leave
     # them waiting in a collective: everything up to it runs inside this try.
-    error, plan, run, dest, entries, read, dev = None, None, None, None, {}, 0, None
+    error, plan, run, ranges, digest, dest, entries, read, dev = None, None, None, None, None, None, {}, 0, None
     try:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
@@ -55,20 +43,12 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
         # 1. Plan (every rank, from its own view of the files) and read this rank's run; the
         # headers are parsed once (SafeOpen) for the plan, the size and the read.
         opened = _hbmio.SafeOpen(path)
-        plan = _hbmio._plan(opened, names)
+        plan, run, ranges, digest = _hbmio._plan_distributed(
+            opened, names, world, placement, {k: int(v) for k, v in (shard_map or {}).items()}, bool(verify))
         for name, dtype, _, _, _ in plan:
             if not isinstance(getattr(torch, _TORCH_DTYPES.get(dtype, ""), None), torch.dtype):
                 raise TypeError(f"tensor {name}: dtype {dtype} has no torch equivalent here")
         sizes = [p[3] for p in plan]
-        run = _runs(sizes, world)
-        if placement == "shard" and shard_map:
-            index = {p[0]: i for i, p in enumerate(plan)}
-            for name, target in shard_map.items():
-                if name not in index:
-                    raise KeyError(f"shard_map names tensor {name!r}, which {path} does not hold")
-                if not 0 <= int(target) < world:
-                    raise ValueError(f"shard_map sends {name!r} to rank {target}, but the group has {world}")
-                run[index[name]] = int(target)
         mine = [p[0] for p, r in zip(plan, run) if r == rank]
         counter = _hbmio._Progress()
         if placement == "shard":
@@ -104,10 +84,8 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
     # 2. Every rank learns whether every other one succeeded, and that all planned the same.
     # NCCL stages object collectives on the current device: make it this rank's GPU.
     on_device = torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else _nullcontext()
-    # What all must agree on: the placement (it decides the collectives below), the layout and
-    # who reads what.
-    digest = None if plan is None else hashlib.sha256(
-        repr((placement, [(p[0], p[1], list(p[2]), p[3], p[4]) for p in plan], run)).encode()).hexdigest()
+    # What all must agree on (the library's digest): the placement, which decides the collectives
+    # below, verify, the layout and who reads what.
     states = [None] * world
     with on_device:
         dist.all_gather_object(states, (error, digest, read), group=group)
@@ -122,10 +100,9 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
     if placement == "replicate":
         # 3. Each run from its reader to everyone: one broadcast per rank that read something.
         for src in range(world):
-            members = [i for i, r in enumerate(run) if r == src]
-            if not members:
+            lo, hi = ranges[src]
+            if lo >= hi:
                 continue
-            lo, hi = offsets[members[0]], offsets[members[-1]] + sizes[members[-1]]
             with on_device:
                 dist.broadcast(dest[lo:hi], src=dist.get_global_rank(group, src) if group is not None else src,
                                group=group)

@@ -9,6 +9,8 @@
 // Engines (io_uring rings, worker threads, pinned bounce buffers) take tens of milliseconds to set
 // up, more than a small load takes, so loads, saves and raw reads/writes borrow one from the
 // library's pool (hbmio::EnginePool) instead of making their own; see EngineLease.
+#include <cstdio>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
@@ -545,6 +547,39 @@ NB_MODULE(_hbmio, m) {
     return out;
   }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
      "(name, dtype, shape, bytes, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
+
+  m.def("_plan_distributed", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names, int world,
+                                 const std::string& placement, std::map<std::string, int> shard_map, bool verify) {
+    // hbmio::plan_distributed: the plan the C++ NCCL load uses, so torch.distributed loads split,
+    // check shard maps and agree exactly as it does. Returns (plan as _plan gives it, the rank that
+    // reads each tensor, each rank's (begin, end) of the layout, the digest the ranks compare).
+    const Target target = target_of(checkpoint);
+    if (placement != "shard" && placement != "replicate")
+      throw hbmio::Error(hbmio::errno_code(EINVAL), {.op = "plan a distributed load", .path = target.path},
+                         "placement must be 'replicate' or 'shard', not '" + placement + "'");
+    hbmio::LoadOptions options;
+    if (names) options.names = std::move(*names);
+    options.verify = verify;
+    hbmio::DistributedPlan plan;
+    {
+      nb::gil_scoped_release release;
+      const std::vector<hbmio::CheckpointFile> opened = target.files ? std::vector<hbmio::CheckpointFile>{} : hbmio::open_checkpoint(target.path);
+      plan = hbmio::plan_distributed(target.path, target.files ? *target.files : opened, options, world,
+                                     placement == "shard" ? hbmio::Placement::shard : hbmio::Placement::replicate, shard_map);
+    }
+    nb::list tensors;
+    for (const auto& t : plan.tensors) {
+      nb::list shape;
+      for (auto n : t.shape) shape.append(n);
+      tensors.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, t.size, t.memory_offset));
+    }
+    nb::list ranges;
+    for (const auto& [begin, end] : plan.range) ranges.append(nb::make_tuple(begin, end));
+    char digest[17];
+    std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(plan.digest));
+    return nb::make_tuple(tensors, plan.reader, ranges, std::string(digest));
+  }, nb::arg("checkpoint"), nb::arg("names").none(), nb::arg("world"), nb::arg("placement"), nb::arg("shard_map"), nb::arg("verify"),
+     "hbmio::plan_distributed: (plan, reader per tensor, (begin, end) per rank, digest).");
 
   m.def("_read_into", &read_into, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
         nb::arg("backend") = "auto", nb::arg("progress").none() = nb::none());

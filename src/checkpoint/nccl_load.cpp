@@ -23,6 +23,33 @@
 
 namespace hbmio {
 
+DistributedPlan plan_distributed(const std::string& path, const std::vector<CheckpointFile>& files, const LoadOptions& options,
+                                 int world, Placement placement, const std::map<std::string, int>& shard_map) {
+  const bool replicate = placement == Placement::replicate;
+  const ErrorContext context{.op = fmt::format("plan a distributed load over {} ranks", world), .path = path};
+  if (world < 1) throw Error(errno_code(EINVAL), context, "a group has at least one rank");
+  DistributedPlan out;
+  LoadOptions layout = options;
+  layout.layout = TensorLayout::single_allocation;
+  layout.destination = {};
+  out.tensors = plan_load_files(path, files, layout);
+  const std::map<std::string, int> no_map;
+  const detail::RunSplit split =
+      detail::split_runs(out.tensors, static_cast<std::size_t>(world), replicate ? no_map : shard_map, context, "rank");
+  out.reader.assign(split.reader.begin(), split.reader.end());
+  out.range = split.range;
+  // What every rank must agree on: the options that decide what happens after the agreement, the
+  // layout and who reads what.
+  std::string text = fmt::format("{} verify={}\n", replicate ? "replicate" : "shard", options.verify);
+  for (std::size_t i = 0; i < out.tensors.size(); ++i) {
+    const PlannedTensor& t = out.tensors[i];
+    text += fmt::format("{}|{}|{}|{}|{}|{}\n", t.name, safetensors::to_string(t.dtype), fmt::join(t.shape, ","), t.size,
+                        t.memory_offset, out.reader[i]);
+  }
+  out.digest = XXH3_64bits(text.data(), text.size());
+  return out;
+}
+
 NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, const NcclLoadOptions& options) {
   detail::TransferTimer timer;
   if (comm_handle == nullptr)
@@ -49,7 +76,7 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
   std::exception_ptr failure;
   std::vector<CheckpointFile> files;
   std::vector<PlannedTensor> plan;
-  detail::RunSplit split;  // who reads what
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  // per rank, of the layout
   std::byte* base = nullptr;  // replicate: this rank's copy of the whole layout
   std::uint64_t digest = 0;
   try {
@@ -63,20 +90,14 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
     LoadOptions layout = options.load;
     layout.layout = TensorLayout::single_allocation;
     layout.destination = {};
-    plan = plan_load_files(path, files, layout);
-    const std::map<std::string, int> no_map;
-    split = detail::split_runs(plan, static_cast<std::size_t>(world), replicate ? no_map : options.shard_map, context, "rank");
-    // What every rank must agree on: the options that decide what happens after step 2, the
-    // layout and who reads what.
-    std::string layout_text = fmt::format("{} verify={}\n", replicate ? "replicate" : "shard", options.load.verify);
-    for (std::size_t i = 0; i < plan.size(); ++i)
-      layout_text += fmt::format("{}|{}|{}|{}|{}|{}\n", plan[i].name, safetensors::to_string(plan[i].dtype),
-                                 fmt::join(plan[i].shape, ","), plan[i].size, plan[i].memory_offset, split.reader[i]);
-    digest = XXH3_64bits(layout_text.data(), layout_text.size());
+    DistributedPlan distributed = plan_distributed(path, files, layout, world, options.placement, options.shard_map);
+    plan = std::move(distributed.tensors);
+    ranges = std::move(distributed.range);
+    digest = distributed.digest;
 
     std::set<std::string> mine;
     for (std::size_t i = 0; i < plan.size(); ++i)
-      if (split.reader[i] == static_cast<std::size_t>(rank)) mine.insert(plan[i].name);
+      if (distributed.reader[i] == rank) mine.insert(plan[i].name);
     if (replicate) {
       const std::uint64_t size = plan.empty() ? 0 : plan.back().memory_offset + plan.back().size;
       Buffer whole = Buffer::allocate(into, std::max<std::uint64_t>(size, 1));
@@ -115,7 +136,7 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
     // the other ranks to NCCL's own error handling (NCCL_TIMEOUT, ncclCommAbort by the caller).
     shim::nccl_check(comm, nccl.group_start(), "ncclGroupStart");
     for (int src = 0; src < world; ++src) {
-      const auto [begin, end] = split.range[static_cast<std::size_t>(src)];
+      const auto [begin, end] = ranges[static_cast<std::size_t>(src)];
       if (begin >= end) continue;
       const shim::ncclResult_t r = nccl.broadcast(base + begin, base + begin, end - begin, shim::ncclUint8, src, comm, stream.handle());
       if (r != shim::ncclSuccess && r != shim::ncclInProgress) {
