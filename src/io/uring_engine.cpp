@@ -26,7 +26,8 @@
 //
 // A batch (Engine::submit_batch) is one job: the chunks of all its requests are numbered in one
 // sequence, so the workers stay busy across request boundaries (a checkpoint of 3,000 tensors
-// is read at the speed of one large file).
+// is read at the speed of one large file). How requests become parts and chunks is the pure half,
+// in uring_plan.hpp; this file is the pipeline that runs them.
 //
 // Each worker owns one ring, its slots and its CUDA stream for the engine's life. Worker 0 runs on
 // the submitting thread (a one-piece job then costs no hand-off) and restores that thread's CUDA
@@ -55,12 +56,12 @@
 #include "core/worker_threads.hpp"
 #include "io/engine_internal.hpp"
 #include "io/page_cache.hpp"
+#include "io/uring_plan.hpp"
 #include "memory/cuda_runtime.hpp"
 
 namespace hbmio::detail {
 namespace {
 
-constexpr std::size_t kSlotAlignment = 4096;  // slots and grid; O_DIRECT needs at most this
 // Pieces read from the page cache are at most this big, while O_DIRECT pieces fill the slot
 // (Options::bounce_buffer_size, 8 MiB by default). Measured on the H200 machine (bench/RESULTS.md):
 // 8 MiB direct reads took cold 6 GiB loads from 0.81-0.82x to 0.87-1.0x of the O_DIRECT ceiling,
@@ -73,8 +74,6 @@ constexpr std::uint64_t kPageCachePiece = std::uint64_t{2} << 20;
 // a few microseconds, about what copying this much from the page cache takes.
 constexpr std::uint64_t kBytesPerWorker = std::uint64_t{256} << 10;
 
-std::uint64_t round_down(std::uint64_t v, std::uint64_t a) { return v / a * a; }
-std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
 
 // An io_uring instance. Not movable: the kernel maps its rings at this address.
 class Ring {
@@ -104,43 +103,6 @@ struct Slot {
   std::byte* data = nullptr;
   SlotState state = SlotState::free;
   cuda::Event copied;  // device jobs only: fires when the slot's copy to the GPU is done
-};
-
-// A file range of a job, with what its chunks need to know: one request, or several writes laid
-// end to end in one file (the tensors of a checkpoint), whose pieces then gather the bytes of
-// several requests into one slot, so that only the two ends of the run can be unaligned.
-struct Part {
-  std::vector<const IoRequest*> requests;  // in file order, end to end; the first gives file and op
-  ErrorContext context;         // built once: hot paths pass it by reference
-  std::uint64_t grid_base = 0;  // round_down(offset, 4 KiB): chunk and piece boundaries lie on it
-  std::uint64_t first_chunk = 0;  // this part's chunks are job chunks [first_chunk, first_chunk + chunks)
-  std::uint64_t chunks = 0;
-  std::size_t alignment = 0;    // O_DIRECT alignment of this file; 0 when O_DIRECT is off
-  bool device = false;
-
-  const IoRequest& first() const { return *requests.front(); }
-  std::uint64_t offset() const { return requests.front()->offset; }
-  std::uint64_t end() const { return requests.back()->offset + requests.back()->memory.size; }
-
-  // Calls f(request, lo, hi) for each request overlapping [p, q) (within the part), where
-  // [lo, hi) is the overlap, in file order.
-  template <class F>
-  void for_each_request(std::uint64_t p, std::uint64_t q, F&& f) const {
-    auto it = std::prev(std::upper_bound(requests.begin(), requests.end(), p,
-                                         [](std::uint64_t v, const IoRequest* r) { return v < r->offset; }));
-    for (; it != requests.end() && (*it)->offset < q; ++it) {
-      const IoRequest& r = **it;
-      f(r, std::max(p, r.offset), std::min(q, r.offset + r.memory.size));
-    }
-  }
-
-  // The request holding all of [p, q), or nullptr when the range spans several.
-  const IoRequest* holding(std::uint64_t p, std::uint64_t q) const {
-    const IoRequest* found = nullptr;
-    int count = 0;
-    for_each_request(p, q, [&](const IoRequest& r, std::uint64_t, std::uint64_t) { found = &r, ++count; });
-    return count == 1 ? found : nullptr;
-  }
 };
 
 // One in-flight storage I/O.
@@ -394,16 +356,12 @@ class Worker {
   bool next_chunk() {
     const std::uint64_t index = job_->next_chunk.fetch_add(1);
     if (index >= job_->chunks) return false;
-    // The part holding chunk `index`: the last one that starts at or before it.
-    const auto next = std::upper_bound(job_->parts.begin(), job_->parts.end(), index,
-                                       [](std::uint64_t i, const Part& p) { return i < p.first_chunk; });
-    part_ = &*std::prev(next);
+    const ChunkRange chunk = chunk_range(job_->parts, index, options_.chunk_size);
+    part_ = chunk.part;
     const IoRequest& request = part_->first();
     if (request.cancel != nullptr && request.cancel->load(std::memory_order_relaxed))
       throw Error(errno_code(ECANCELED), context_of(request, "uring"), "stopped on request");
-    const std::uint64_t k = index - part_->first_chunk;
-    const std::uint64_t begin = std::max<std::uint64_t>(part_->offset(), part_->grid_base + k * options_.chunk_size);
-    const std::uint64_t end = std::min<std::uint64_t>(part_->end(), part_->grid_base + (k + 1) * options_.chunk_size);
+    const std::uint64_t begin = chunk.begin, end = chunk.end;
     cursor_ = begin;
     chunk_end_ = end;
     chunk_direct_ = part_->alignment != 0;
@@ -697,63 +655,16 @@ class UringEngine final : public Engine {
     Stats stats{.backend = "uring"};
 
     Job job;
-    std::string note;
-    // Writes laid end to end in one file join one part (see Part), in file order; a piece of
-    // device memory then takes one copy from the GPU per request it spans, into its slot.
-    std::vector<const IoRequest*> order;
-    for (const IoRequest& request : requests)
-      if (request.memory.size != 0) order.push_back(&request);
-    const bool gather = !order.empty() && order.front()->op == IoOp::write;
-    if (gather)
-      std::stable_sort(order.begin(), order.end(), [](const IoRequest* x, const IoRequest* y) {
-        return std::less<const File*>()(x->file, y->file) || (x->file == y->file && x->offset < y->offset);
-      });
-    for (const IoRequest* r : order) {
-      const IoRequest& request = *r;
-      stats.bytes += request.memory.size;
-      const bool device = request.memory.kind() == MemoryKind::device;
-      if (device) {
-        // One stream per worker, on one device: a batch across GPUs is several batches.
-        if (job.device >= 0 && job.device != request.memory.location.device)
-          throw Error(errno_code(EINVAL), context_of(request, name()), "a uring batch moves memory of one GPU only");
-        job.device = request.memory.location.device;
-      }
-      if (gather && !job.parts.empty()) {
-        Part& last = job.parts.back();
-        // A part is all device memory or all host memory: its pieces take one path.
-        if (last.first().file == request.file && last.end() == request.offset && last.device == device) {
-          last.requests.push_back(&request);
-          last.context.length = last.end() - last.offset();  // errors without a piece name the range
-          continue;
-        }
-      }
-      Part part{.requests = {&request}, .context = context_of(request, name()), .device = device};
-      part.grid_base = round_down(request.offset, kSlotAlignment);
-      const DirectIoInfo& dio = request.file->direct_io();
-      std::size_t alignment = std::max(dio.memory_alignment, dio.offset_alignment);
-      // Direct writes on file-system blocks: a sub-block one drains every direct I/O of the file
-      // first (ext4, XFS). Measured: 6 GiB saved as 48 tensors whose offsets are 512-aligned,
-      // not 4 KiB-aligned, wrote at 0.62x the rate of one aligned 6 GiB write (bench/RESULTS.md).
-      if (request.op == IoOp::write)
-        alignment = std::max<std::size_t>(alignment, std::min<std::size_t>(dio.block_size, kSlotAlignment));
-      if (options_.direct_io != DirectIo::off) {
-        std::string why;
-        if (!dio.supported) why = fmt::format("O_DIRECT unavailable ({}): page cache used", dio.reason);
-        else if (alignment > kSlotAlignment) why = fmt::format("O_DIRECT needs {}-byte alignment: page cache used", alignment);
-        else part.alignment = alignment;
-        if (!why.empty() && note.find(why) == std::string::npos) note += (note.empty() ? "" : "; ") + why;
-      }
-      job.parts.push_back(std::move(part));
-    }
-    for (Part& part : job.parts) {
-      part.first_chunk = job.chunks;
-      part.chunks = (part.end() - part.grid_base + options_.chunk_size - 1) / options_.chunk_size;
-      job.chunks += part.chunks;
-    }
-    if (job.parts.empty()) {
+    UringPlan plan = plan_batch(requests, options_, name());  // parts and chunks; no I/O yet
+    stats.bytes = plan.bytes;
+    std::string note = std::move(plan.note);
+    if (plan.parts.empty()) {
       timer.finish(stats);
       return stats;
     }
+    job.parts = std::move(plan.parts);  // the requests they point to stay where they are
+    job.chunks = plan.chunks;
+    job.device = plan.device;
     job.op = requests.front().op;
 
     // A worker per chunk, up to the engine's, and no more than the bytes are worth: waking a
