@@ -72,13 +72,6 @@ class PosixEngine final : public Engine {
     cuda::memcpy_sync(dst, src, n, context);
   }
 
-  ErrorContext at(const IoRequest& request, std::uint64_t offset, std::uint64_t length) const {
-    ErrorContext context = context_of(request, name());
-    context.offset = offset;
-    context.length = length;
-    return context;
-  }
-
   std::size_t chunk_size_;
   std::shared_ptr<FaultInjector> faults_;
   std::mutex mutex_;
