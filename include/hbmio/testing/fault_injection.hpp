@@ -41,7 +41,7 @@ struct FaultPlan {
   // Fail (with fail_errno, once) the first storage I/O whose range holds this file offset and
   // whose call name contains fail_what ("" matches any): a failure at a place, not at a rank.
   std::uint64_t fail_offset = kNoOffset;
-  std::string fail_what;
+  std::string fail_what{};
   static constexpr std::uint64_t kNoOffset = ~std::uint64_t{0};
 };
 
