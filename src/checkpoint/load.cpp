@@ -351,18 +351,8 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   }
 
   // Read: one engine for the whole checkpoint, so rings and pinned buffers are set up once.
-  // Given none, an engine of the shared pool (set up by an earlier transfer), or one made with
-  // the options given.
-  std::unique_ptr<Engine> own_engine;
-  EnginePool::Lease lease;
-  Engine* engine = options.engine;
-  if (engine == nullptr && options.engine_options) {
-    own_engine = make_engine(options.backend, *options.engine_options);
-    engine = own_engine.get();
-  } else if (engine == nullptr) {
-    lease = EnginePool::shared().acquire(options.backend);
-    engine = lease.get();
-  }
+  const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options);
+  Engine* const engine = chosen.get();
   // Every read of every file in one batch: the engine keeps its whole queue busy across tensor
   // and file boundaries. Each read goes through the descriptor its file's header was read from
   // (see CheckpointFile::file). Files open_checkpoint did not keep open (past its bound) are opened

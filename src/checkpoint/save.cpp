@@ -305,28 +305,6 @@ class PendingFile {
 }  // namespace
 
 namespace {
-// The engine a save writes with: the caller's, a private one (own options or injected faults),
-// or one leased from the shared pool.
-class EngineChoice {
- public:
-  explicit EngineChoice(const SaveOptions& options) : engine_(options.engine) {
-    if (engine_ != nullptr) return;
-    if (options.engine_options || options.faults) {
-      own_ = make_engine(options.backend, options.engine_options.value_or(Options::from_env()), options.faults);
-      engine_ = own_.get();
-    } else {
-      lease_ = EnginePool::shared().acquire(options.backend);
-      engine_ = lease_.get();
-    }
-  }
-  Engine* get() const noexcept { return engine_; }
-
- private:
-  Engine* engine_;
-  std::unique_ptr<Engine> own_;
-  EnginePool::Lease lease_;
-};
-
 Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
 Stats save_file(const fs::path& target, const std::string& shown, const std::vector<TensorToSave>& tensors,
                 const SaveOptions& options, bool top_level);
@@ -388,7 +366,7 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
   check_directory_of(target, context);
   remove_stale_temporaries(target);
   check_cancel(options.cancel, context);
-  EngineChoice chosen(options);
+  const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options, options.faults);
   Engine* const engine = chosen.get();
   Stats total;
   std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
@@ -531,8 +509,8 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
     nlohmann::json weight_map = nlohmann::json::object();
     SaveOptions single = options;
     single.max_shard_size = 0;
-    EngineChoice chosen(options);  // one engine writes every shard
-    single.engine = chosen.get();
+    const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options, options.faults);
+    single.engine = chosen.get();  // one engine writes every shard
     for (std::size_t k = 0; k < shards.size(); ++k) {
       // Errors name the shard where it will be (PATH/model-...), not inside the temporary directory.
       total.add_part(save_file(temp / shard_names[k], (fs::path(path) / shard_names[k]).string(), shards[k], single, false));

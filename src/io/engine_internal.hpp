@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "hbmio/engine.hpp"
@@ -53,6 +54,32 @@ std::unique_ptr<Engine> make_uring_engine(const Options& options, std::shared_pt
 // calling thread has no CUDA context).
 std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults, int device = -1);
 std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
+
+// The engine a load or save runs on: the caller's (`given`), a private one where the caller set
+// options or injected faults (an engine of the shared pool has neither), or one leased from
+// EnginePool::shared() for the object's life.
+class EngineInUse {
+ public:
+  EngineInUse(Engine* given, std::string_view backend, const std::optional<Options>& options,
+              std::shared_ptr<FaultInjector> faults = nullptr)
+      : engine_(given) {
+    if (engine_ != nullptr) return;
+    if (options || faults) {
+      own_ = make_engine(backend, options.value_or(Options::from_env()), std::move(faults));
+      engine_ = own_.get();
+    } else {
+      lease_ = EnginePool::shared().acquire(backend);
+      engine_ = lease_.get();
+    }
+  }
+  Engine& operator*() const noexcept { return *engine_; }
+  Engine* get() const noexcept { return engine_; }
+
+ private:
+  Engine* engine_;
+  std::unique_ptr<Engine> own_;
+  EnginePool::Lease lease_;
+};
 
 // Availability probes (no exceptions): what `hbmio backends` prints.
 BackendStatus probe_uring();
