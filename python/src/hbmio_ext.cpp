@@ -28,8 +28,11 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <system_error>
+#include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -38,6 +41,7 @@
 #include "hbmio/error.hpp"
 #include "hbmio/file.hpp"
 #include "hbmio/memory.hpp"
+#include "hbmio/options.hpp"
 #include "hbmio/safetensors.hpp"
 #include "hbmio/version.hpp"
 
@@ -47,6 +51,24 @@ using hbmio::safetensors::Dtype;
 namespace {
 
 PyObject* g_error_type = nullptr;  // hbmio.Error (a subclass of OSError); lives as long as the module
+
+// Subclasses of hbmio.Error that are also the OSError subclass Python itself raises for an errno
+// value (FileNotFoundError for ENOENT, ...): code written for safetensors or open() catches
+// FileNotFoundError, code written for hbmio catches hbmio.Error, and both catch the same failure.
+struct ErrnoType {
+  int err;
+  const char* name;    // hbmio.<name>
+  PyObject** builtin;  // the second base (the address: Python's exception objects are set at run time)
+  PyObject* type = nullptr;  // made at module init; EACCES and EPERM share one
+};
+ErrnoType g_errno_types[] = {
+    {ENOENT, "FileNotFoundError", &PyExc_FileNotFoundError},
+    {EACCES, "PermissionError", &PyExc_PermissionError},
+    {EPERM, "PermissionError", &PyExc_PermissionError},
+    {EISDIR, "IsADirectoryError", &PyExc_IsADirectoryError},
+    {ENOTDIR, "NotADirectoryError", &PyExc_NotADirectoryError},
+    {EEXIST, "FileExistsError", &PyExc_FileExistsError},
+};
 
 // DLPack type codes (dlpack.h, v1.1). Raw numbers, so older nanobind releases (without the
 // float8 enumerators) build too.
@@ -381,39 +403,154 @@ nb::dict write_from(const std::string& path, nb::handle array, std::uint64_t off
   return stats_dict(stats);
 }
 
-void save(nb::dict tensors, const std::string& path, std::optional<std::map<std::string, std::string>> metadata,
-          bool checksums, const std::string& backend, std::uint64_t max_shard_size, Progress* progress) {
-  using In = nb::ndarray<nb::ro, nb::c_contig>;
-  std::vector<In> keep;  // holds every input alive (and contiguous) while the GIL is released
+// True when the array's bytes are one range in C order (strides of dimensions of extent 1 do not
+// matter, nor any stride of an empty array).
+bool c_contiguous(const nb::ndarray<nb::ro>& a) {
+  std::int64_t expected = 1;
+  for (std::size_t i = a.ndim(); i-- > 0 && a.size() > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expected) return false;
+    expected *= static_cast<std::int64_t>(a.shape(i));
+  }
+  return true;
+}
+
+// The bytes an array's elements occupy, [begin, end), on its DLPack device; strides may be
+// negative (NumPy's reversed views). None for an array of no bytes, which shares nothing.
+struct Extent {
+  std::int32_t device_type = 0, device_id = 0;
+  std::uintptr_t begin = 0, end = 0;
+  std::size_t index = 0;  // of the tensor, in the order given
+};
+std::optional<Extent> extent_of(const nb::ndarray<nb::ro>& a, std::size_t index) {
+  if (a.size() == 0 || a.data() == nullptr) return std::nullopt;
+  std::int64_t low = 0, high = 0;  // in elements, from data()
+  for (std::size_t i = 0; i < a.ndim(); ++i) {
+    const std::int64_t reach = (static_cast<std::int64_t>(a.shape(i)) - 1) * a.stride(i);
+    (reach < 0 ? low : high) += reach;
+  }
+  const auto item = static_cast<std::int64_t>(a.itemsize());
+  const auto base = reinterpret_cast<std::uintptr_t>(a.data());
+  return Extent{a.device_type(), a.device_id(), base + static_cast<std::uintptr_t>(low * item),
+                base + static_cast<std::uintptr_t>((high + 1) * item), index};
+}
+
+// The tensors of a save (or of save() to bytes): each array held alive and C-contiguous while
+// the GIL is released, and what the format needs of it.
+struct SaveInput {
+  std::vector<nb::ndarray<nb::ro>> keep;
   std::vector<hbmio::TensorToSave> list;
-  keep.reserve(tensors.size());
+};
+
+// {name: array} as given, each array as its own memory (no conversion), before anything is copied
+// or written. Refuses a key that is not a str (TypeError naming it) and tensors whose bytes overlap
+// (RuntimeError naming them, as safetensors refuses them: written twice, they would load as
+// separate tensors). `where` names the destination in messages.
+struct Gathered {
+  std::vector<std::string> names;
+  std::vector<nb::handle> values;  // borrowed from the caller's dict, which outlives the call
+  std::vector<nb::ndarray<nb::ro>> views;
+  std::vector<bool> viewed;  // false: not an array without conversion (pack_tensors says what it is)
+};
+Gathered gather_tensors(nb::dict tensors, const std::string& where) {
+  Gathered g;
+  std::vector<Extent> extents;
   for (auto [key, value] : tensors) {
-    std::string name = nb::cast<std::string>(key);
-    In array;
-    if (!nb::try_cast(value, array, true)) {
-      throw nb::type_error(("tensor " + name + ": expected an array supporting DLPack or the buffer protocol, got " +
-                            nb::type_name(value.type()).c_str()).c_str());
+    std::string name;
+    if (!nb::isinstance<nb::str>(key) || !nb::try_cast(key, name, false))
+      throw nb::type_error(("save to " + where + ": tensor names must be str; the key " + std::string(nb::repr(key).c_str()) +
+                            " (" + nb::type_name(key.type()).c_str() + ") is not").c_str());
+    nb::ndarray<nb::ro> view;
+    const bool ok = nb::try_cast(value, view, false);
+    if (ok)
+      if (auto extent = extent_of(view, g.names.size())) extents.push_back(*extent);
+    g.names.push_back(std::move(name));
+    g.values.push_back(value);
+    g.views.push_back(std::move(view));
+    g.viewed.push_back(ok);
+  }
+  // Overlapping ranges on one device, grouped: sorted by start, a range that starts before the
+  // group's furthest end joins the group.
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) {
+    return std::tie(a.device_type, a.device_id, a.begin) < std::tie(b.device_type, b.device_id, b.begin);
+  });
+  std::vector<std::vector<std::string>> shared;
+  for (std::size_t i = 0; i < extents.size();) {
+    std::size_t j = i + 1;
+    std::uintptr_t end = extents[i].end;
+    for (; j < extents.size() && extents[j].device_type == extents[i].device_type &&
+           extents[j].device_id == extents[i].device_id && extents[j].begin < end; ++j)
+      end = std::max(end, extents[j].end);
+    if (j - i > 1) {
+      std::vector<std::string> group;
+      for (std::size_t k = i; k < j; ++k) group.push_back(g.names[extents[k].index]);
+      std::sort(group.begin(), group.end());
+      shared.push_back(std::move(group));
+    }
+    i = j;
+  }
+  if (!shared.empty()) {
+    std::sort(shared.begin(), shared.end());
+    std::string listed;
+    for (const auto& group : shared) {
+      listed += listed.empty() ? "[" : ", [";
+      for (std::size_t k = 0; k < group.size(); ++k) listed += (k ? ", '" : "'") + group[k] + "'";
+      listed += "]";
+    }
+    throw std::runtime_error(
+        "save to " + where + ": some tensors share memory: " + listed +
+        ". Written as they are, each would be stored twice and load again as separate tensors, no longer "
+        "shared. Save one name per memory: hbmio.torch.save_model(model, path) keeps one name of each group "
+        "and records the others in the metadata (hbmio.torch.load_model ties them again), or save copies "
+        "(.clone()). See https://huggingface.co/docs/safetensors/torch_shared_tensors");
+  }
+  return g;
+}
+
+// The gathered arrays as a save takes them: strided ones copied (by their own framework, through
+// nanobind's converting cast) into C order; a value that is no array is a TypeError naming it.
+SaveInput pack_tensors(Gathered g) {
+  using Contiguous = nb::ndarray<nb::ro, nb::c_contig>;
+  SaveInput out;
+  out.keep.reserve(g.names.size());
+  for (std::size_t i = 0; i < g.names.size(); ++i) {
+    const std::string& name = g.names[i];
+    nb::ndarray<nb::ro> array = std::move(g.views[i]);
+    if (!g.viewed[i] || !c_contiguous(array)) {
+      Contiguous packed;
+      if (!nb::try_cast(g.values[i], packed, true))
+        throw nb::type_error(("tensor " + name + ": expected an array supporting DLPack or the buffer protocol, got " +
+                              nb::type_name(g.values[i].type()).c_str()).c_str());
+      array = nb::ndarray<nb::ro>(packed);
     }
     auto dtype = from_dlpack(array.dtype());
     if (!dtype) {
       throw nb::type_error(("tensor " + name + ": DLPack dtype (code " + std::to_string(array.dtype().code) + ", " +
                             std::to_string(array.dtype().bits) + " bits) has no safetensors equivalent").c_str());
     }
-    hbmio::MemoryLocation where;
+    hbmio::MemoryLocation location;
     if (array.device_type() == nb::device::cuda::value) {
-      where = {hbmio::MemoryKind::device, array.device_id()};
+      location = {hbmio::MemoryKind::device, array.device_id()};
     } else if (array.device_type() != nb::device::cpu::value && array.device_type() != nb::device::cuda_host::value) {
       throw nb::type_error(("tensor " + name + ": arrays on DLPack device type " +
                             std::to_string(array.device_type()) + " are not supported").c_str());
     }
     hbmio::TensorToSave t;
-    t.name = std::move(name);
+    t.name = name;
     t.dtype = *dtype;
-    for (std::size_t i = 0; i < array.ndim(); ++i) t.shape.push_back(array.shape(i));
-    t.data = {static_cast<std::byte*>(const_cast<void*>(array.data())), array.nbytes(), where};
-    list.push_back(std::move(t));
-    keep.push_back(std::move(array));
+    for (std::size_t d = 0; d < array.ndim(); ++d) t.shape.push_back(array.shape(d));
+    t.data = {static_cast<std::byte*>(const_cast<void*>(array.data())), array.nbytes(), location};
+    out.list.push_back(std::move(t));
+    out.keep.push_back(std::move(array));
   }
+  return out;
+}
+
+SaveInput collect_tensors(nb::dict tensors, const std::string& where) { return pack_tensors(gather_tensors(tensors, where)); }
+
+void save(nb::dict tensors, const std::string& path, std::optional<std::map<std::string, std::string>> metadata,
+          bool checksums, const std::string& backend, std::uint64_t max_shard_size, Progress* progress) {
+  SaveInput input = collect_tensors(tensors, path);
+  const std::vector<hbmio::TensorToSave>& list = input.list;
   hbmio::SaveOptions options;
   if (metadata) options.metadata = std::move(*metadata);
   options.checksums = checksums;
@@ -453,31 +590,162 @@ void save(nb::dict tensors, const std::string& path, std::optional<std::map<std:
   done.get();
 }
 
-// safe_open-like handle: headers read once; tensors loaded one at a time on demand.
+// Safetensors bytes in memory (hbmio.torch.save/load, as safetensors.torch.save/load): the
+// format code of the files (serialize_header, parse_header), so bytes and files are written in
+// the same layout and read under the same checks, with no file in between.
+constexpr const char* kBytesName = "safetensors bytes";
+
+// {name: host array} -> the bytes of a safetensors file: header as the reference writer makes it
+// (its tensor order, its padding), then the tensors back to back.
+nb::bytes serialize(nb::dict tensors, std::optional<std::map<std::string, std::string>> metadata) {
+  SaveInput input = collect_tensors(tensors, kBytesName);
+  std::vector<hbmio::safetensors::TensorInfo> infos;
+  std::unordered_map<std::string, const hbmio::TensorToSave*> by_name;
+  for (const auto& t : input.list) {
+    if (t.data.location.kind == hbmio::MemoryKind::device)
+      throw nb::value_error(("tensor " + t.name + " is in GPU memory: bytes are made from host memory; move it there first").c_str());
+    infos.push_back({.name = t.name, .dtype = t.dtype, .shape = t.shape});
+    by_name[t.name] = &t;
+  }
+  hbmio::safetensors::order_like_reference(infos);
+  const std::string header = hbmio::safetensors::serialize_header(infos, metadata ? *metadata : std::map<std::string, std::string>{});
+  const std::uint64_t total = header.size() + (infos.empty() ? 0 : infos.back().end);
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total));
+  if (out == nullptr) throw nb::python_error();
+  nb::bytes result = nb::steal<nb::bytes>(out);
+  char* at = PyBytes_AS_STRING(out);
+  {
+    nb::gil_scoped_release release;  // the bytes object is not visible to anyone else yet
+    std::memcpy(at, header.data(), header.size());
+    for (const auto& info : infos)
+      if (info.size() > 0) std::memcpy(at + header.size() + info.begin, by_name.at(info.name)->data.data, info.size());
+  }
+  return result;
+}
+
+// The validated header of safetensors bytes (anything with the buffer protocol): ([(name, dtype,
+// shape, byte offset in `data`, bytes)] in data order, metadata or None).
+nb::tuple deserialize(nb::handle data) {
+  RawArray in = raw_array(data, false, "load");
+  if (in.span.location.kind == hbmio::MemoryKind::device) throw nb::type_error("load: the bytes must be in host memory");
+  const auto* bytes = in.span.data;
+  const std::uint64_t size = in.span.size;
+  const std::uint64_t length = hbmio::safetensors::parse_header_length(bytes, size, kBytesName);
+  const hbmio::safetensors::Header header = hbmio::safetensors::parse_header(
+      std::string_view(reinterpret_cast<const char*>(bytes) + 8, length), size, kBytesName);
+  nb::list entries;
+  for (const auto& t : header.tensors) {
+    nb::list shape;
+    for (auto n : t.shape) shape.append(n);
+    entries.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape,
+                                  header.data_offset + t.begin, t.size()));
+  }
+  nb::object metadata = header.metadata.empty() ? nb::none() : nb::cast(header.metadata);
+  return nb::make_tuple(entries, metadata);
+}
+
+// Copies bytes [offsets[i], offsets[i] + size of dests[i]) of `data` into each (host) destination.
+void copy_bytes(nb::handle data, const std::vector<std::uint64_t>& offsets, const nb::list& dests) {
+  if (offsets.size() != dests.size()) throw nb::value_error("_copy_bytes: one offset per destination");
+  RawArray from = raw_array(data, false, "load");
+  std::vector<RawArray> to;
+  for (std::size_t i = 0; i < offsets.size(); ++i) {
+    to.push_back(raw_array(dests[i], true, "load"));
+    const auto& span = to.back().span;
+    if (from.span.location.kind == hbmio::MemoryKind::device || span.location.kind == hbmio::MemoryKind::device)
+      throw nb::type_error("load: bytes are copied between host arrays only");
+    if (offsets[i] > from.span.size || span.size > from.span.size - offsets[i])
+      throw nb::value_error("_copy_bytes: a range lies outside the data");
+  }
+  nb::gil_scoped_release release;
+  for (std::size_t i = 0; i < offsets.size(); ++i) std::memcpy(to[i].span.data, from.span.data + offsets[i], to[i].span.size);
+}
+
+// The Python type for an error: hbmio.Error, or its subclass for the errno value.
+PyObject* error_type_for(int err) {
+  for (const auto& t : g_errno_types)
+    if (t.err == err) return t.type;
+  return g_error_type;
+}
+
+// Raises `type`(args) with hbmio's attributes; a failure of the constructor stays set instead.
+void raise_error(PyObject* type, nb::object args, const hbmio::Error* e) {
+  PyObject* instance = PyObject_CallObject(type, args.ptr());
+  if (!instance) return;
+  nb::object inst = nb::steal(instance);
+  if (e != nullptr) {
+    nb::setattr(inst, "op", nb::str(e->context().op.c_str()));
+    nb::setattr(inst, "path", nb::str(e->context().path.c_str()));
+    nb::setattr(inst, "backend", nb::str(e->context().backend.c_str()));
+    nb::setattr(inst, "detail", nb::str(e->detail().c_str()));
+    // OSError.filename, as open() sets it: what `except FileNotFoundError as e: e.filename` reads.
+    if (!e->context().path.empty()) nb::setattr(inst, "filename", nb::str(e->context().path.c_str()));
+  }
+  PyErr_SetObject(type, instance);
+}
+
 void translate(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
   } catch (const hbmio::Error& e) {
     const auto& category = e.code().category();
-    bool has_errno = category == std::generic_category() || category == std::system_category();
-    nb::object args = has_errno ? nb::make_tuple(e.code().value(), e.what()) : nb::make_tuple(e.what());
-    PyObject* instance = PyObject_CallObject(g_error_type, args.ptr());
-    if (!instance) return;  // the constructor's own exception stays set
-    nb::object inst = nb::steal(instance);
-    nb::setattr(inst, "op", nb::str(e.context().op.c_str()));
-    nb::setattr(inst, "path", nb::str(e.context().path.c_str()));
-    nb::setattr(inst, "backend", nb::str(e.context().backend.c_str()));
-    nb::setattr(inst, "detail", nb::str(e.detail().c_str()));
-    PyErr_SetObject(g_error_type, instance);
+    // errno where the code is one, or maps to one (default_error_condition: a category of
+    // hbmio's own may say which errno value its code stands for); None for CUDA and cuFile codes.
+    int err = 0;
+    if (category == std::generic_category() || category == std::system_category()) {
+      err = e.code().value();
+    } else if (const auto condition = e.code().default_error_condition(); condition.category() == std::generic_category()) {
+      err = condition.value();
+    }
+    PyObject* type = err != 0 ? error_type_for(err) : g_error_type;
+    nb::object args = err != 0 ? nb::make_tuple(err, e.what()) : nb::make_tuple(e.what());
+    raise_error(type, args, &e);
   } catch (const std::system_error& e) {
     // std::thread's failure (EAGAIN) said only "Resource temporarily unavailable".
     if (e.code() != std::errc::resource_unavailable_try_again) throw;
-    const std::string text = hbmio::thread_limit_message(e);
-    nb::object args = nb::make_tuple(e.code().value(), text);
-    PyObject* instance = PyObject_CallObject(g_error_type, args.ptr());
-    if (!instance) return;
-    PyErr_SetObject(g_error_type, instance);
-    Py_DECREF(instance);
+    raise_error(g_error_type, nb::make_tuple(e.code().value(), hbmio::thread_limit_message(e)), nullptr);
+  }
+}
+
+// hbmio.Error.__str__: "[Errno N] message" without OSError's ": 'filename'" tail (the message
+// names the file already), and the message alone where there is no errno.
+PyObject* error_str(PyObject* self, PyObject*) {
+  nb::handle h(self);
+  nb::object err = nb::getattr(h, "errno", nb::none());
+  nb::object text = nb::getattr(h, "strerror", nb::none());
+  if (!err.is_none() && !text.is_none()) return PyUnicode_FromFormat("[Errno %S] %S", err.ptr(), text.ptr());
+  nb::tuple args = nb::borrow<nb::tuple>(nb::getattr(h, "args"));
+  if (args.size() == 1) return PyObject_Str(args[0].ptr());
+  return reinterpret_cast<PyTypeObject*>(PyExc_OSError)->tp_str(self);
+}
+PyMethodDef g_error_str_def = {"__str__", error_str, METH_NOARGS, nullptr};
+
+// Makes hbmio.Error, its errno subclasses and hbmio.VerifyError, as attributes of `m`.
+void make_error_types(nb::module_& m) {
+  g_error_type = PyErr_NewExceptionWithDoc(
+      "hbmio.Error",
+      "An hbmio failure: the C++ message (operation, file, offset, backend, system message). A subclass of "
+      "OSError; errno is set when the failure has an errno value (None for CUDA and cuFile codes), and "
+      "filename to the file it concerns. Where Python has an OSError subclass for the errno value, the "
+      "error is also one: hbmio.FileNotFoundError is both hbmio.Error and FileNotFoundError (likewise "
+      "PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError).",
+      PyExc_OSError, nullptr);
+  if (g_error_type == nullptr) throw nb::python_error();
+  PyObject* str = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(g_error_type), &g_error_str_def);
+  if (str == nullptr || PyObject_SetAttrString(g_error_type, "__str__", str) != 0) throw nb::python_error();
+  Py_DECREF(str);
+  m.attr("Error") = nb::handle(g_error_type);
+  for (auto& t : g_errno_types) {
+    if (nb::hasattr(m, t.name)) {  // EPERM: the type made for EACCES
+      t.type = m.attr(t.name).ptr();
+      continue;
+    }
+    nb::tuple bases = nb::make_tuple(nb::handle(g_error_type), nb::handle(*t.builtin));
+    const std::string name = std::string("hbmio.") + t.name;
+    const std::string doc = std::string("hbmio.Error that is also ") + t.name + ".";
+    t.type = PyErr_NewExceptionWithDoc(name.c_str(), doc.c_str(), bases.ptr(), nullptr);
+    if (t.type == nullptr) throw nb::python_error();
+    m.attr(t.name) = nb::steal(t.type);  // the module holds it, as long as the module lives
   }
 }
 
@@ -487,12 +755,7 @@ NB_MODULE(_hbmio, m) {
   m.doc() = "hbmio: tensor data between storage and host/GPU memory (safetensors, DLPack)";
   m.attr("__version__") = hbmio::version();
 
-  g_error_type = PyErr_NewExceptionWithDoc(
-      "hbmio.Error",
-      "An hbmio failure: the C++ message (operation, file, offset, backend, system message). A subclass of "
-      "OSError; errno is set when the failure has an errno value (None for CUDA and cuFile codes).",
-      PyExc_OSError, nullptr);
-  m.attr("Error") = nb::handle(g_error_type);
+  make_error_types(m);
   nb::register_exception_translator(translate);
 
   nb::class_<Progress>(m, "_Progress", "Bytes done so far by the call it is passed to (progress=...).")
@@ -598,6 +861,26 @@ NB_MODULE(_hbmio, m) {
         nb::arg("progress").none() = nb::none(),
         "Writes {name: array} (anything supporting DLPack or the buffer protocol, host or CUDA) as a "
         "safetensors file, crash-safe (temporary file, fsync, rename, directory fsync).");
+
+  m.def("_check_shared", [](nb::dict tensors, const std::string& where) { (void)gather_tensors(tensors, where); },
+        nb::arg("tensors"), nb::arg("where"),
+        "RuntimeError naming the tensors whose bytes overlap (what save_file refuses), TypeError for a key that is not a str.");
+  m.def("_serialize", &serialize, nb::arg("tensors"), nb::arg("metadata") = nb::none(),
+        "{name: host array} -> bytes of a safetensors file (the reference writer's header layout).");
+  m.def("_deserialize", &deserialize, nb::arg("data"),
+        "The validated header of safetensors bytes: ([(name, dtype, shape, offset, bytes)], metadata or None).");
+  m.def("_copy_bytes", &copy_bytes, nb::arg("data"), nb::arg("offsets"), nb::arg("dests"),
+        "Copies data[offsets[i]:offsets[i] + nbytes] into each host array dests[i].");
+  m.def("parse_size", [](const std::string& text) -> std::uint64_t {
+    // One parser for sizes, the command line's: max_shard_size="5GB" means in Python what
+    // --max-shard-size 5GB means to the hbmio command.
+    try {
+      return hbmio::parse_size(text);
+    } catch (const hbmio::Error& e) {
+      throw nb::value_error(e.what());
+    }
+  }, nb::arg("text"), "hbmio::parse_size, the parser of the hbmio command's sizes: bytes of \"4096\", \"16MiB\", \"5GB\"; "
+     "ValueError naming the accepted forms for anything else.");
 
   m.def("backends", [] {
     std::vector<hbmio::BackendStatus> probe;
