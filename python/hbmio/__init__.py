@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit as _atexit
 import contextlib as _contextlib
+import errno as _errno
 import os as _os
 import re as _re
 import sys as _sys
@@ -30,6 +31,10 @@ import time as _time
 
 from . import _hbmio
 from ._hbmio import Error, backends, cuda_device_count, cuda_unavailable_reason, _release_engines
+# hbmio.Error subclasses that are also Python's own OSError subclass for the errno value
+# (`except FileNotFoundError` catches a missing checkpoint). They shadow the builtins in this
+# module's namespace: code here that means Python's own names them through `builtins`.
+from ._hbmio import FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError  # noqa: A004
 from ._lazy import SafeOpen
 
 # Test and diagnostic support, not public API.
@@ -38,7 +43,7 @@ _memory_counters = _hbmio._memory_counters
 _idle_engines = _hbmio._idle_engines
 
 __version__ = _hbmio.__version__
-__all__ = ["Error", "load_file", "save_file", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers",
+__all__ = ["Error", "DeviceError", "load_file", "save_file", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers",
            "cuda_device_count", "cuda_unavailable_reason"]
 
 # Free the pooled engines while the CUDA runtime is still alive (a static destructor would run
@@ -75,13 +80,76 @@ def _framework(framework: str) -> str:
     return resolved
 
 
+_DEVICE_FORMS = ("'cpu', 'cuda', 'cuda:N', an int N (meaning cuda:N), a torch.device of type cpu or cuda, "
+                 "or 'pinned' (page-locked host memory)")
+_CUDA_INDEX = _re.compile(r"cuda:(\d+)")
+
+
+class DeviceError(Error, ValueError):
+    """A device form hbmio does not load into ("gpu", "mps", "cuda:x"): a ValueError, as a bad
+    argument is, and an hbmio.Error (EINVAL), as the library's parser of memory locations raised
+    before Python checked the forms itself, so code catching either keeps working."""
+
+
 def _device_text(device) -> str:
-    # Accepts "cpu", "cuda", "cuda:N", "pinned", an int (CUDA device index) or a torch.device.
+    """hbmio's text for a device: "cpu", "cuda", "cuda:N" or "pinned". Accepts those (any case;
+    "host", the hbmio command's word, is "cpu"), an int N (CUDA device N) or a torch.device;
+    DeviceError (a ValueError and an hbmio.Error) listing the accepted forms for anything else
+    ("gpu", "mps", "cuda:x")."""
     if isinstance(device, bool):
         raise TypeError("device must be a string, an int or a torch.device, not a bool")
     if isinstance(device, int):
+        if device < 0:
+            raise DeviceError(_errno.EINVAL, f"device {device}: a CUDA device index is 0 or more; accepted are {_DEVICE_FORMS}")
         return f"cuda:{device}"
-    return str(device)
+    if isinstance(device, str):
+        text = device.strip().lower()
+    elif type(device).__name__ == "device" and type(device).__module__ == "torch":  # torch need not be imported
+        text = str(device)
+    else:
+        raise TypeError(f"device must be a string, an int or a torch.device, not {type(device).__name__}")
+    if text == "host":
+        text = "cpu"
+    if text in ("cpu", "cuda", "pinned") or _CUDA_INDEX.fullmatch(text):
+        return text
+    raise DeviceError(_errno.EINVAL, f"unknown device {device!r}: accepted are {_DEVICE_FORMS}")
+
+
+def _require_gpu(device: str, path=None) -> None:
+    """hbmio.Error (ENODEV) when `device` (from _device_text) is a CUDA device this machine does
+    not have, said as such before torch or the library fail deeper down (a driver message from
+    torch.cuda, an allocation error)."""
+    if not device.startswith("cuda"):
+        return
+    what = f"load of {path} into {device}" if path is not None else f"device {device}"
+    count = cuda_device_count()
+    if count == 0:
+        raise Error(_errno.ENODEV, f"{what}: this machine has no GPU ({cuda_unavailable_reason()})")
+    match = _CUDA_INDEX.fullmatch(device)
+    if match and int(match.group(1)) >= count:
+        raise Error(_errno.ENODEV, f"{what}: there is no such GPU; this machine has {count} "
+                                   f"(cuda:0 to cuda:{count - 1})")
+
+
+def _backend(backend) -> str:
+    """The backend of a call: the caller's, else (backend=None) $HBMIO_BACKEND where it is set,
+    as for the hbmio command, else "auto"."""
+    if backend is None:
+        return _os.environ.get("HBMIO_BACKEND") or "auto"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, not {type(backend).__name__}")
+    return backend
+
+
+def _names(names):
+    """names= as a list: None stays None (every tensor), a str is one name (not its letters)."""
+    if names is None:
+        return None
+    out = [names] if isinstance(names, str) else list(names)
+    for name in out:
+        if not isinstance(name, str):
+            raise TypeError(f"names holds tensor names (str), not {name!r} ({type(name).__name__})")
+    return out
 
 
 # safetensors dtype -> name of the torch dtype. Where the installed torch lacks one (uint16/32/64
@@ -227,19 +295,22 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
         return out
 
 
-def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=False, names=None, progress=False,
+def load_file(path, device="cpu", *, framework="auto", backend=None, verify=False, names=None, progress=False,
               group=None, placement="replicate", shard_map=None, report=None):
     """Loads a .safetensors file, a sharded checkpoint index or a directory holding either.
 
     Like safetensors.torch.load_file: returns {name: tensor} in file order.
       device     "cpu", "cuda", "cuda:N", an int (CUDA index) or a torch.device; also "pinned"
-                 (page-locked host memory) for the "dlpack" framework.
+                 (page-locked host memory) for the "dlpack" framework. Any other form is a
+                 DeviceError (a ValueError and an hbmio.Error) listing these; a CUDA device
+                 this machine lacks is an hbmio.Error saying so.
       framework  "torch" (torch.Tensor), "numpy" (np.ndarray; host only; bfloat16/float8 tensors
                  raise TypeError naming the tensor), "dlpack" (arrays with __dlpack__), or "auto":
                  "torch" when torch imports, else "dlpack".
-      backend    "auto", "posix", "uring" or "cufile".
+      backend    "auto", "posix", "uring" or "cufile"; None (the default): $HBMIO_BACKEND where
+                 set, else "auto".
       verify     recompute the checksums stored in the file (hbmio.Error on a mismatch).
-      names      load only these tensors.
+      names      load only these tensors (a str is one name).
       progress   draw a progress bar on stderr.
       group      a torch.distributed process group (e.g. dist.group.WORLD): the ranks divide the
                  reading, each byte is read from storage once, and with placement="replicate"
@@ -251,27 +322,30 @@ def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=Fa
 
     Torch on CUDA loads straight into one allocation from PyTorch's caching allocator; other
     loads land in hbmio's own memory, which the tensors share without a copy. The GIL is
-    released while the data is read."""
+    released while the data is read. A missing file raises hbmio.FileNotFoundError, both an
+    hbmio.Error and a FileNotFoundError (as safetensors raises), with filename set."""
     path = _os.fspath(path)
     framework = _framework(framework)
-    device = _device_text(device)
-    names = None if names is None else list(names)
+    backend = _backend(backend)
+    names = _names(names)
     if group is not None:
         if framework != "torch":
             raise ValueError("group= loads need framework='torch' (torch.distributed moves the data)")
         from . import distributed
+        # The device (each rank's own) is checked in there, where a rank's failure reaches every
+        # rank: one raising here would leave the others waiting in a collective.
         return distributed.load(path, device, group, placement, shard_map, backend, verify, names, report)
-    if framework == "numpy" and device.lower() != "cpu":
+    device = _device_text(device)
+    if framework == "numpy" and device != "cpu":
         raise ValueError(f"framework='numpy' loads into host memory only, not {device!r}")
+    _require_gpu(device, path)
     torch = _torch() if framework == "torch" else None
     if torch is not None:
-        dev = _torch_target(torch, device)
+        dev = _torch_target(torch, device)  # None for "pinned", which torch does not name
         if dev is not None and dev.type == "cuda":
             out = _load_torch_into(torch, path, dev, backend, verify, names, progress)
             if out is not None:
                 return out
-        elif dev is not None and dev.type != "cpu":
-            raise ValueError(f"hbmio loads into cpu or cuda devices, not {device!r}")
         if dev is not None:
             device = "cpu" if dev.type == "cpu" else str(dev)
     total = _hbmio._tensor_bytes(path, names) if progress else 0
@@ -291,7 +365,7 @@ def load_file(path, device="cpu", *, framework="auto", backend="auto", verify=Fa
     return arrays
 
 
-def open(path, framework="auto", device="cpu", *, backend="auto", readahead=None):  # noqa: A001 - safe_open's counterpart
+def open(path, framework="auto", device="cpu", *, backend=None, readahead=None):  # noqa: A001 - safe_open's counterpart
     """Opens a checkpoint (a file, a sharded index or a directory) for access a tensor at a time,
     like safetensors.safe_open(path, framework, device):
 
@@ -303,9 +377,12 @@ def open(path, framework="auto", device="cpu", *, backend="auto", readahead=None
     keys() (sorted), offset_keys() (file order), metadata() (None without one), get_tensor(name),
     get_slice(name) (get_shape(), get_dtype(), [ints, slices, ...]), get_tensors(). Headers are
     parsed and files opened once; an unknown name raises KeyError naming it. framework: "auto",
-    "torch"/"pt", "numpy"/"np" or "dlpack", as for load_file. readahead: bytes of tensors that
-    a walk in file order may read before they are asked for (default 1 GiB, HBMIO_READAHEAD;
-    0 turns it off); see hbmio/_lazy.py."""
+    "torch"/"pt", "numpy"/"np" or "dlpack", device and backend (None: $HBMIO_BACKEND, else
+    "auto") as for load_file. readahead: bytes of tensors that a walk in file order may read
+    before they are asked for (default 1 GiB, HBMIO_READAHEAD; 0 turns it off); see
+    hbmio/_lazy.py. After the `with` block, keys(), get_tensor(), get_slice(), metadata() and
+    the rest raise hbmio.ClosedError ("File is closed", as safe_open raises; it is also a
+    safetensors.SafetensorError where safetensors is installed)."""
     return SafeOpen(path, framework, device, backend=backend, readahead=readahead)
 
 
@@ -319,41 +396,85 @@ def _nbytes(array) -> int:
         return 0
 
 
-def read_into(path, array, offset=0, *, backend="auto", progress=False):
+def read_into(path, array, offset=0, *, backend=None, progress=False):
     """Reads bytes [offset, offset + array.nbytes) of a file into `array`: any writable
     C-contiguous array with __dlpack__ or the buffer protocol, on the host or a CUDA device. A
-    range past the end of the file raises hbmio.Error. Returns {bytes, seconds, gib_per_second,
-    backend, note}. The GIL is released during the read."""
+    range past the end of the file raises hbmio.Error. backend=None: $HBMIO_BACKEND, else "auto".
+    Returns {bytes, seconds, gib_per_second, backend, note}. The GIL is released during the read."""
+    backend = _backend(backend)
     with _ProgressBar(_nbytes(array) if progress else 0, progress) as bar:
         return _hbmio._read_into(_os.fspath(path), array, offset, backend=backend, progress=bar.counter)
 
 
-def write_from(path, array, offset=0, *, backend="auto", sync=True):
+def write_from(path, array, offset=0, *, backend=None, sync=True):
     """Writes the bytes of `array` (C-contiguous, __dlpack__ or the buffer protocol, host or CUDA)
     into a file at `offset`, creating the file if it is missing and keeping its other bytes;
-    sync=True fsyncs before returning. Not crash-safe like save_file: it writes in place. Returns
-    {bytes, seconds, gib_per_second, backend, note}."""
-    return _hbmio._write_from(_os.fspath(path), array, offset, backend=backend, sync=sync)
-
-
-_SIZE = _re.compile(r"\s*(\d+(?:\.\d*)?)\s*([KMGT]?)(I?)B?\s*", _re.IGNORECASE)
+    sync=True fsyncs before returning. Not crash-safe like save_file: it writes in place.
+    backend=None: $HBMIO_BACKEND, else "auto". Returns {bytes, seconds, gib_per_second, backend,
+    note}."""
+    return _hbmio._write_from(_os.fspath(path), array, offset, backend=_backend(backend), sync=sync)
 
 
 def _parse_size(size) -> int:
-    """An int, or text as Hugging Face writes shard sizes: "5GB" (10**9), "2GiB" (2**30), "500MB"."""
+    """Bytes: an int, or text read by the hbmio command's own parser (_hbmio.parse_size, that is
+    hbmio::parse_size in C++), so that max_shard_size="5GB" or HBMIO_READAHEAD=1GiB mean in Python what they mean on
+    the command line. ValueError for anything else (negative, a float, text it refuses)."""
     if isinstance(size, int) and not isinstance(size, bool):
         if size < 0:
             raise ValueError(f"a size cannot be negative: {size}")
         return size
-    match = _SIZE.fullmatch(size) if isinstance(size, str) else None
-    if not match:
-        raise ValueError(f"not a size: {size!r} (an int, or text like '5GB' or '2GiB')")
-    number, prefix, binary = match.groups()
-    power = "KMGT".find(prefix.upper()) + 1 if prefix else 0
-    return int(float(number) * ((1024 if binary else 1000) ** power))
+    if isinstance(size, str):
+        return _hbmio.parse_size(size)
+    raise ValueError(f"not a size: {size!r} (an int, or text like '5GB' or '2GiB')")
 
 
-def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", max_shard_size=None, progress=False):
+def _check_metadata(metadata):
+    """metadata as a dict of str to str (what the format holds), or None; TypeError naming the
+    entry that is not."""
+    if metadata is None:
+        return None
+    metadata = dict(metadata)
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata maps str to str: {key!r}: {value!r} ({type(value).__name__}) is not")
+    return metadata
+
+
+def _prepare_save(tensors, where) -> dict:
+    """{name: array} checked as safetensors checks what it saves, before anything is written:
+    names must be str (TypeError naming the key); torch tensors must be dense (ValueError), must not
+    share memory (RuntimeError naming them, pointing to hbmio.torch.save_model; the library checks
+    every array kind for that) and must be contiguous (ValueError naming the tensor: safetensors
+    refuses a strided tensor rather than silently packing it). Arrays of other frameworks that
+    are strided are copied into C order by the save."""
+    tensors = dict(tensors)
+    for key in tensors:
+        if not isinstance(key, str):
+            raise TypeError(f"save to {where}: tensor names must be str; the key {key!r} ({type(key).__name__}) is not")
+    # Only torch tensors get torch's checks; torch is never imported for them (a torch tensor
+    # exists only where torch is).
+    torch = _sys.modules.get("torch")
+    if torch is None or not any(isinstance(t, torch.Tensor) for t in tensors.values()):
+        return tensors
+    sparse = sorted(name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.layout != torch.strided)
+    if sparse:
+        raise ValueError(f"save to {where}: sparse tensors cannot be saved: {sparse}; make them dense first "
+                         "(.to_dense(), which may make a much larger file)")
+    # DLPack refuses tensors that require grad: the bytes are the same without the autograd record.
+    tensors = {name: t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t for name, t in tensors.items()}
+    strided = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and not t.is_contiguous()]
+    if strided:
+        # Tensors that share memory are reported first, as safetensors does: a strided tensor is
+        # often a view of another one (a transpose of a tied weight).
+        _hbmio._check_shared(tensors, where)
+        raise ValueError(f"save to {where}: tensor {strided[0]!r} is not contiguous (its elements are not one "
+                         "range in order), which safetensors refuses to save. If it is a view of another tensor, "
+                         "save the whole tensor and slice it again after loading; otherwise save "
+                         "the tensor's .contiguous()" + (f" (also not contiguous: {strided[1:]})" if strided[1:] else ""))
+    return tensors
+
+
+def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None, progress=False):
     """Writes {name: array} as a safetensors file, crash-safe (an unnamed new file, fsync, rename,
     directory fsync): on any error the previous file at `path` is untouched and nothing of the new
     one is left. Ctrl-C (KeyboardInterrupt) stops the save before it publishes and removes what it
@@ -362,27 +483,38 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend="auto", m
     ext4, XFS, btrfs, tmpfs); a sharded save's hidden directory is removed by the next save.
 
     Arrays: anything supporting DLPack (__dlpack__: torch, cupy, jax, hbmio's own) or the buffer
-    protocol (NumPy, memoryview), on the host or a CUDA device; non-contiguous ones are copied.
+    protocol (NumPy, memoryview), on the host or a CUDA device. As safetensors.torch.save_file:
+    names must be str (TypeError naming the key), and tensors that share memory are refused
+    (RuntimeError naming them; hbmio.torch.save_model saves one of each group), as are torch
+    tensors that are not contiguous (ValueError); strided arrays of other frameworks are copied.
     With checksums=True the XXH3-64 of each tensor goes into __metadata__ ("hbmio.xxh3.<name>").
-    max_shard_size (bytes, or text like "5GB"/"2GiB"): `path` is then a directory that receives a
-    Hugging Face sharded checkpoint (model-0000K-of-0000N.safetensors and
-    model.safetensors.index.json), each shard at most that many tensor bytes.
+    max_shard_size (bytes, or text like "5GB"/"2GiB", read as the hbmio command reads sizes):
+    `path` is then a directory that receives a Hugging Face sharded checkpoint
+    (model-0000K-of-0000N.safetensors and model.safetensors.index.json), each shard at most that
+    many tensor bytes. backend=None: $HBMIO_BACKEND, else "auto".
     progress=True draws `done/total GiB  rate GiB/s` on stderr while the tensors are written."""
     shard = 0 if max_shard_size is None else _parse_size(max_shard_size)
     if max_shard_size is not None and shard == 0:
         raise ValueError("max_shard_size must be at least 1 byte")
-    tensors = dict(tensors)
-    if metadata is not None:
-        metadata = dict(metadata)
-        for key, value in metadata.items():  # the format holds text only; say which entry is not
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(f"metadata maps str to str: {key!r}: {value!r} ({type(value).__name__}) is not")
+    path = _os.fspath(path)
+    tensors = _prepare_save(tensors, path)
+    metadata = _check_metadata(metadata)
     # The bar's total: every array type save_file takes (torch, NumPy, CuPy, JAX, memoryview)
     # has nbytes.
     total = sum(int(getattr(t, "nbytes", 0)) for t in tensors.values()) if progress else 0
     with _ProgressBar(total, progress) as bar:
-        _hbmio.save_file(tensors, _os.fspath(path), metadata,
-                         checksums=checksums, backend=backend, max_shard_size=shard, progress=bar.counter)
+        _hbmio.save_file(tensors, path, metadata,
+                         checksums=checksums, backend=_backend(backend), max_shard_size=shard, progress=bar.counter)
+
+
+def __getattr__(name):
+    # hbmio.ClosedError, made at first use: its bases depend on whether safetensors is installed
+    # (see _lazy._closed_error_type), and importing safetensors for it at every import of hbmio
+    # would cost every user.
+    if name == "ClosedError":
+        from ._lazy import _closed_error_type
+        return _closed_error_type()
+    raise AttributeError(f"module 'hbmio' has no attribute {name!r}")
 
 
 from .integrations import use_in_transformers  # noqa: E402  (it imports from this module)

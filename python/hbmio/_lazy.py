@@ -16,6 +16,7 @@ is freed by close() (or the end of a `with` block).
 """
 from __future__ import annotations
 
+import errno as _errno
 import operator as _operator
 import os as _os
 import threading as _threading
@@ -85,13 +86,18 @@ class SafeOpen(_hbmio.SafeOpen):
     offset_keys(), metadata(), get_tensor(name), get_slice(name)[...], get_tensors(); a
     context manager. See hbmio.open."""
 
-    def __init__(self, path, framework="auto", device="cpu", *, backend="auto", readahead=None):
-        from . import _framework
-        super().__init__(_os.fspath(path))
+    def __init__(self, path, framework="auto", device="cpu", *, backend=None, readahead=None):
+        from . import _backend, _device_text, _framework, _require_gpu
+        path = _os.fspath(path)
+        # Bad arguments fail here, not at the first get_tensor: a framework or device form hbmio
+        # does not know (ValueError), a GPU this machine lacks (hbmio.Error).
+        self._resolved = _framework(framework)
+        _require_gpu(_device_text(device), path)
+        super().__init__(path)
         self._framework = framework
         self._device = device
-        self._backend = backend
-        self._resolved = _framework(framework)  # a bad name fails here, not at the first get_tensor
+        self._backend = _backend(backend)  # $HBMIO_BACKEND as it is at open()
+        self._closed = False
         self._budget = max(0, _readahead_budget(readahead))
         self._entries_list = self._entries()  # (name, dtype, shape, bytes) in file order
         self._index = {e[0]: i for i, e in enumerate(self._entries_list)}
@@ -105,8 +111,27 @@ class SafeOpen(_hbmio.SafeOpen):
         self._lock = _threading.RLock()
 
     # --- safe_open's interface -------------------------------------------------------------
+    def keys(self):
+        """Tensor names, sorted (as safe_open's)."""
+        self._check_open()
+        return super().keys()
+
+    def offset_keys(self):
+        """Tensor names in file order."""
+        self._check_open()
+        return super().offset_keys()
+
+    def metadata(self):
+        """The __metadata__ map, None without one."""
+        self._check_open()
+        return super().metadata()
+
     def get_tensor(self, name, device=None, *, framework=None, backend=None, verify=False):
         """One tensor, on the device and in the framework given to open() (or those given here)."""
+        self._check_open()
+        return self._tensor(name, device, framework=framework, backend=backend, verify=verify)
+
+    def _tensor(self, name, device=None, *, framework=None, backend=None, verify=False):
         i = self._lookup(name)
         own = (device is None or device == self._device) and (framework is None or framework == self._framework)
         if own and not verify:
@@ -122,15 +147,19 @@ class SafeOpen(_hbmio.SafeOpen):
 
     def get_slice(self, name):
         """A lazy view of one tensor: get_shape(), get_dtype(), and [...] (ints, slices, ...),
-        reading only the bytes the slice needs."""
+        reading only the bytes the slice needs. A slice taken inside the `with` block can still
+        be read after it, as safetensors' can."""
+        self._check_open()
         return _Slice(self, self._lookup(name))
 
     def get_tensors(self):
         """{name: tensor} of every tensor, read in file order (ahead, as a walk is), as safetensors'."""
-        return {name: self.get_tensor(name) for name, *_ in self._entries_list}
+        self._check_open()
+        return {name: self._tensor(name) for name, *_ in self._entries_list}
 
     def close(self):
-        """Frees what was read ahead (waiting for a read in flight). The SafeOpen stays usable."""
+        """Frees what was read ahead (waiting for a read in flight). The SafeOpen stays usable;
+        the end of a `with` block (__exit__) is what closes it."""
         with self._lock:
             self._close()
 
@@ -148,8 +177,16 @@ class SafeOpen(_hbmio.SafeOpen):
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        # As safe_open: after its `with` block the handle refuses every call ("File is closed").
+        # transformers 5 calls __exit__ without having entered: the same end of use.
+        with self._lock:
+            self._close()
+            self._closed = True
         return False
+
+    def _check_open(self):
+        if self._closed:
+            raise _closed_error_type()(_errno.EBADF, f"File is closed: {self.path} was used after its `with` block")
 
     # --- internals --------------------------------------------------------------------------
     def _lookup(self, name) -> int:
@@ -245,6 +282,31 @@ class SafeOpen(_hbmio.SafeOpen):
 
 from ._hbmio import Error  # noqa: E402  (after the class, which only names it at run time)
 
+_closed_type = None
+_closed_type_lock = _threading.Lock()
+
+
+def _closed_error_type():
+    """hbmio.ClosedError: what a SafeOpen raises after its `with` block. safe_open raises
+    safetensors.SafetensorError there, so where safetensors is installed the error is also one of
+    those, and code written for safe_open catches it unchanged; it is always an hbmio.Error.
+    Made once, at first use (safetensors is not imported before it is needed)."""
+    global _closed_type
+    with _closed_type_lock:
+        if _closed_type is None:
+            bases = (Error,)
+            try:
+                from safetensors import SafetensorError
+            except ImportError:  # not installed: nothing written for it can be running
+                pass
+            else:
+                bases += (SafetensorError,)
+            _closed_type = type("ClosedError", bases, {
+                "__module__": "hbmio",
+                "__doc__": "A SafeOpen used after its `with` block (hbmio.Error; also "
+                           "safetensors.SafetensorError where safetensors is installed)."})
+        return _closed_type
+
 
 class _Slice:
     """safetensors' get_slice object: get_shape(), get_dtype(), and indexing."""
@@ -275,7 +337,7 @@ class _Slice:
                             f"{owner._resolved} represents on {owner._device!r}")
         out_shape = [len(range(a, b, s)) for a, b, s, is_int in dims if not is_int]
         if all(a == 0 and b == n and s == 1 for (a, b, s, _), n in zip(dims, self._shape)):
-            tensor = owner.get_tensor(self._name)  # the whole tensor: read ahead as a walk is
+            tensor = owner._tensor(self._name)  # the whole tensor: read ahead as a walk is
             return tensor.reshape(out_shape)
         if any(len(range(a, b, s)) == 0 for a, b, s, _ in dims):
             array, _ = target.make(self._dtype, out_shape, 0)

@@ -23,13 +23,13 @@ from contextlib import nullcontext as _nullcontext
 
 from . import _hbmio
 
-def load(path: str, device: str, group, placement: str, shard_map, backend: str, verify: bool, names, report):
+def load(path: str, device, group, placement: str, shard_map, backend: str, verify: bool, names, report):
     import torch
     import torch.distributed as dist
 
     if placement not in ("replicate", "shard"):
         raise ValueError(f"placement must be 'replicate' or 'shard', not {placement!r}")
-    from . import _TORCH_DTYPES  # the same dtype table as the single-process torch path
+    from . import _TORCH_DTYPES, _device_text, _require_gpu  # as the single-process path reads them
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     start = time.perf_counter()
@@ -37,6 +37,8 @@ def load(path: str, device: str, group, placement: str, shard_map, backend: str,
     # them waiting in a collective: everything up to it runs inside this try.
     error, plan, run, ranges, digest, dest, entries, read, dev = None, None, None, None, None, None, {}, 0, None
     try:
+        device = _device_text(device)  # ValueError for a form hbmio does not load into
+        _require_gpu(device, path)
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
