@@ -27,7 +27,7 @@ expect_error "nothing.bin" --file "$dir/nothing.bin"
 expect_error "No such file" --file "$dir/nothing.bin"
 expect_error "at least 1 run" --runs 0 --size 1MiB
 expect_error "exclude each other" --file "$dir/x" --size 1MiB
-expect_error "host, pinned or cuda:N" --into disk --size 1MiB
+expect_error "host (or cpu), pinned, cuda (the first GPU) or cuda:N" --into disk --size 1MiB
 expect_error "at most one" --cold --warm --size 1MiB
 [ -z "$(ls "$dir")" ] || fail "failed runs left files behind: $(ls "$dir")"
 

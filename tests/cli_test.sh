@@ -34,7 +34,7 @@ grep -q "past the end" <<<"$out" || fail "past-EOF message: $out"
 out=$("$hbmio" read "$dir/a.bin" --backend warp 2>&1) && fail "unknown backend accepted"
 grep -q "unknown backend" <<<"$out" || fail "unknown backend message: $out"
 out=$("$hbmio" read "$dir/a.bin" --into disk 2>&1) && fail "bad --into accepted"
-grep -q "host, pinned or cuda:N" <<<"$out" || fail "bad --into message: $out"
+grep -q "host (or cpu), pinned, cuda (the first GPU) or cuda:N" <<<"$out" || fail "bad --into message: $out"
 out=$("$hbmio" read "$dir/a.bin" --length 1TiB 2>&1) && fail "a range past EOF accepted"
 grep -q "past the end of the file" <<<"$out" || fail "a range past EOF is refused before allocating: $out"
 mkfifo "$dir/fifo"
@@ -45,7 +45,7 @@ grep -q "not a regular file" <<<"$out" || fail "FIFO (ckpt info): $out"
 # --json and --chart destinations are checked before any work.
 out=$("$hbmio" read "$dir/a.bin" --json "$dir/no/such/dir/r.json" 2>&1) && fail "--json into a missing directory accepted"
 grep -q "no/such/dir" <<<"$out" && grep -q "No such file" <<<"$out" || fail "--json message: $out"
-out=$("$hbmio" ckpt info "$dir/a.bin" --json "$dir" 2>&1) && fail "--json naming a directory accepted"
+out=$("$hbmio" ckpt info "$dir/a.bin" --json="$dir" 2>&1) && fail "--json naming a directory accepted"
 grep -q "is a directory" <<<"$out" || fail "--json directory message: $out"
 out=$("$hbmio" bench --size 1MiB --chart "$dir/no/such/c.svg" 2>&1) && fail "--chart into a missing directory accepted"
 grep -q "no/such" <<<"$out" || fail "--chart message: $out"
@@ -63,4 +63,70 @@ out=$("$hbmio" doctor --root "$dir/no-such-tree" 2>&1) && fail "doctor --root of
 grep -q "no-such-tree" <<<"$out" || fail "doctor --root message: $out"
 out=$("$hbmio" write-random "$dir/w.bin" --size 0x100 2>&1) && fail "a hex size accepted"
 grep -q -- "--size" <<<"$out" || fail "a bad size names its option: $out"
+grep -q "not a size" <<<"$out" || fail "a bad size says why: $out"
+
+# Commands a user guesses get the command they meant; `help` works as in git.
+for guess in "info:hbmio ckpt info" "load:hbmio ckpt load" "reed:hbmio read" "verify:hbmio ckpt verify"; do
+  out=$("$hbmio" "${guess%%:*}" x 2>&1) && fail "'${guess%%:*}' accepted"
+  grep -q "^hbmio: unknown command '${guess%%:*}'; did you mean '${guess#*:}'?" <<<"$out" || fail "unknown command: $out"
+done
+out=$("$hbmio" ckpt inspect x 2>&1) && fail "'ckpt inspect' accepted"
+grep -q "unknown command 'inspect'; did you mean 'hbmio ckpt info'?" <<<"$out" || fail "unknown ckpt command: $out"
+out=$("$hbmio" ckpt 2>&1) && fail "'ckpt' alone accepted"
+grep -q "'hbmio ckpt' needs a command: info, load" <<<"$out" || fail "ckpt alone: $out"
+out=$("$hbmio" xyzzy 2>&1) && fail "nonsense accepted"
+grep -q "unknown command 'xyzzy'" <<<"$out" && ! grep -q "did you mean" <<<"$out" || fail "no guess for nonsense: $out"
+"$hbmio" help | grep -q "^Usage: hbmio" || fail "hbmio help"
+"$hbmio" help ckpt load | grep -q -- "--placement" || fail "hbmio help ckpt load"
+out=$("$hbmio" read 2>&1) && fail "read without a file accepted"
+grep -q "^hbmio: " <<<"$out" || fail "usage errors start with 'hbmio:': $out"
+
+# --json alone is standard output and never takes the next word; --json=FILE and --json FILE.json write a file.
+"$hbmio" backends --json | python3 -c "import json,sys; json.load(sys.stdin)" || fail "backends --json"
+"$hbmio" doctor --json "$dir" | python3 -c "
+import json,sys; j=json.load(sys.stdin); assert j['paths']==['$dir'], j['paths']" || fail "doctor --json PATH keeps PATH"
+"$hbmio" backends --json="$dir/b1" >/dev/null && python3 -c "import json; json.load(open('$dir/b1'))" || fail "--json=FILE"
+"$hbmio" backends --json "$dir/b2.json" >/dev/null && python3 -c "import json; json.load(open('$dir/b2.json'))" || fail "--json FILE.json"
+"$hbmio" backends --json - | python3 -c "import json,sys; json.load(sys.stdin)" || fail "--json -"
+
+# One size syntax (as Python's): MB is 10^6 bytes, MiB and M are 2^20; Mb (bits) is refused.
+"$hbmio" ckpt generate "$dir/s.safetensors" --count 1 --tensor-size 1MB --dtype bf16 >/dev/null || fail "--tensor-size 1MB"
+"$hbmio" ckpt info "$dir/s.safetensors" --json - | python3 -c "
+import json,sys; t=json.load(sys.stdin)['tensors'][0]; assert t['dtype']=='BF16' and t['bytes']==10**6, t" || fail "--dtype bf16"
+out=$("$hbmio" ckpt generate "$dir/s2.safetensors" --tensor-size 1Mb 2>&1) && fail "1Mb accepted"
+grep -q "bits" <<<"$out" || fail "1Mb message: $out"
+
+# --verify on a file without checksums (any other tool's): loaded and said to be unverified;
+# --verify=strict refuses it, --verify=bytes compares with a plain read; failures are named so.
+python3 - "$dir/plain.safetensors" <<'PY'
+import json, struct, sys
+header = json.dumps({"w": {"dtype": "U8", "shape": [64], "data_offsets": [0, 64]}}).encode()
+header += b" " * (-len(header) % 8)
+open(sys.argv[1], "wb").write(struct.pack("<Q", len(header)) + header + bytes(range(64)))
+PY
+out=$("$hbmio" ckpt load "$dir/plain.safetensors" --verify 2>&1) || fail "--verify of a file without checksums: $out"
+grep -q "not verified: 1 file(s) of the checkpoint hold no hbmio checksums" <<<"$out" || fail "--verify unverified: $out"
+"$hbmio" ckpt load "$dir/plain.safetensors" --verify --json | python3 -c "
+import json,sys; j=json.load(sys.stdin)
+assert j['verify']=='checksums' and j['verified'] is False and len(j['unverified_files'])==1, j" || fail "--verify JSON"
+out=$("$hbmio" ckpt load "$dir/plain.safetensors" --verify=strict 2>&1) && fail "--verify=strict accepted a file without checksums"
+grep -q "nothing to verify against" <<<"$out" || fail "--verify=strict message: $out"
+"$hbmio" ckpt load "$dir/plain.safetensors" --verify=bytes | grep -q "identical to a plain read" || fail "--verify=bytes"
+"$hbmio" ckpt checksum "$dir/plain.safetensors" --json | python3 -c "
+import json,sys; assert json.load(sys.stdin)['files_rewritten']==1" || fail "ckpt checksum --json"
+"$hbmio" ckpt load "$dir/plain.safetensors" --verify | grep -q "checksum matches" || fail "--verify with checksums"
+python3 - "$dir/plain.safetensors" <<'PY'
+import sys
+with open(sys.argv[1], "r+b") as f:
+    f.seek(-1, 2); b = f.read(1); f.seek(-1, 2); f.write(bytes([b[0] ^ 1]))
+PY
+out=$("$hbmio" ckpt load "$dir/plain.safetensors" --verify 2>&1) && fail "a flipped byte passed --verify"
+grep -q "verification failed" <<<"$out" && ! grep -q "Input/output error" <<<"$out" || fail "verify failure named: $out"
+
+# Result lines stay readable: the note is cut (its whole text is in -v and --json).
+out=$("$hbmio" read "$dir/a.bin")
+[ "$(wc -L <<<"$out")" -le 120 ] || fail "read's line is $(wc -L <<<"$out") columns: $out"
+"$hbmio" read "$dir/a.bin" -v | grep -q "^  auto picked" || fail "read -v shows the note"
+out=$("$hbmio" doctor "$dir")
+[ "$(wc -L <<<"$out")" -le 120 ] || fail "doctor's lines reach $(wc -L <<<"$out") columns"
 echo "cli: all checks passed"

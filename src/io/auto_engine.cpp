@@ -84,15 +84,14 @@ class AutoEngine final : public Engine {
     return choice;
   }
 
-  std::string host_reasons() const {
-    return "cufile: moves device memory only" + (uring_ ? std::string() : "; uring: " + uring_status_.detail);
-  }
+  // Host memory never goes through cuFile, so a host load names only what it could have used.
+  std::string host_reasons() const { return uring_ ? std::string() : "uring: " + uring_status_.detail; }
 
   Stats fallback(std::span<const IoRequest> requests, const std::string& reasons) {
     Engine& engine = uring_ ? *uring_ : *posix_;
     Stats stats = engine.submit_batch(requests);
-    stats.note = fmt::format("auto picked {} (passed over {}){}{}", engine.name(), reasons, stats.note.empty() ? "" : "; ",
-                             stats.note);
+    stats.note = fmt::format("auto picked {}{}{}{}", engine.name(), reasons.empty() ? "" : " (passed over " + reasons + ")",
+                             stats.note.empty() ? "" : "; ", stats.note);
     return stats;
   }
 

@@ -111,13 +111,36 @@ nlohmann::json to_json(const Stats& s) {
           {"note", s.note}};
 }
 
-std::string summary_line(const Stats& s) {
+std::string fit(const std::string& text, std::size_t width) {
+  if (text.size() <= width) return text;
+  std::size_t cut = text.rfind(' ', width - 4);  // at a word's end, with room for " ..."
+  if (cut == std::string::npos || cut < width / 2) cut = width - 4;
+  while (cut > 0 && (text[cut - 1] == ',' || text[cut - 1] == ';' || text[cut - 1] == ':' || text[cut - 1] == ' ')) --cut;
+  return text.substr(0, cut) + " ...";
+}
+
+std::string summary_line(const Stats& s, bool verbose) {
   std::string direct = s.bytes == 0                 ? "-"
                        : s.bytes_direct == s.bytes  ? "O_DIRECT"
                        : s.bytes_direct == 0        ? "page cache"
                                                     : fmt::format("{:.0f}% O_DIRECT", 100.0 * static_cast<double>(s.bytes_direct) / static_cast<double>(s.bytes));
-  return fmt::format("{:<7} {:>10} in {:8.3f} s  {:7.2f} GiB/s  cpu {:6.2f} s  {}{}{}", s.backend, format_size(s.bytes),
-                     s.seconds, s.gib_per_second(), s.cpu_seconds, direct, s.note.empty() ? "" : "  ", s.note);
+  std::string line = fmt::format("{:<7} {:>10} in {:8.3f} s  {:7.2f} GiB/s  cpu {:6.2f} s  {}", s.backend, format_size(s.bytes),
+                                 s.seconds, s.gib_per_second(), s.cpu_seconds, direct);
+  if (s.note.empty()) return line;
+  // The note's parts ("auto picked uring; O_DIRECT auto: ...; first-use set-up ...") each on a line
+  // of its own with -v; else its first part, cut to keep the line readable (--json has it whole).
+  if (verbose) {
+    std::string parts;
+    for (std::size_t at = 0; at < s.note.size();) {
+      std::size_t end = s.note.find("; ", at);
+      if (end == std::string::npos) end = s.note.size();
+      parts += "\n  " + s.note.substr(at, end - at);
+      at = end + 2;
+    }
+    return line + parts;
+  }
+  const std::string first = s.note.substr(0, s.note.find("; "));
+  return line + "  " + fit(first, line.size() + 2 < 118 ? 118 - line.size() - 2 : 30);
 }
 
 void write_json(const nlohmann::json& j, const std::string& path) {
@@ -168,7 +191,24 @@ CLI::Validator writable_file() {
 }
 
 CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string& what) {
-  return app->add_option("--json", json, what + " as JSON to FILE ('-' for stdout)")->type_name("FILE")->check(writable_file());
+  // A flag whose value is optional and only ever attached with '=': `--json` alone must not take
+  // the next word, which is the command's own argument (`doctor --json /data`).
+  return app->add_flag("--json{-}", json, what + " as JSON to standard output, or to FILE with --json=FILE")
+      ->type_name("[=FILE]")
+      ->check(writable_file());
+}
+
+std::vector<std::string> attach_json_values(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const bool json_file = i + 1 < args.size() && (args[i + 1] == "-" || (args[i + 1].size() > 5 && args[i + 1].ends_with(".json")));
+    if (args[i] == "--json" && json_file) {
+      out.push_back("--json=" + args[++i]);
+    } else {
+      out.push_back(args[i]);
+    }
+  }
+  return out;
 }
 
 // Empties the page cache of `path` so that the next read comes from storage, and says how. As

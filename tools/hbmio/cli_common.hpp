@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -50,12 +51,20 @@ void fill_random(std::byte* data, std::size_t size, std::uint64_t seed);
 std::optional<std::uint64_t> first_difference(MemorySpan memory, const std::string& path, std::uint64_t offset = 0);
 
 nlohmann::json to_json(const Stats& stats);
-std::string summary_line(const Stats& stats);
+// One line of figures and the note's first part, under 120 columns; verbose: the whole note
+// below it, a part per line.
+std::string summary_line(const Stats& stats, bool verbose = false);
+// `text` cut at a word's end to at most `width` characters, " ..." marking the cut.
+std::string fit(const std::string& text, std::size_t width);
 // Writes `j` to `path` ("-" for stdout), pretty-printed.
 void write_json(const nlohmann::json& j, const std::string& path);
-// Adds `--json FILE`, checked when the command line is read (the directory exists and is
-// writable, FILE is not a directory), so a long command does not fail only at its end.
+// Adds `--json` (standard output) and `--json=FILE`, checked when the command line is read (the
+// directory exists and is writable, FILE is not a directory), so a long command does not fail
+// only at its end.
 CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string& what);
+// The command line with `--json FILE` written as `--json=FILE` where FILE is "-" or ends in
+// ".json": the spelling scripts used before --json took its value only after '='.
+std::vector<std::string> attach_json_values(const std::vector<std::string>& args);
 // The default of every --backend: $HBMIO_BACKEND where set, else "auto". A --backend given on the
 // command line wins over it.
 std::string default_backend();

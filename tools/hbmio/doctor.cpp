@@ -18,6 +18,7 @@ struct DoctorFlags {
   std::vector<std::string> paths;
   std::string root = "/";
   std::string json;
+  bool verbose = false;
 };
 
 nlohmann::json to_json(const std::vector<Check>& checks, const DoctorFlags& flags) {
@@ -32,29 +33,50 @@ nlohmann::json to_json(const std::vector<Check>& checks, const DoctorFlags& flag
           {"checks", list}, {"counts", counts}, {"failed", any_failed(checks)}};
 }
 
-// Grouped checklist: "  STATUS  id  found", and for anything but PASS the expectation and the
-// fix on indented lines below.
+// Where there is no NVIDIA GPU, the fabric and GDS checks can only say "not here": without -v
+// they are one line, not twenty (a WARN or FAIL among them is still shown).
+bool gds_does_not_apply(const std::vector<Check>& checks) {
+  return std::any_of(checks.begin(), checks.end(),
+                     [](const Check& c) { return c.id == "gpu.count" && c.status != CheckStatus::pass; });
+}
+
+bool folded(const Check& c, bool no_gpu) {
+  return no_gpu && c.status == CheckStatus::info && (c.group == "Fabric" || c.group == "GDS" || c.id == "topology.paths");
+}
+
+// Grouped checklist: "  STATUS  id  found". With -v, for anything but PASS the expectation and
+// the fix on indented lines below; without it, only for WARN and FAIL, and each line is cut to
+// the terminal's usual width (the whole text is in -v and --json).
 void print_checklist(const std::vector<Check>& checks, const DoctorFlags& flags) {
+  const bool no_gpu = !flags.verbose && gds_does_not_apply(checks);
   std::size_t id_width = 0;
   for (const auto& c : checks) id_width = std::max(id_width, c.id.size());
   id_width = std::min<std::size_t>(id_width, 40);
   const std::string indent(2 + 4 + 2 + id_width + 2, ' ');
+  const auto line = [&](const std::string& text) { return flags.verbose ? text : fit(text, 118 - indent.size()); };
   fmt::print("hbmio doctor (root {}{}{})\n", flags.root, flags.paths.empty() ? "" : ", paths: ",
              fmt::format("{}", fmt::join(flags.paths, " ")));
   std::string group;
+  std::size_t hidden = 0;
   for (const auto& c : checks) {
+    if (folded(c, no_gpu)) {
+      ++hidden;
+      continue;
+    }
     if (c.group != group) {
       group = c.group;
       fmt::print("\n{}\n", group);
     }
     if (c.id.size() > id_width)
-      fmt::print("  {}  {}\n{}{}\n", to_string(c.status), c.id, indent, c.found);
+      fmt::print("  {}  {}\n{}{}\n", to_string(c.status), c.id, indent, line(c.found));
     else
-      fmt::print("  {}  {:<{}}  {}\n", to_string(c.status), c.id, id_width, c.found);
-    if (c.status == CheckStatus::pass) continue;
-    if (!c.expected.empty()) fmt::print("{}expected: {}\n", indent, c.expected);
-    if (!c.fix.empty()) fmt::print("{}fix: {}\n", indent, c.fix);
+      fmt::print("  {}  {:<{}}  {}\n", to_string(c.status), c.id, id_width, line(c.found));
+    if (c.status == CheckStatus::pass || (c.status == CheckStatus::info && !flags.verbose)) continue;
+    if (!c.expected.empty()) fmt::print("{}expected: {}\n", indent, line(c.expected));
+    if (!c.fix.empty()) fmt::print("{}fix: {}\n", indent, line(c.fix));
   }
+  if (hidden > 0)
+    fmt::print("\nGDS checks do not apply: no NVIDIA GPU here ({} fabric and GDS checks not shown; -v shows them)\n", hidden);
   int pass = 0, warn = 0, fail = 0, info = 0;
   for (const auto& c : checks) {
     pass += c.status == CheckStatus::pass;
@@ -83,6 +105,9 @@ void add_doctor_command(CLI::App& app, int& exit_status) {
       ->check(CLI::ExistingDirectory)
       ->capture_default_str();
   add_json_option(doctor, flags->json, "Write every check {id, group, status, found, expected, fix}");
+  doctor->add_flag("-v,--verbose", flags->verbose,
+                   "Every check in full: the expectation and fix of INFO lines too, long findings uncut, and the fabric "
+                   "and GDS checks of a machine without an NVIDIA GPU");
   doctor->callback([flags, &exit_status] {
     const std::vector<Check> checks = run_doctor({.root = flags->root, .paths = flags->paths});
     if (!flags->json.empty()) write_json(to_json(checks, *flags), flags->json);

@@ -3,12 +3,15 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "bench.hpp"
 #include "ckpt.hpp"
@@ -20,7 +23,7 @@ namespace hbmio::cli {
 namespace {
 
 int run_read(const std::string& path, const std::string& into, const std::string& backend, const std::string& offset_text,
-             const std::string& length_text, bool verify, const std::string& json, const TuningFlags& tuning) {
+             const std::string& length_text, bool verify, const std::string& json, bool verbose, const TuningFlags& tuning) {
   const Options options = tuning.resolve();
   const MemoryLocation where = MemoryLocation::parse(into);
   File file = File::open(path, OpenMode::read);
@@ -49,9 +52,9 @@ int run_read(const std::string& path, const std::string& into, const std::string
     if (mismatch) j["first_mismatch_offset"] = *mismatch;
     write_json(j, json);
   }
-  if (json != "-") fmt::print("{}\n", summary_line(stats));
+  if (json != "-") fmt::print("{}\n", summary_line(stats, verbose));
   if (mismatch) {
-    fmt::print(stderr, "hbmio: verify FAILED: {} differs from a plain read at byte {}\n", path, *mismatch);
+    fmt::print(stderr, "hbmio: verification failed: {} as read differs from a plain read of the file at byte {}\n", path, *mismatch);
     return 1;
   }
   if (verify && json != "-") fmt::print("verified: {} bytes identical to a plain read\n", length);
@@ -60,7 +63,7 @@ int run_read(const std::string& path, const std::string& into, const std::string
 
 int run_write(const std::string& path, const std::string& from, const std::string& backend, const std::string& size_text,
               const std::string& offset_text, std::uint64_t seed, bool sync, bool verify, bool force, const std::string& json,
-              const TuningFlags& tuning) {
+              bool verbose, const TuningFlags& tuning) {
   const Options options = tuning.resolve();
   const MemoryLocation where = MemoryLocation::parse(from);
   const std::uint64_t length = parse_size(size_text);
@@ -95,9 +98,9 @@ int run_write(const std::string& path, const std::string& from, const std::strin
     if (verify) j["verified"] = !mismatch;
     write_json(j, json);
   }
-  if (json != "-") fmt::print("{}\n", summary_line(stats));
+  if (json != "-") fmt::print("{}\n", summary_line(stats, verbose));
   if (mismatch) {
-    fmt::print(stderr, "hbmio: verify FAILED: {} differs from the written data at byte {}\n", path, *mismatch);
+    fmt::print(stderr, "hbmio: verification failed: {} differs from the written data at byte {}\n", path, *mismatch);
     return 1;
   }
   if (verify && json != "-") fmt::print("verified: {} bytes read back with a plain read, identical to what was written\n", length);
@@ -124,6 +127,74 @@ int run_backends(const std::string& json, const TuningFlags& tuning) {
   return 0;
 }
 
+// Levenshtein distance, for "did you mean": command names are short, so the plain O(n*m) table.
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::vector<std::string> command_names(const CLI::App& app) {
+  std::vector<std::string> names;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) names.push_back(sub->get_name());
+  return names;
+}
+
+// What people coming from safetensors' CLI, git or fio type, and the command that does it here.
+std::optional<std::string> alias_of(std::string_view typed, std::string_view parent) {
+  static const std::vector<std::pair<std::string_view, std::string_view>> top = {
+      {"info", "ckpt info"},         {"inspect", "ckpt info"}, {"ls", "ckpt info"},        {"list", "ckpt info"},
+      {"show", "ckpt info"},         {"load", "ckpt load"},    {"verify", "ckpt verify"},  {"check", "ckpt verify"},
+      {"checksum", "ckpt checksum"}, {"save", "ckpt generate"}, {"generate", "ckpt generate"}, {"benchmark", "bench"},
+      {"version", "--version"},      {"write", "write-random"}};
+  static const std::vector<std::pair<std::string_view, std::string_view>> ckpt = {
+      {"inspect", "info"}, {"show", "info"}, {"ls", "info"}, {"list", "info"}, {"check", "verify"},
+      {"save", "generate"}, {"checksums", "checksum"}, {"read", "load"}};
+  for (const auto& [word, command] : parent.empty() ? top : ckpt)
+    if (word == typed) return std::string(command);
+  return std::nullopt;
+}
+
+// "unknown command 'info'; did you mean 'hbmio ckpt info'?" for a word where a command belongs
+// (CLI11 alone says only that a subcommand is required). Nothing when the command line is fine.
+std::optional<std::string> unknown_command(const CLI::App& app, const std::vector<std::string>& args) {
+  const CLI::App* parent = &app;
+  std::string prefix = "hbmio";
+  for (const std::string& word : args) {
+    if (word.starts_with("-")) return std::nullopt;  // options before a command: CLI11's to judge
+    const std::vector<std::string> names = command_names(*parent);
+    if (std::find(names.begin(), names.end(), word) != names.end()) {
+      parent = parent->get_subcommand(word);
+      prefix += " " + word;
+      if (command_names(*parent).empty()) return std::nullopt;  // a command that takes arguments
+      continue;
+    }
+    std::optional<std::string> guess = alias_of(word, parent == &app ? "" : parent->get_name());
+    if (!guess) {
+      std::size_t best = 3;  // at most two edits away: a typo, not another word
+      for (const auto& name : names)
+        if (const std::size_t d = edit_distance(word, name); d < best && d < name.size()) {
+          best = d;
+          guess = name;
+        }
+    }
+    std::string text = fmt::format("unknown command '{}'", word);
+    if (guess) text += fmt::format("; did you mean '{} {}'?", guess->starts_with("--") ? "hbmio" : prefix, *guess);
+    return text + fmt::format("\nThe commands of '{}': {}. '{} --help' says more.", prefix, fmt::join(names, ", "), prefix);
+  }
+  // The words ran out where a command must follow ("hbmio", "hbmio ckpt").
+  return fmt::format("'{}' needs a command: {}. '{} --help' says more.", prefix, fmt::join(command_names(*parent), ", "), prefix);
+}
+
 }  // namespace
 }  // namespace hbmio::cli
 
@@ -132,21 +203,26 @@ int main(int argc, char** argv) {
   CLI::App app{"hbmio: move tensor data between storage and GPU memory at the speed of the hardware.\n"
                "Backends: posix (pread + cudaMemcpy baseline), uring (io_uring + O_DIRECT + pinned bounce buffers),\n"
                "cufile (GPUDirect Storage), auto (the best that works here). Environment: HBMIO_* (see --help of each command)."};
+  app.name("hbmio");  // parse() is given the arguments, not argv[0], so the usage line needs the name
   app.set_version_flag("--version", "hbmio " + hbmio::version());
   app.require_subcommand(1);
 
   std::string path, into = "host", from = "host", backend = hbmio::cli::default_backend(), offset, length, size, json;
-  bool verify = false, sync = false;
+  bool verify = false, sync = false, verbose = false;
+  std::string verify_mode;  // read and write-random compare bytes: --verify or --verify=bytes
   std::uint64_t seed = 1;
   TuningFlags tuning;
 
   auto* read = app.add_subcommand("read", "Read a file range into host, pinned or GPU memory and report the throughput");
   read->add_option("file", path, "File to read")->required();
-  read->add_option("--into", into, "Destination memory: host, pinned or cuda:N")->capture_default_str();
+  read->add_option("--into", into, "Destination memory: host (or cpu), pinned, cuda or cuda:N")->capture_default_str();
   read->add_option("--backend,-b", backend, "posix, uring, cufile or auto")->capture_default_str();
   read->add_option("--offset", offset, "First byte to read (default 0)")->check(hbmio::cli::size_value());
   read->add_option("--length", length, "Bytes to read (default: to the end of the file)")->check(hbmio::cli::size_value());
-  read->add_flag("--verify", verify, "Compare what was read with a plain read of the file, byte for byte");
+  read->add_flag("--verify{bytes}", verify_mode, "Compare what was read with a plain read of the file, byte for byte")
+      ->type_name("[=bytes]")
+      ->check(CLI::IsMember({"bytes"}));
+  read->add_flag("-v,--verbose", verbose, "Print the transfer's whole note (the engine's choices, first-use set-up)");
   hbmio::cli::add_json_option(read, json, "Write the result");
   tuning.add_to(read);
 
@@ -156,13 +232,16 @@ int main(int argc, char** argv) {
                                    "benchmark; an existing file is replaced only with --force)");
   write->add_option("file", path, "File to write (created, or with --force truncated when --offset is 0)")->required();
   write->add_flag("--force", force, "Write into an existing file (or block device): its bytes are overwritten with random data");
-  write->add_option("--from", from, "Source memory: host, pinned or cuda:N")->capture_default_str();
+  write->add_option("--from", from, "Source memory: host (or cpu), pinned, cuda or cuda:N")->capture_default_str();
   write->add_option("--size", size, "Bytes to write (e.g. 1GiB)")->required()->check(hbmio::cli::size_value());
   write->add_option("--backend,-b", backend, "posix, uring, cufile or auto")->capture_default_str();
   write->add_option("--offset", offset, "File offset to write at (default 0)")->check(hbmio::cli::size_value());
   write->add_option("--seed", seed, "Seed of the generated data")->capture_default_str();
   write->add_flag("--sync", sync, "fsync before reporting (counted in the time)");
-  write->add_flag("--verify", verify, "Read the file back with a plain read and compare");
+  write->add_flag("--verify{bytes}", verify_mode, "Read the file back with a plain read and compare, byte for byte")
+      ->type_name("[=bytes]")
+      ->check(CLI::IsMember({"bytes"}));
+  write->add_flag("-v,--verbose", verbose, "Print the transfer's whole note (the engine's choices, first-use set-up)");
   hbmio::cli::add_json_option(write, json, "Write the result");
   tuning.add_to(write);
 
@@ -182,29 +261,51 @@ int main(int argc, char** argv) {
       "HBMIO_BOUNCE_BUFFER_SIZE [8MiB], HBMIO_BOUNCE_BUFFERS [4], HBMIO_QUEUE_DEPTH [8],\n"
       "HBMIO_WORKERS [min(cores,16)], HBMIO_DIRECT_IO [auto].");
 
+  std::vector<std::string> args(argv + 1, argv + argc);
+  // `hbmio help [COMMAND...]` is `hbmio [COMMAND...] --help`, as in git.
+  if (!args.empty() && args[0] == "help") {
+    args.erase(args.begin());
+    args.push_back("--help");
+  }
+  args = attach_json_values(args);
   // Commands renamed because their old names hid that they write random data over the path given.
-  if (argc >= 2 && std::string_view(argv[1]) == "write") {
+  if (!args.empty() && args[0] == "write") {
     fmt::print(stderr, "hbmio: 'write' was renamed 'write-random': it writes generated random bytes (an existing file "
                        "needs --force)\n");
     return 1;
   }
-  if (argc >= 3 && std::string_view(argv[1]) == "ckpt" && std::string_view(argv[2]) == "save") {
+  if (args.size() >= 2 && args[0] == "ckpt" && args[1] == "save") {
     fmt::print(stderr, "hbmio: 'ckpt save' was renamed 'ckpt generate': it saves generated random tensors (an existing "
                        "checkpoint needs --force)\n");
     return 1;
   }
+  if (const auto unknown = unknown_command(app, args)) {
+    fmt::print(stderr, "hbmio: {}\n", *unknown);
+    return 1;
+  }
+  // The words that name the command, for the hint after a usage error.
+  std::string command = "hbmio";
+  for (const CLI::App* at = &app; const std::string& word : args) {
+    if (word.starts_with("-") || at->get_subcommands([&](const CLI::App* s) { return s->get_name() == word; }).empty()) break;
+    at = at->get_subcommand(word);
+    command += " " + word;
+  }
   try {
-    app.parse(argc, argv);
-    if (*read) return run_read(path, into, backend, offset, length, verify, json, tuning);
-    if (*write) return run_write(path, from, backend, size, offset, seed, sync, verify, force, json, tuning);
+    std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 takes a vector last word first
+    app.parse(reversed);
+    verify = !verify_mode.empty();
+    if (*read) return run_read(path, into, backend, offset, length, verify, json, verbose, tuning);
+    if (*write) return run_write(path, from, backend, size, offset, seed, sync, verify, force, json, verbose, tuning);
     if (*backends) return run_backends(json, tuning);
     if (app.got_subcommand("bench")) return bench_status;
     if (app.got_subcommand("doctor")) return doctor_status;
     if (app.got_subcommand("ckpt")) return ckpt_status;
   } catch (const CLI::ParseError& e) {
-    // CLI11 prints the message (and --help its page); its own codes (104-109) would tell a
-    // script nothing the message does not: a usage error exits 1 like every other error.
-    return app.exit(e) == 0 ? 0 : 1;
+    // --help and --version: CLI11 prints the page. A usage error is said like every other error
+    // ("hbmio: ..."), and exits 1: CLI11's own codes (104-109) would tell a script nothing more.
+    if (e.get_exit_code() == 0) return app.exit(e);
+    fmt::print(stderr, "hbmio: {}\n'{} --help' lists the arguments and options.\n", e.what(), command);
+    return 1;
   } catch (const hbmio::Error& e) {
     fmt::print(stderr, "hbmio: {}\n", e.what());
     return 1;
