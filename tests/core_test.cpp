@@ -17,8 +17,40 @@ TEST(Sizes, ParseAndFormat) {
   for (const char* bad : {"", "x", "4X", "-1", "1.5", "nan", "1e30T", "0x100", "1e3", "+4", " 4", "1..5G", "4 MiB", ".", "-1MiB"})
     EXPECT_THROW(parse_size(bad), Error) << bad;
   EXPECT_EQ(parse_size("0.5K"), 512u);
+  // Decimal units as Hugging Face reads max_shard_size, binary ones as memory sizes are written.
+  EXPECT_EQ(parse_size("5GB"), 5'000'000'000u);
+  EXPECT_EQ(parse_size("500MB"), 500'000'000u);
+  EXPECT_EQ(parse_size("2KB"), 2000u);
+  EXPECT_EQ(parse_size("1TB"), 1'000'000'000'000u);
+  EXPECT_EQ(parse_size("5gB"), 5'000'000'000u);
+  EXPECT_EQ(parse_size("5G"), std::uint64_t{5} << 30);
+  EXPECT_EQ(parse_size("5GiB"), std::uint64_t{5} << 30);
+  EXPECT_EQ(parse_size("8B"), 8u);
+  // "Gb" is gigabits to Hugging Face: refused with the two spellings that mean bytes.
+  for (const char* bits : {"5Gb", "5Mb", "1Kb", "2Tb", "5gb"}) {
+    try {
+      (void)parse_size(bits);
+      ADD_FAILURE() << bits << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("bits"), std::string::npos) << e.what();
+    }
+  }
+  for (const char* bad : {"5Gi", "5KiBs", "5PB", "5 GB", "0.3B"}) EXPECT_THROW(parse_size(bad), Error) << bad;
   EXPECT_EQ(format_size(512), "512 B");
   EXPECT_EQ(format_size(3u << 29), "1.50 GiB");
+}
+
+// A failed verification is named as what it is, and still compares equal to EIO for code that
+// tests errno conditions; a missing checksum to ENODATA.
+TEST(Errors, VerificationHasItsOwnWords) {
+  const Error bad(make_error_code(Errc::verify_failed), {.op = "verify", .path = "m.safetensors", .offset = 8, .length = 4},
+                  "tensor 'w'");
+  EXPECT_EQ(std::string(bad.what()), "verify of m.safetensors [offset 8, length 4]: verification failed (tensor 'w')");
+  EXPECT_EQ(bad.code(), std::errc::io_error);
+  EXPECT_EQ(bad.code().category().name(), std::string("hbmio"));
+  const Error none(make_error_code(Errc::no_checksums), {.op = "verify", .path = "m.safetensors"});
+  EXPECT_EQ(none.code(), std::errc::no_message_available);
+  EXPECT_NE(std::string(none.what()).find("nothing to verify against"), std::string::npos);
 }
 
 TEST(MemoryLocations, ParseAndPrint) {
@@ -26,7 +58,17 @@ TEST(MemoryLocations, ParseAndPrint) {
   EXPECT_EQ(MemoryLocation::parse("pinned"), (MemoryLocation{MemoryKind::pinned, 0}));
   EXPECT_EQ(MemoryLocation::parse("cuda:3"), (MemoryLocation{MemoryKind::device, 3}));
   EXPECT_EQ(MemoryLocation::parse("cuda:3").to_string(), "cuda:3");
-  for (const char* bad : {"", "gpu0", "cuda:", "cuda:x", "cuda:-1", "disk"}) EXPECT_THROW(MemoryLocation::parse(bad), Error) << bad;
+  EXPECT_EQ(MemoryLocation::parse("cpu"), (MemoryLocation{MemoryKind::host, 0}));
+  EXPECT_EQ(MemoryLocation::parse("cuda"), (MemoryLocation{MemoryKind::device, 0}));
+  // torch.device's words, no others: "gpu" is refused here as it is in Python, naming the forms.
+  for (const char* bad : {"", "gpu", "gpu:0", "gpu0", "cuda:", "cuda:x", "cuda:-1", "cuda:12345", "disk", "CUDA:0"}) {
+    try {
+      (void)MemoryLocation::parse(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("host (or cpu), pinned, cuda"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Options, EnvironmentOverridesDefaults) {

@@ -76,7 +76,8 @@ struct Stats {
 // included): what Stats::cpu_seconds is a difference of.
 double process_cpu_seconds() noexcept;
 
-// Parses "4096", "64K", "4MiB", "1.5G" (binary multiples); throws Error(EINVAL).
+// Parses "4096", "64K", "4MiB", "1.5G" (binary), "5GB", "500MB" (decimal, as Hugging Face's
+// max_shard_size); throws Error(EINVAL) naming the accepted forms. "5Gb" (bits) is refused.
 std::uint64_t parse_size(const std::string& text);
 std::string format_size(std::uint64_t bytes);  // "1.50 GiB"
 

@@ -1,6 +1,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -60,23 +61,22 @@ std::byte* map_anonymous(std::size_t size, const ErrorContext& context) {
 
 }  // namespace
 
+// The forms torch.device takes for the same memory (plus pinned), so that the command line and
+// Python accept and refuse the same words: "gpu" is not one of them.
 MemoryLocation MemoryLocation::parse(std::string_view text) {
   if (text == "host" || text == "cpu") return {MemoryKind::host, 0};
   if (text == "pinned") return {MemoryKind::pinned, 0};
-  if (text == "cuda" || text == "gpu") return {MemoryKind::device, 0};
-  for (std::string_view prefix : {"cuda:", "gpu:"}) {
-    if (text.substr(0, prefix.size()) == prefix && text.size() > prefix.size() && text.size() - prefix.size() <= 4) {
-      int device = 0;
-      for (char c : text.substr(prefix.size())) {
-        if (c < '0' || c > '9') goto bad;
-        device = device * 10 + (c - '0');
-      }
-      return {MemoryKind::device, device};
-    }
+  if (text == "cuda") return {MemoryKind::device, 0};
+  constexpr std::string_view prefix = "cuda:";
+  const std::string_view number = text.substr(std::min(prefix.size(), text.size()));
+  if (text.substr(0, prefix.size()) == prefix && !number.empty() && number.size() <= 4 &&
+      std::all_of(number.begin(), number.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    int device = 0;
+    for (char c : number) device = device * 10 + (c - '0');
+    return {MemoryKind::device, device};
   }
-bad:
   throw Error(errno_code(EINVAL), {.op = "parse memory location"},
-              fmt::format("'{}': use host, pinned or cuda:N", text));
+              fmt::format("'{}' is not a memory location: use host (or cpu), pinned, cuda (the first GPU) or cuda:N", text));
 }
 
 std::string MemoryLocation::to_string() const {
