@@ -498,7 +498,23 @@ TEST(Checkpoints, ChecksumsCanBeAddedToAReferenceFile) {
   fs::copy_file(dir + "/layers.safetensors", path);
   fs::permissions(path, fs::perms::owner_write, fs::perm_options::add);
   EXPECT_FALSE(verify_checkpoint(path).has_checksums);
+  // Before: verify loads the reference's file and names it as unchecked; strict refuses it before
+  // reading anything.
+  {
+    const LoadedCheckpoint unchecked = load_checkpoint(path, {.verify = true});
+    EXPECT_FALSE(unchecked.verified());
+    EXPECT_EQ(unchecked.unverified_files(), std::vector<std::string>{path});
+    EXPECT_FALSE(unchecked.tensors().empty());
+    try {
+      (void)load_checkpoint(path, {.verify = true, .require_checksums = true});
+      ADD_FAILURE() << "a file without checksums passed a strict verify";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), make_error_code(Errc::no_checksums)) << e.what();
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  }
   add_checksums(path);
+  EXPECT_TRUE(load_checkpoint(path, {.verify = true, .require_checksums = true}).unverified_files().empty());
   const VerifyResult r = verify_checkpoint(path);
   EXPECT_TRUE(r.has_checksums);
   EXPECT_FALSE(r.first_bad.has_value());
@@ -603,7 +619,7 @@ TEST(Checkpoints, ChecksumRewritesKeepLinksModeAndOwnerAndRefuseDamage) {
     add_checksums(link);
     ADD_FAILURE() << "checksums were recomputed over damaged data";
   } catch (const Error& e) {
-    EXPECT_EQ(e.code(), std::errc::bad_message) << e.what();
+    EXPECT_EQ(e.code(), make_error_code(Errc::verify_failed)) << e.what();
     EXPECT_NE(std::string(e.what()).find(victim.name), std::string::npos) << e.what();
   }
   ASSERT_TRUE(verify_checkpoint(link).first_bad.has_value()) << "a refused rewrite changed the file";

@@ -32,7 +32,12 @@ struct LoadOptions {
   std::vector<std::string> names;  // tensors to load; empty: all
   TensorLayout layout = TensorLayout::single_allocation;
   std::size_t alignment = 256;     // of each tensor in a single allocation (CUDA's own is 256)
-  bool verify = false;             // recompute the checksums stored in the file; throw on mismatch
+  // Recompute the checksums stored in each file and throw Error(Errc::verify_failed) on a
+  // mismatch. A file without hbmio checksums (any file another tool wrote) is loaded and listed in
+  // LoadedCheckpoint::unverified_files(), unless require_checksums makes it an
+  // Error(Errc::no_checksums) before anything is read.
+  bool verify = false;
+  bool require_checksums = false;
   std::optional<Options> engine_options;  // default: Options::from_env()
   std::atomic<std::uint64_t>* progress = nullptr;  // bytes loaded so far, for a progress display
   // An engine to reuse (its rings and pinned buffers stay set up across loads). When null, the
@@ -66,7 +71,10 @@ class LoadedCheckpoint {
   // __metadata__ of the (first) file, and of the index for a sharded checkpoint.
   const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
   const Stats& stats() const noexcept { return stats_; }
+  // True when LoadOptions::verify checked every tensor loaded against its file's checksum.
   bool verified() const noexcept { return verified_; }
+  // With verify: the files that hold no checksums, whose tensors were loaded unchecked.
+  const std::vector<std::string>& unverified_files() const noexcept { return unverified_files_; }
 
  private:
   friend struct detail::LoadAccess;
@@ -75,6 +83,7 @@ class LoadedCheckpoint {
   std::map<std::string, std::string> metadata_;
   Stats stats_;
   bool verified_ = false;
+  std::vector<std::string> unverified_files_;
 };
 
 // A directory a checkpoint was opened from, held open (a descriptor): its shards are opened

@@ -40,6 +40,15 @@ class Error : public std::system_error {
 const std::error_category& cuda_category() noexcept;
 const std::error_category& cufile_category() noexcept;
 
+// Conditions of hbmio's own that no errno value names: a failed verification is a finding about
+// the data, and reads "verification failed", not "Input/output error" or "Bad message".
+enum class Errc {
+  verify_failed = 1,  // a checksum, a byte comparison or a header check did not match
+  no_checksums = 2,   // verification was required and the file holds nothing to check against
+};
+const std::error_category& hbmio_category() noexcept;
+inline std::error_code make_error_code(Errc e) noexcept { return {static_cast<int>(e), hbmio_category()}; }
+
 // Shorthand for an errno value.
 inline std::error_code errno_code(int err) noexcept { return {err, std::generic_category()}; }
 

@@ -391,35 +391,50 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
                            batches > 1 ? fmt::format(" ({} batches: the files were opened a bounded number at a time)", batches) : "",
                            total.note.empty() ? "" : "; ", total.note);
 
-  if (options.verify && read_only == nullptr) verify(result, files);
+  if (options.verify && read_only == nullptr) verify(result, files, options.require_checksums);
   return result;
 }
 
 void detail::require_checksums(const std::vector<CheckpointFile>& files) {
   for (const auto& file : files)
     if (!has_checksums(file.header.metadata))
-      throw Error(errno_code(ENODATA), {.op = "verify", .path = file.path},
-                  "the file holds no hbmio checksums (add them with `hbmio ckpt checksum`)");
+      throw Error(make_error_code(Errc::no_checksums), {.op = "verify", .path = file.path},
+                  "the file holds no hbmio checksums; add them with `hbmio ckpt checksum`");
 }
 
-void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files) {
-  require_checksums(files);
+void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files, bool strict) {
+  if (strict) require_checksums(files);
+  // Files without checksums (every file another tool wrote) load unchecked and are named, so
+  // that --verify works on any checkpoint and says what it could not check.
+  std::set<std::string> unchecked;
+  for (const auto& file : files)
+    if (!has_checksums(file.header.metadata)) {
+      unchecked.insert(file.path);
+      result.unverified_files_.push_back(file.path);
+    }
   // Each header against its own checksum (a few KiB to MiB read again): the tensors' checksums
   // cannot see a damaged name, dtype or metadata value.
   for (const auto& file : files)
-    if (auto bad = detail::check_header(file))
-      throw Error(errno_code(EIO), {.op = "verify", .path = file.path, .offset = 0, .length = file.header.data_offset}, *bad);
+    if (unchecked.count(file.path) == 0)
+      if (auto bad = detail::check_header(file))
+        throw Error(make_error_code(Errc::verify_failed),
+                    {.op = "verify", .path = file.path, .offset = 0, .length = file.header.data_offset}, *bad);
   std::vector<MemorySpan> spans;
-  for (const auto& tensor : result.tensors_) spans.push_back(tensor.data);
+  std::vector<std::size_t> checked;  // indices of the tensors whose file has checksums
+  for (std::size_t i = 0; i < result.tensors_.size(); ++i)
+    if (unchecked.count(result.tensors_[i].file) == 0) {
+      spans.push_back(result.tensors_[i].data);
+      checked.push_back(i);
+    }
   const std::vector<std::uint64_t> sums = detail::xxh3_of_each(spans);
-  for (std::size_t i = 0; i < result.tensors_.size(); ++i) {
-    const LoadedTensor& tensor = result.tensors_[i];
+  for (std::size_t k = 0; k < checked.size(); ++k) {
+    const LoadedTensor& tensor = result.tensors_[checked[k]];
     const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) { return f.path == tensor.file; });
-    if (auto bad = detail::check_tensor(file->header.metadata, tensor.name, tensor.file, tensor.file_offset, sums[i]))
-      throw Error(errno_code(EIO), {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size},
-                  *bad);
+    if (auto bad = detail::check_tensor(file->header.metadata, tensor.name, tensor.file, tensor.file_offset, sums[k]))
+      throw Error(make_error_code(Errc::verify_failed),
+                  {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size}, *bad);
   }
-  result.verified_ = true;
+  result.verified_ = result.unverified_files_.empty();
 }
 
 namespace {
@@ -510,7 +525,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
     });
     result.bytes_between_locations = copied;
     if (base.verify)
-      on_threads(n, [&](std::size_t k) { detail::LoadAccess::verify(result.locations[k], files); });
+      on_threads(n, [&](std::size_t k) { detail::LoadAccess::verify(result.locations[k], files, base.require_checksums); });
   }
   for (auto& location : result.locations) result.bytes_from_storage += location.stats().bytes;
   Stats total;

@@ -26,12 +26,14 @@ struct LoadAccess {
   // a replicated load reads each byte once and copies the rest between devices); no verify then.
   static LoadedCheckpoint load(const std::string& path, const LoadOptions& options, const std::vector<CheckpointFile>& files,
                                const std::set<std::string>* read_only);
-  static void verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files);
+  // strict: a file without checksums is an Error(Errc::no_checksums); else it is named in
+  // result.unverified_files() and its tensors are left unchecked.
+  static void verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files, bool strict);
   static void adopt(LoadedCheckpoint& result, Buffer buffer) { result.buffers_.push_back(std::move(buffer)); }
   static Stats& stats(LoadedCheckpoint& result) { return result.stats_; }
 };
 
-// Throws Error(ENODATA) naming the first file without hbmio checksums (nothing to verify against).
+// Throws Error(Errc::no_checksums) naming the first file without hbmio checksums.
 void require_checksums(const std::vector<CheckpointFile>& files);
 
 // Splits tensors of these sizes (file order) into `n` contiguous runs of about equal bytes and

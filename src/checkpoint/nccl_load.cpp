@@ -40,7 +40,8 @@ DistributedPlan plan_distributed(const std::string& path, const std::vector<Chec
   out.range = split.range;
   // What every rank must agree on: the options that decide what happens after the agreement, the
   // layout and who reads what.
-  std::string text = fmt::format("{} verify={}\n", replicate ? "replicate" : "shard", options.verify);
+  std::string text = fmt::format("{} verify={} strict={}\n", replicate ? "replicate" : "shard", options.verify,
+                                 options.require_checksums);
   for (std::size_t i = 0; i < out.tensors.size(); ++i) {
     const PlannedTensor& t = out.tensors[i];
     text += fmt::format("{}|{}|{}|{}|{}|{}\n", t.name, safetensors::to_string(t.dtype), fmt::join(t.shape, ","), t.size,
@@ -86,7 +87,7 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
                   fmt::format("LoadOptions::into is {}, but this rank's communicator is on cuda:{}", into.to_string(), device));
     files = open_checkpoint(path);
     // Found here, before any read, so every rank stops alike.
-    if (replicate && options.load.verify) detail::require_checksums(files);
+    if (replicate && options.load.verify && options.load.require_checksums) detail::require_checksums(files);
     LoadOptions layout = options.load;
     layout.layout = TensorLayout::single_allocation;
     layout.destination = {};
@@ -147,7 +148,7 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
     }
     shim::nccl_check(comm, nccl.group_end(), "ncclGroupEnd");
     stream.synchronize(context);
-    if (options.load.verify) detail::LoadAccess::verify(result.checkpoint, files);
+    if (options.load.verify) detail::LoadAccess::verify(result.checkpoint, files, options.load.require_checksums);
   }
   Stats total;
   timer.finish(total);

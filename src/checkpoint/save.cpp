@@ -715,7 +715,7 @@ AddChecksumsResult add_checksums_unguarded(const std::string& path, bool force, 
         continue;
       }
       if (!force)
-        throw Error(errno_code(EBADMSG), context,
+        throw Error(make_error_code(Errc::verify_failed), context,
                     fmt::format("its stored checksums do not match ({}); new ones would certify damaged data "
                                 "(force recomputes them)",
                                 *bad));

@@ -18,7 +18,33 @@ std::string describe(const std::error_code& code, const ErrorContext& c, const s
   return text;
 }
 
+class HbmioCategory final : public std::error_category {
+ public:
+  const char* name() const noexcept override { return "hbmio"; }
+  std::string message(int value) const override {
+    switch (static_cast<Errc>(value)) {
+      case Errc::verify_failed: return "verification failed";
+      case Errc::no_checksums: return "nothing to verify against";
+    }
+    return "hbmio error " + std::to_string(value);
+  }
+  // So that code comparing with errno values still matches: EIO for a failed verification (the
+  // data read is not the data written), ENODATA for a missing checksum.
+  std::error_condition default_error_condition(int value) const noexcept override {
+    switch (static_cast<Errc>(value)) {
+      case Errc::verify_failed: return std::errc::io_error;
+      case Errc::no_checksums: return std::errc::no_message_available;
+    }
+    return {value, *this};
+  }
+};
+
 }  // namespace
+
+const std::error_category& hbmio_category() noexcept {
+  static const HbmioCategory category;
+  return category;
+}
 
 Error::Error(std::error_code code, ErrorContext context, const std::string& detail)
     : std::system_error(code),

@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -26,8 +27,11 @@ namespace {
 namespace st = safetensors;
 
 struct CkptFlags {
-  std::string path, into = "host", backend = default_backend(), json, names, layout = "single", placement = "shard";
-  bool verify = false, no_checksums = false, reuse_memory = false, drop_cache = false, force = false;
+  // placement: replicate, as the Python load's default (every location gets every tensor: what a
+  // program that does not know about shards expects).
+  std::string path, into = "host", backend = default_backend(), json, names, layout = "single", placement = "replicate";
+  std::string verify;  // "" (off), checksums, strict or bytes
+  bool no_checksums = false, reuse_memory = false, drop_cache = false, force = false, verbose = false;
   unsigned runs = 1;
   // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each
   unsigned count = 8;
@@ -114,6 +118,31 @@ std::vector<MemoryLocation> parse_locations(const std::string& text) {
   return out;
 }
 
+// --verify=bytes: every loaded tensor against a plain read of its bytes in its file (an
+// independent read, for files without checksums). Throws Error(Errc::verify_failed) at the first
+// difference, naming the tensor.
+void check_bytes(const LoadedCheckpoint& loaded) {
+  for (const auto& t : loaded.tensors())
+    if (const auto at = first_difference(t.data, t.file, t.file_offset))
+      throw Error(make_error_code(Errc::verify_failed), {.op = "verify", .path = t.file, .offset = *at},
+                  fmt::format("tensor '{}' as loaded differs from a plain read of the file at byte {}", t.name, *at));
+}
+
+// What a load's --verify found, in words: which files it could not check, and why.
+void report_verification(const CkptFlags& f, const LoadedCheckpoint& loaded) {
+  if (f.verify == "bytes") {
+    fmt::print("verified: every tensor identical to a plain read of its file\n");
+  } else if (!f.verify.empty() && loaded.unverified_files().empty()) {
+    fmt::print("verified: every tensor's XXH3-64 checksum matches\n");
+  } else if (!f.verify.empty()) {
+    const auto& files = loaded.unverified_files();
+    fmt::print("not verified: {} file(s) of the checkpoint hold no hbmio checksums ({}{}); their tensors were loaded "
+               "unchecked. Add checksums with `hbmio ckpt checksum`, compare bytes with --verify=bytes, or refuse such "
+               "files with --verify=strict\n",
+               files.size(), files.front(), files.size() > 1 ? fmt::format(" and {} more", files.size() - 1) : "");
+  }
+}
+
 // Several locations: one pipeline each, all at once (load_checkpoint_multi).
 int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) {
   if (f.placement != "shard" && f.placement != "replicate")
@@ -124,7 +153,8 @@ int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) 
     if (where.kind == MemoryKind::device) Buffer::allocate(where, 1);  // contexts made before timing
   MultiLoadOptions options{.into = into, .placement = f.placement == "shard" ? Placement::shard : Placement::replicate};
   options.load.names = split_list(f.names, "--names");
-  options.load.verify = f.verify;
+  options.load.verify = f.verify == "checksums" || f.verify == "strict";
+  options.load.require_checksums = f.verify == "strict";
   options.load.backend = f.backend;
   options.load.engine_options = f.tuning.resolve();
   // One engine per location for every run: rings and pinned buffers are set up once.
@@ -152,11 +182,13 @@ int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) 
     for (const auto& t : c.tensors()) bytes += t.data.size;
     locations.push_back({{"into", into[k].to_string()}, {"tensors", c.tensors().size()}, {"tensor_bytes", bytes},
                          {"bytes_from_storage", c.stats().bytes}, {"verified", c.verified()}, {"stats", to_json(c.stats())}});
+    if (f.verify == "bytes") check_bytes(c);
   }
   const double gib = static_cast<double>(f.placement == "shard" ? r.bytes_from_storage : r.bytes_from_storage * into.size()) / (1 << 30);
   if (!f.json.empty()) {
     write_json({{"path", f.path}, {"placement", f.placement}, {"seconds", r.seconds}, {"bytes_from_storage", r.bytes_from_storage},
                 {"bytes_between_locations", r.bytes_between_locations}, {"gib_per_second_delivered", gib / r.seconds},
+                {"verify", f.verify.empty() ? "off" : f.verify}, {"unverified_files", r.locations[0].unverified_files()},
                 {"run_seconds", seconds}, {"median_seconds", median}, {"median_gib_per_second_delivered", gib / median},
                 {"locations", locations}},
                f.json);
@@ -170,6 +202,7 @@ int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) 
              f.placement, into.size(), r.seconds, format_size(r.bytes_from_storage), format_size(r.bytes_between_locations),
              gib / r.seconds);
   if (f.runs > 1) fmt::print("median of {} runs: {:.3f} s, {:.2f} GiB/s delivered\n", f.runs, median, gib / median);
+  report_verification(f, r.locations[0]);
   return 0;
 }
 
@@ -186,7 +219,8 @@ int run_load(const CkptFlags& f) {
     for (const auto& t : file.header.tensors) total += t.size();
   LoadOptions options{.into = into, .names = split_list(f.names, "--names"),
                       .layout = f.layout == "per-tensor" ? TensorLayout::per_tensor : TensorLayout::single_allocation,
-                      .verify = f.verify, .engine = engine.get()};
+                      .verify = f.verify == "checksums" || f.verify == "strict", .require_checksums = f.verify == "strict",
+                      .engine = engine.get()};
   // --reuse-memory: one allocation, made before timing, that every run loads into (what a
   // framework's caching allocator gives its loaders after the first load).
   Buffer reused;
@@ -207,14 +241,17 @@ int run_load(const CkptFlags& f) {
     loaded = load_checkpoint(f.path, options);
     seconds.push_back(loaded->stats().seconds);
     notes.push_back(loaded->stats().note);  // the first run's says what first use cost
-    if (f.runs > 1 && f.json != "-") fmt::print("run {}/{}: {}\n", run, f.runs, summary_line(loaded->stats()));
+    if (f.runs > 1 && f.json != "-") fmt::print("run {}/{}: {}\n", run, f.runs, summary_line(loaded->stats(), f.verbose));
   }
+  if (f.verify == "bytes") check_bytes(*loaded);
   const double median = median_of(seconds);
   const Stats& s = loaded->stats();
   if (!f.json.empty()) {
     nlohmann::json tensors = nlohmann::json::array();
     for (const auto& t : loaded->tensors()) tensors.push_back(tensor_json(t.name, t.dtype, t.shape, t.data.size, t.file, t.file_offset));
-    write_json({{"path", f.path}, {"into", f.into}, {"verified", loaded->verified()}, {"reuse_memory", f.reuse_memory},
+    write_json({{"path", f.path}, {"into", f.into}, {"verify", f.verify.empty() ? "off" : f.verify},
+                {"verified", loaded->verified() || f.verify == "bytes"}, {"unverified_files", loaded->unverified_files()},
+                {"reuse_memory", f.reuse_memory},
                 {"page_cache", f.drop_cache ? cache : std::string("as found")}, {"stats", to_json(s)},
                 {"run_seconds", seconds}, {"run_notes", notes}, {"median_seconds", median},
                 {"median_gib_per_second", static_cast<double>(s.bytes) / median / (1 << 30)}, {"tensors", tensors}},
@@ -224,8 +261,8 @@ int run_load(const CkptFlags& f) {
   if (f.runs > 1)
     fmt::print("median of {} runs: {:.3f} s, {:.2f} GiB/s\n", f.runs, median, static_cast<double>(s.bytes) / median / (1 << 30));
   else
-    fmt::print("{}\n", summary_line(s));
-  if (loaded->verified()) fmt::print("verified: every tensor's XXH3-64 checksum matches\n");
+    fmt::print("{}\n", summary_line(s, f.verbose));
+  report_verification(f, *loaded);
   return 0;
 }
 
@@ -304,11 +341,15 @@ void refuse_to_replace(const CkptFlags& f) {
 
 int run_save(const CkptFlags& f, const std::atomic<bool>& stop) {
   refuse_to_replace(f);
-  const auto dtype = st::parse_dtype(f.dtype);
+  // A file's header spells dtypes in capitals (and a reader must refuse other spellings); a user
+  // typing one need not: bf16 is BF16.
+  std::string upper = f.dtype;
+  for (auto& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const auto dtype = st::parse_dtype(upper);
   if (!dtype)
     throw Error(errno_code(EINVAL), {.op = "ckpt generate --dtype"},
                 fmt::format("unknown dtype '{}' (one of BOOL U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 "
-                            "BF16 I32 U32 F32 C64 F64 I64 U64 F4 F6_E2M3 F6_E3M2, as written)",
+                            "BF16 I32 U32 F32 C64 F64 I64 U64 F4 F6_E2M3 F6_E3M2, in any case)",
                             f.dtype));
   const std::uint64_t bytes = parse_size(f.tensor_size);
   std::uint64_t max_shard_size = 0;
@@ -391,7 +432,7 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   auto* load = ckpt->add_subcommand("load", "Load every tensor (or --names) into memory and report the throughput");
   load->add_option("path", flags->path, path_help)->required();
   load->add_option("--into", flags->into,
-                   "host, pinned or cuda:N; several, comma-separated (cuda:0,1), load with one pipeline each (see --placement)")
+                   "host (or cpu), pinned, cuda or cuda:N; several, comma-separated (cuda:0,1), load with one pipeline each (see --placement)")
       ->capture_default_str();
   load->add_option("--placement", flags->placement,
                    "With several --into locations: shard (each tensor to one location, balanced by bytes) or replicate "
@@ -405,7 +446,14 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
       ->check(one_of({"single", "per-tensor"}))
       ->check(CLI::IsMember({"single", "per-tensor"}))
       ->capture_default_str();
-  load->add_flag("--verify", flags->verify, "Check every tensor against its stored XXH3-64 checksum");
+  load->add_flag("--verify{checksums}", flags->verify,
+                 "Check what was loaded. --verify (=checksums): every tensor against its file's stored XXH3-64 "
+                 "checksum; files without checksums (written by other tools) load unchecked, and the output names "
+                 "them. --verify=strict: such files are an error. --verify=bytes: every tensor against a plain read of "
+                 "the file (any file; reads the checkpoint twice)")
+      ->type_name("[=checksums|strict|bytes]")
+      ->check(one_of({"checksums", "strict", "bytes"}));
+  load->add_flag("-v,--verbose", flags->verbose, "Print the load's whole note (the engine's choices, first-use set-up)");
   load->add_option("--runs", flags->runs, "Load N times with one engine and report the median (a benchmark)")
       ->check(CLI::Range(1u, 1000u))
       ->capture_default_str();
@@ -435,7 +483,7 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   save->add_option("--count", flags->count, "Number of tensors")->capture_default_str();
   save->add_option("--tensor-size", flags->tensor_size, "Bytes per tensor (e.g. 128MiB)")->capture_default_str()->check(size_value());
   save->add_option("--dtype", flags->dtype, "Element type (BF16, F32, U8, ...)")->capture_default_str();
-  save->add_option("--from", flags->from, "Memory the tensors live in: host, pinned or cuda:N")->capture_default_str();
+  save->add_option("--from", flags->from, "Memory the tensors live in: host (or cpu), pinned, cuda or cuda:N")->capture_default_str();
   save->add_option("--seed", flags->seed, "Seed of the generated data")->capture_default_str();
   save->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
   save->add_flag("--no-checksums", flags->no_checksums, "Do not store XXH3-64 checksums");
@@ -468,9 +516,15 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   checksum->add_option("path", flags->path, path_help)->required();
   checksum->add_flag("--force", flags->force,
                      "Recompute the checksums of files whose stored ones do not match (the data is taken as it is now)");
+  add_json_option(checksum, flags->json, "Write the outcome {path, files_rewritten, files_already_valid}");
   checksum->callback([flags, &exit_status] {
     const auto work = [flags](const std::atomic<bool>& stop) {
       const AddChecksumsResult r = add_checksums(flags->path, flags->force, &stop);
+      if (!flags->json.empty())
+        write_json({{"command", "ckpt checksum"}, {"path", flags->path}, {"files_rewritten", r.files_rewritten},
+                    {"files_already_valid", r.files_already_valid}},
+                   flags->json);
+      if (flags->json == "-") return 0;
       if (r.files_rewritten == 0)
         fmt::print("{}: checksums already present and matching ({} file(s)); nothing rewritten\n", flags->path, r.files_already_valid);
       else
