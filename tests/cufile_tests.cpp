@@ -15,6 +15,7 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"
@@ -38,6 +40,7 @@
 #include "io/cufile_verdict.hpp"
 #include "io/engine_internal.hpp"
 #include "shim/cufile_api.hpp"
+#include "test_support.hpp"
 
 namespace {
 
@@ -209,9 +212,27 @@ TEST(CufileShim, ExplicitLibraryIsTheOnlyCandidate) {
   }
   const ScopedEnv env("HBMIO_CUFILE_LIBRARY", nullptr);
   const auto candidates = CufileApi::default_candidates();
-  ASSERT_EQ(candidates.size(), 2u);
+  ASSERT_GE(candidates.size(), 2u);
   EXPECT_EQ(candidates[0], "libcufile.so.0");
   EXPECT_EQ(candidates[1], "/usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.0");
+}
+
+// The command line finds the nvidia-cufile wheel of a Python environment as the Python package
+// does (there torch has usually loaded it): here through $VIRTUAL_ENV, in both wheel layouts.
+TEST(CufileShim, FindsTheWheelOfTheActivePythonEnvironment) {
+  const hbmio::test::TempDir env;
+  const std::string cu13 = env.file("lib/python3.12/site-packages/nvidia/cu13/lib/libcufile.so.0");
+  const std::string cu12 = env.file("lib/python3.12/site-packages/nvidia/cufile/lib/libcufile.so.0");
+  for (const auto& path : {cu13, cu12}) {
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+    hbmio::test::write_file(path, {});
+  }
+  const ScopedEnv explicit_library("HBMIO_CUFILE_LIBRARY", nullptr);
+  const ScopedEnv venv("VIRTUAL_ENV", env.path().c_str());
+  const auto candidates = CufileApi::default_candidates();
+  EXPECT_NE(std::find(candidates.begin(), candidates.end(), cu13), candidates.end()) << fmt::format("{}", fmt::join(candidates, " "));
+  EXPECT_NE(std::find(candidates.begin(), candidates.end(), cu12), candidates.end()) << fmt::format("{}", fmt::join(candidates, " "));
+  EXPECT_EQ(candidates[0], "libcufile.so.0") << "the loader's own search (and a loaded copy) comes first";
 }
 
 TEST(CufileShim, LoadsARealLibrary) {

@@ -1,10 +1,13 @@
 #include "shim/cufile_api.hpp"
 
 #include <dlfcn.h>
+#include <glob.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <exception>
+#include <filesystem>
 #include <optional>
 #include <utility>
 
@@ -125,10 +128,50 @@ std::string describe_cufile_error(CUfileError_t status) {
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// The Python environments this code may belong to, as prefixes holding lib/python3.*/: the one
+// whose bin/ holds this program (`pip install .` puts the hbmio command there), the one whose
+// site-packages holds this code (the Python extension), and the active virtualenv or conda one.
+std::vector<std::string> python_prefixes() {
+  std::vector<std::string> prefixes;
+  const auto add = [&](std::string prefix) {
+    while (prefix.size() > 1 && prefix.back() == '/') prefix.pop_back();
+    if (!prefix.empty() && std::find(prefixes.begin(), prefixes.end(), prefix) == prefixes.end()) prefixes.push_back(prefix);
+  };
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec && exe.parent_path().filename() == "bin") add(exe.parent_path().parent_path().string());
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&python_prefixes), &info) != 0 && info.dli_fname != nullptr) {
+    const std::string self = info.dli_fname;
+    if (const auto at = self.find("/lib/python3"); at != std::string::npos) add(self.substr(0, at));
+  }
+  for (const char* var : {"VIRTUAL_ENV", "CONDA_PREFIX"})
+    if (const char* value = std::getenv(var); value != nullptr && *value) add(value);
+  return prefixes;
+}
+
+}  // namespace
+
+// One search order for the command line and Python: a Python process often has libcufile loaded
+// already (torch loads the nvidia-cufile wheel's copy), which "libcufile.so.0" then finds by its
+// name; the hbmio command finds the same wheel through the environment it is installed in.
 std::vector<std::string> CufileApi::default_candidates() {
   if (const char* explicit_path = std::getenv("HBMIO_CUFILE_LIBRARY"); explicit_path != nullptr && *explicit_path)
     return {explicit_path};
-  return {"libcufile.so.0", "/usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.0"};
+  std::vector<std::string> candidates = {"libcufile.so.0", "/usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.0"};
+  for (const std::string& prefix : python_prefixes()) {
+    // nvidia-cufile wheels: CUDA 13's lay libraries out in nvidia/cu13/lib, CUDA 12's in nvidia/cufile/lib.
+    for (const char* layout : {"nvidia/cu13/lib", "nvidia/cufile/lib"}) {
+      const std::string pattern = prefix + "/lib/python3*/site-packages/" + layout + "/libcufile.so.0";
+      glob_t found{};
+      if (::glob(pattern.c_str(), 0, nullptr, &found) == 0)
+        for (std::size_t i = 0; i < found.gl_pathc; ++i) candidates.emplace_back(found.gl_pathv[i]);
+      ::globfree(&found);
+    }
+  }
+  return candidates;
 }
 
 std::unique_ptr<CufileApi> CufileApi::load(const std::vector<std::string>& candidates) {

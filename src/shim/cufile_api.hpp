@@ -328,7 +328,9 @@ class CufileApi {
  public:
   // Where instance() looks: HBMIO_CUFILE_LIBRARY alone when it is set (an explicit choice that
   // fails must say so instead of silently loading another copy); otherwise "libcufile.so.0" (the
-  // loader's search path) and then the CUDA toolkit's x86-64 target directory.
+  // loader's search path, and a copy the process has loaded already), the CUDA toolkit's x86-64
+  // target directory, and then an nvidia-cufile wheel in the Python environment this program or
+  // library is installed in (or $VIRTUAL_ENV, $CONDA_PREFIX).
   static std::vector<std::string> default_candidates();
 
   // Loads the first of `candidates` that dlopen accepts and that has every required entry
