@@ -51,6 +51,7 @@ using hbmio::safetensors::Dtype;
 namespace {
 
 PyObject* g_error_type = nullptr;  // hbmio.Error (a subclass of OSError); lives as long as the module
+PyObject* g_verify_error_type = nullptr;  // hbmio.VerifyError (a subclass of hbmio.Error), held by the module
 
 // Subclasses of hbmio.Error that are also the OSError subclass Python itself raises for an errno
 // value (FileNotFoundError for ENOENT, ...): code written for safetensors or open() catches
@@ -697,7 +698,11 @@ void translate(const std::exception_ptr& p, void*) {
     } else if (const auto condition = e.code().default_error_condition(); condition.category() == std::generic_category()) {
       err = condition.value();
     }
-    PyObject* type = err != 0 ? error_type_for(err) : g_error_type;
+    // A failed verification is a finding about the data, which callers tell apart from a failed
+    // read: its own type (errno stays EIO, what the category maps it to).
+    const bool verify_failed =
+        category == hbmio::hbmio_category() && e.code().value() == static_cast<int>(hbmio::Errc::verify_failed);
+    PyObject* type = verify_failed ? g_verify_error_type : err != 0 ? error_type_for(err) : g_error_type;
     nb::object args = err != 0 ? nb::make_tuple(err, e.what()) : nb::make_tuple(e.what());
     raise_error(type, args, &e);
   } catch (const std::system_error& e) {
@@ -720,7 +725,7 @@ PyObject* error_str(PyObject* self, PyObject*) {
 }
 PyMethodDef g_error_str_def = {"__str__", error_str, METH_NOARGS, nullptr};
 
-// Makes hbmio.Error, its errno subclasses and hbmio.VerifyError, as attributes of `m`.
+// Makes hbmio.Error, hbmio.VerifyError and the errno subclasses, as attributes of `m`.
 void make_error_types(nb::module_& m) {
   g_error_type = PyErr_NewExceptionWithDoc(
       "hbmio.Error",
@@ -735,6 +740,13 @@ void make_error_types(nb::module_& m) {
   if (str == nullptr || PyObject_SetAttrString(g_error_type, "__str__", str) != 0) throw nb::python_error();
   Py_DECREF(str);
   m.attr("Error") = nb::handle(g_error_type);
+  g_verify_error_type = PyErr_NewExceptionWithDoc(
+      "hbmio.VerifyError",
+      "hbmio.Error for a verification that failed: a stored checksum, a byte comparison or a header check "
+      "did not match what was read (verify=True). errno is EIO.",
+      g_error_type, nullptr);
+  if (g_verify_error_type == nullptr) throw nb::python_error();
+  m.attr("VerifyError") = nb::steal(g_verify_error_type);
   for (auto& t : g_errno_types) {
     if (nb::hasattr(m, t.name)) {  // EPERM: the type made for EACCES
       t.type = m.attr(t.name).ptr();

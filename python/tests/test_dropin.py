@@ -396,3 +396,27 @@ def test_the_wheel_installs_the_hbmio_command():
     done = subprocess.run([str(command), "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"hbmio {hbmio.__version__}"  # the same build as the module
+
+
+# --- 12. verification failures ----------------------------------------------------------------------
+
+def test_a_failed_verification_is_a_verify_error(tmp_path):
+    path = tmp_path / "checked.safetensors"
+    hbmio.save_file({"a": np.arange(4096, dtype=np.int32), "b": np.ones(64, np.float32)}, path)  # with checksums
+    with open(path, "r+b") as f:  # one byte of tensor a's data, past the header
+        f.seek(-(64 * 4) - 100, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    hbmio.load_file(path, framework="numpy")  # not verified: loads
+    for call in (lambda: hbmio.load_file(path, framework="numpy", verify=True),
+                 lambda: ht.load_file(path, verify=True),
+                 lambda: hbmio.open(path, "np").get_tensor("a", verify=True)):
+        with pytest.raises(hbmio.VerifyError, match="tensor 'a'") as info:
+            call()
+        e = info.value
+        assert isinstance(e, hbmio.Error) and e.errno == errno.EIO and e.filename == str(path)
+    # Other failures are not VerifyError: a missing file, a file without checksums asked to verify.
+    with pytest.raises(hbmio.Error) as info:
+        hbmio.load_file(tmp_path / "absent.safetensors", verify=True)
+    assert not isinstance(info.value, hbmio.VerifyError)
