@@ -30,7 +30,7 @@ import threading as _threading
 import time as _time
 
 from . import _hbmio
-from ._hbmio import Error, VerifyError, backends, cuda_device_count, cuda_unavailable_reason, _release_engines
+from ._hbmio import Error, NotVerifiedWarning, VerifyError, backends, cuda_device_count, cuda_unavailable_reason, _release_engines
 # hbmio.Error subclasses that are also Python's own OSError subclass for the errno value
 # (`except FileNotFoundError` catches a missing checkpoint). They shadow the builtins in this
 # module's namespace: code here that means Python's own names them through `builtins`.
@@ -43,7 +43,7 @@ _memory_counters = _hbmio._memory_counters
 _idle_engines = _hbmio._idle_engines
 
 __version__ = _hbmio.__version__
-__all__ = ["Error", "VerifyError", "DeviceError", "load_file", "save_file", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers",
+__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "load_file", "save_file", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers",
            "cuda_device_count", "cuda_unavailable_reason"]
 
 # Free the pooled engines while the CUDA runtime is still alive (a static destructor would run
@@ -309,8 +309,10 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                  "torch" when torch imports, else "dlpack".
       backend    "auto", "posix", "uring" or "cufile"; None (the default): $HBMIO_BACKEND where
                  set, else "auto".
-      verify     recompute the checksums stored in the file (hbmio.VerifyError, an hbmio.Error,
-                 on a mismatch).
+      verify     True (or "checksums"): recompute the checksums stored in each file
+                 (hbmio.VerifyError, an hbmio.Error, on a mismatch); files without hbmio checksums
+                 (any file another tool wrote) load unchecked with an hbmio.NotVerifiedWarning
+                 naming them. "strict": such files are an hbmio.Error before anything is read.
       names      load only these tensors (a str is one name).
       progress   draw a progress bar on stderr.
       group      a torch.distributed process group (e.g. dist.group.WORLD): the ranks divide the

@@ -51,6 +51,7 @@ using hbmio::safetensors::Dtype;
 namespace {
 
 PyObject* g_error_type = nullptr;  // hbmio.Error (a subclass of OSError); lives as long as the module
+PyObject* g_not_verified_type = nullptr;  // hbmio.NotVerifiedWarning (a UserWarning), held by the module
 PyObject* g_verify_error_type = nullptr;  // hbmio.VerifyError (a subclass of hbmio.Error), held by the module
 
 // Subclasses of hbmio.Error that are also the OSError subclass Python itself raises for an errno
@@ -168,20 +169,54 @@ struct Progress {
   std::atomic<std::uint64_t> done{0};
 };
 
-hbmio::LoadOptions load_options(const std::string& backend, bool verify, std::optional<std::vector<std::string>> names,
+// verify=: False/None (off), True or "checksums" (files without checksums load, with a
+// NotVerifiedWarning naming them), "strict" (such files are an error before anything is read).
+struct VerifyMode {
+  bool verify = false;
+  bool strict = false;
+};
+
+VerifyMode verify_mode(nb::handle value) {
+  if (value.is_none()) return {};
+  if (nb::isinstance<nb::bool_>(value)) return {nb::cast<bool>(value), false};
+  if (nb::isinstance<nb::str>(value)) {
+    const std::string text = nb::cast<std::string>(value);
+    if (text == "checksums") return {true, false};
+    if (text == "strict") return {true, true};
+  }
+  throw nb::value_error(("verify must be False, True (\"checksums\") or \"strict\", not " +
+                         nb::cast<std::string>(nb::repr(value)))
+                            .c_str());
+}
+
+// With the GIL held: warns that files without checksums were loaded unchecked. A filter that turns
+// warnings into errors makes it raise.
+void warn_unverified(const hbmio::LoadedCheckpoint& loaded) {
+  const auto& files = loaded.unverified_files();
+  if (files.empty()) return;
+  const std::string text =
+      "not verified: " + std::to_string(files.size()) + " file(s) hold no hbmio checksums (" + files.front() +
+      (files.size() > 1 ? " and " + std::to_string(files.size() - 1) + " more" : std::string()) +
+      "); their tensors were loaded unchecked (add checksums with `hbmio ckpt checksum`, or pass verify=\"strict\" "
+      "to refuse such files)";
+  if (PyErr_WarnEx(g_not_verified_type, text.c_str(), 2) != 0) throw nb::python_error();
+}
+
+hbmio::LoadOptions load_options(const std::string& backend, VerifyMode verify, std::optional<std::vector<std::string>> names,
                                 Progress* progress) {
   hbmio::LoadOptions options;
   options.backend = backend;
-  options.verify = verify;
+  options.verify = verify.verify;
+  options.require_checksums = verify.strict;
   if (names) options.names = std::move(*names);
   if (progress) options.progress = &progress->done;
   return options;
 }
 
 // Loads and wraps every tensor as a DLPack array owned by one capsule.
-nb::dict load(const std::string& path, const std::string& device, const std::string& backend, bool verify,
+nb::dict load(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
               std::optional<std::vector<std::string>> names, Progress* progress) {
-  hbmio::LoadOptions options = load_options(backend, verify, std::move(names), progress);
+  hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress);
   options.into = parse_device(device);
   auto* loaded = new hbmio::LoadedCheckpoint();
   try {
@@ -195,6 +230,7 @@ nb::dict load(const std::string& path, const std::string& device, const std::str
   }
   // From here the capsule owns the checkpoint (its destructor runs when the last array goes).
   nb::capsule owner(loaded, [](void* p) noexcept { delete static_cast<hbmio::LoadedCheckpoint*>(p); });
+  warn_unverified(*loaded);
   nb::dict result;
   for (const auto& t : loaded->tensors()) {
     std::vector<std::size_t> shape(t.shape.begin(), t.shape.end());
@@ -341,11 +377,11 @@ Target target_of(nb::handle h) {
 // per tensor in file order, (name, dtype, shape, byte offset in dest); the caller builds views.
 // With entries=False it returns None: a caller that has the layout from _plan (of the same
 // SafeOpen) skips building thousands of tuples.
-nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, bool verify,
+nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, nb::handle verify,
                      std::optional<std::vector<std::string>> names, Progress* progress, bool entries) {
   const Target target = target_of(checkpoint);
   RawArray to = raw_array(dest, true, "_load_into");
-  hbmio::LoadOptions options = load_options(backend, verify, std::move(names), progress);
+  hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress);
   // The load's location is the destination's: they cannot disagree. A host destination gets the
   // host kind (a cuda_host array may be pinned, but the engine only needs to know it is host).
   options.into = to.span.location;
@@ -361,6 +397,7 @@ nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& 
     loaded = target.files ? hbmio::load_checkpoint_files(target.path, *target.files, options)
                           : hbmio::load_checkpoint(target.path, options);
   }
+  warn_unverified(loaded);
   if (!entries) return nb::none();
   nb::list out;
   for (const auto& t : loaded.tensors()) {
@@ -747,6 +784,13 @@ void make_error_types(nb::module_& m) {
       g_error_type, nullptr);
   if (g_verify_error_type == nullptr) throw nb::python_error();
   m.attr("VerifyError") = nb::steal(g_verify_error_type);
+  g_not_verified_type = PyErr_NewExceptionWithDoc(
+      "hbmio.NotVerifiedWarning",
+      "verify=True loaded files that hold no hbmio checksums (any file another tool wrote): their tensors "
+      "were not checked. verify=\"strict\" refuses such files instead.",
+      PyExc_UserWarning, nullptr);
+  if (g_not_verified_type == nullptr) throw nb::python_error();
+  m.attr("NotVerifiedWarning") = nb::steal(g_not_verified_type);
   for (auto& t : g_errno_types) {
     if (nb::hasattr(m, t.name)) {  // EPERM: the type made for EACCES
       t.type = m.attr(t.name).ptr();
@@ -775,12 +819,12 @@ NB_MODULE(_hbmio, m) {
       .def_prop_ro("done", [](const Progress& p) { return p.done.load(std::memory_order_relaxed); });
 
   m.def("load_file", &load, nb::arg("path"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
-        nb::arg("verify") = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
+        nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
         "Loads a .safetensors file, a sharded *.index.json or a directory holding either into `device` "
         "(\"cpu\", \"pinned\", \"cuda\", \"cuda:N\"). Returns {name: DLPack array} in file order.");
 
   m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
-        nb::arg("verify") = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
+        nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
         nb::arg("entries") = true,
         "Loads `checkpoint` (a path, or a SafeOpen: its headers are not read again) into `dest` (a writable "
         "C-contiguous array, host or CUDA, that holds _plan()'s layout: last offset + bytes); "
@@ -824,7 +868,7 @@ NB_MODULE(_hbmio, m) {
      "(name, dtype, shape, bytes, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
 
   m.def("_plan_distributed", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names, int world,
-                                 const std::string& placement, std::map<std::string, int> shard_map, bool verify) {
+                                 const std::string& placement, std::map<std::string, int> shard_map, nb::handle verify) {
     // hbmio::plan_distributed: the plan the C++ NCCL load uses, so torch.distributed loads split,
     // check shard maps and agree exactly as it does. Returns (plan as _plan gives it, the rank that
     // reads each tensor, each rank's (begin, end) of the layout, the digest the ranks compare).
@@ -834,7 +878,9 @@ NB_MODULE(_hbmio, m) {
                          "placement must be 'replicate' or 'shard', not '" + placement + "'");
     hbmio::LoadOptions options;
     if (names) options.names = std::move(*names);
-    options.verify = verify;
+    const VerifyMode mode = verify_mode(verify);
+    options.verify = mode.verify;
+    options.require_checksums = mode.strict;
     hbmio::DistributedPlan plan;
     {
       nb::gil_scoped_release release;
@@ -853,7 +899,7 @@ NB_MODULE(_hbmio, m) {
     char digest[17];
     std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(plan.digest));
     return nb::make_tuple(tensors, plan.reader, ranges, std::string(digest));
-  }, nb::arg("checkpoint"), nb::arg("names").none(), nb::arg("world"), nb::arg("placement"), nb::arg("shard_map"), nb::arg("verify"),
+  }, nb::arg("checkpoint"), nb::arg("names").none(), nb::arg("world"), nb::arg("placement"), nb::arg("shard_map"), nb::arg("verify").none(),
      "hbmio::plan_distributed: (plan, reader per tensor, (begin, end) per rank, digest).");
 
   m.def("_read_into", &read_into, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
@@ -1020,12 +1066,12 @@ NB_MODULE(_hbmio, m) {
       }, nb::arg("indices"), nb::arg("dests"), nb::arg("backend") = "auto", nb::keep_alive<0, 1>(),
          "Starts _read of whole tensors on a thread of its own; .wait() on the result waits for it.")
       .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
-                            const std::string& backend, bool verify) {
+                            const std::string& backend, nb::handle verify) {
         h.info(name);  // KeyError for an unknown name
         nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr);
         return nb::object(one[nb::str(name.c_str(), name.size())]);
       }, nb::arg("name"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
-         nb::arg("verify") = false)
+         nb::arg("verify").none() = false)
       .def("__enter__", [](nb::handle self) { return nb::borrow(self); })
       .def("__exit__", [](nb::handle, nb::args) { return false; });
 }

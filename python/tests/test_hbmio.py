@@ -11,6 +11,7 @@ NumPy does have is additionally checked through np.from_dlpack (dtype, shape, by
 from __future__ import annotations
 
 import gc
+import errno
 import hashlib
 import json
 import os
@@ -770,9 +771,11 @@ def test_sharded_save_loads_back(tmp_path, max_shard_size, counters_settle):
 def test_parse_size():
     assert hbmio._parse_size(123) == 123
     assert hbmio._parse_size("5GB") == 5 * 10**9 and hbmio._parse_size("2GiB") == 2 << 30
-    assert hbmio._parse_size("500MB") == 500 * 10**6 and hbmio._parse_size("64k") == 64000
+    # The command line's parser: decimal KB/MB/GB as Hugging Face, binary K/M/G and KiB/MiB/GiB.
+    assert hbmio._parse_size("500MB") == 500 * 10**6 and hbmio._parse_size("64k") == 64 << 10
     assert hbmio._parse_size("1.5MiB") == 3 << 19 and hbmio._parse_size("4096") == 4096
-    for bad in ("", "5 parsecs", "GB", -1, 1.5, None):
+    assert hbmio._parse_size("2KB") == 2000 and hbmio._parse_size("2K") == 2048
+    for bad in ("", "5 parsecs", "GB", -1, 1.5, None, "5Gb", "5gb"):
         with pytest.raises(ValueError):
             hbmio._parse_size(bad)
     with pytest.raises(ValueError):
@@ -821,3 +824,34 @@ def test_dlpack_into_jax_without_a_copy(counters_settle):
         assert sha256(np.asarray(j).tobytes()) == expected[name]["sha256"], name
         del j
     del arrays
+
+
+def test_verify_on_files_without_checksums(tmp_path):
+    """verify=True loads another tool's file and says it could not check it; "strict" refuses it;
+    a damaged file with checksums is a VerifyError (EIO), never errno text alone."""
+    import warnings
+    from safetensors.numpy import save_file as reference_save
+    plain = tmp_path / "plain.safetensors"
+    reference_save({"w": np.arange(16, dtype=np.float32)}, str(plain))
+    with pytest.warns(hbmio.NotVerifiedWarning, match="plain.safetensors"):
+        got = hbmio.load_file(plain, framework="numpy", verify=True)
+    assert got["w"].tobytes() == np.arange(16, dtype=np.float32).tobytes()
+    with pytest.warns(hbmio.NotVerifiedWarning):
+        hbmio.load_file(plain, framework="numpy", verify="checksums")
+    with pytest.raises(hbmio.Error, match="nothing to verify against") as raised:
+        hbmio.load_file(plain, framework="numpy", verify="strict")
+    assert not isinstance(raised.value, hbmio.VerifyError)
+    with pytest.raises(ValueError, match="verify must be"):
+        hbmio.load_file(plain, framework="numpy", verify="bytes-please")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning without verify, or with checksums present
+        hbmio.load_file(plain, framework="numpy")
+        ours = tmp_path / "ours.safetensors"
+        hbmio.save_file({"w": np.arange(16, dtype=np.float32)}, ours)
+        hbmio.load_file(ours, framework="numpy", verify="strict")
+    data = bytearray(ours.read_bytes())
+    data[-1] ^= 1
+    ours.write_bytes(bytes(data))
+    with pytest.raises(hbmio.VerifyError, match="verification failed") as raised:
+        hbmio.load_file(ours, framework="numpy", verify=True)
+    assert raised.value.errno == errno.EIO

@@ -70,7 +70,7 @@ RunSplit split_runs(const std::vector<PlannedTensor>& plan, std::size_t n, const
   if (mapped != shard_map.size())
     for (const auto& entry : shard_map)
       if (std::none_of(plan.begin(), plan.end(), [&](const PlannedTensor& t) { return t.name == entry.first; }))
-        throw Error(errno_code(ENOENT), context, fmt::format("shard_map names tensor '{}', which the load does not hold", entry.first));
+        throw Error(errno_code(EINVAL), context, fmt::format("shard_map names tensor '{}', which the load does not hold", entry.first));
   for (std::size_t i = 0; i < plan.size(); ++i) {
     auto& [begin, end] = split.range[split.reader[i]];
     begin = std::min(begin, plan[i].memory_offset);
