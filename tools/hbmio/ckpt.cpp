@@ -1,17 +1,13 @@
 #include "ckpt.hpp"
 
-#include <pthread.h>
-#include <signal.h>
 #include <sys/stat.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
-#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <functional>
-#include <future>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -274,48 +270,6 @@ CLI::Validator one_of(std::vector<std::string> choices) {
         return fmt::format("must be {}, not '{}'", fmt::join(choices, " or "), value);
       },
       "");
-}
-
-// Runs `work` on a thread of its own while this thread waits for SIGINT, SIGTERM or SIGHUP (they
-// are blocked in every thread the work starts, so they come here). On one, `stop` is set: the
-// work stops at its next safe point (a save: before it publishes anything) and removes what it
-// wrote, and this thread waits for it to end. Nothing is removed from here: a clean-up beside a
-// running save once raced its final rename and deleted the old checkpoint with the new one. Then
-// a line says what the path holds, from how the work ended (`outcome(true)`: it stopped before
-// publishing; `outcome(false)`: it had published, or failed), and the process ends by that
-// signal (exit status 128 + N, as shells expect).
-int run_stoppable(const std::function<int(const std::atomic<bool>& stop)>& work, const std::function<std::string(bool)>& outcome) {
-  sigset_t stop_signals, previous;
-  sigemptyset(&stop_signals);
-  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop_signals, sig);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
-  std::atomic<bool> stop{false};
-  std::future<int> done = std::async(std::launch::async, [&] { return work(stop); });
-  const timespec now{};
-  int received = 0;
-  while (done.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) {
-    siginfo_t info{};
-    if (const int sig = sigtimedwait(&stop_signals, &info, &now); sig > 0 && received == 0) {
-      received = sig;
-      stop = true;
-      fmt::print(stderr, "\nhbmio: SIG{} received: stopping at the next safe point\n", sigabbrev_np(sig));
-    }
-  }
-  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-  if (received == 0) return done.get();
-  bool stopped = false;
-  try {
-    (void)done.get();
-  } catch (const Error& e) {
-    stopped = e.code() == std::errc::operation_canceled;
-    if (!stopped) fmt::print(stderr, "hbmio: {}\n", e.what());
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "hbmio: {}\n", e.what());
-  }
-  fmt::print(stderr, "hbmio: stopped by SIG{}: {}\n", sigabbrev_np(received), outcome(stopped));
-  signal(received, SIG_DFL);
-  raise(received);
-  _exit(128 + received);  // not reached: the signal's default action ends the process
 }
 
 // ckpt generate writes random tensors: an existing checkpoint at PATH is replaced only with

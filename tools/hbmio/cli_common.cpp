@@ -235,3 +235,47 @@ std::string drop_page_cache(const std::string& path) {
 }
 
 }  // namespace hbmio::cli
+
+// run_stoppable: blocked signals taken by sigtimedwait, not a handler.
+#include <pthread.h>
+#include <signal.h>
+
+#include <future>
+
+namespace hbmio::cli {
+
+int run_stoppable(const std::function<int(const std::atomic<bool>& stop)>& work, const std::function<std::string(bool)>& outcome) {
+  sigset_t stop_signals, previous;
+  sigemptyset(&stop_signals);
+  for (const int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop_signals, sig);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
+  std::atomic<bool> stop{false};
+  std::future<int> done = std::async(std::launch::async, [&] { return work(stop); });
+  const timespec now{};
+  int received = 0;
+  while (done.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) {
+    siginfo_t info{};
+    if (const int sig = sigtimedwait(&stop_signals, &info, &now); sig > 0 && received == 0) {
+      received = sig;
+      stop = true;
+      fmt::print(stderr, "\nhbmio: SIG{} received: stopping at the next safe point\n", sigabbrev_np(sig));
+    }
+  }
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+  if (received == 0) return done.get();
+  bool stopped = false;
+  try {
+    (void)done.get();
+  } catch (const Error& e) {
+    stopped = e.code() == std::errc::operation_canceled;
+    if (!stopped) fmt::print(stderr, "hbmio: {}\n", e.what());
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "hbmio: {}\n", e.what());
+  }
+  fmt::print(stderr, "hbmio: stopped by SIG{}: {}\n", sigabbrev_np(received), outcome(stopped));
+  signal(received, SIG_DFL);
+  raise(received);
+  _exit(128 + received);  // not reached: the signal's default action ends the process
+}
+
+}  // namespace hbmio::cli

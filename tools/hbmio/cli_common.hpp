@@ -79,3 +79,21 @@ CLI::Validator writable_file();
 std::string drop_page_cache(const std::string& path);
 
 }  // namespace hbmio::cli
+
+// Stopping a long command on Ctrl-C without a signal handler: kept apart from the pieces above.
+#include <functional>
+
+namespace hbmio::cli {
+
+// Runs `work` on a thread of its own while this thread waits for SIGINT, SIGTERM or SIGHUP (they
+// are blocked in every thread the work starts, so they come here). On one, `stop` is set: the
+// work stops at its next safe point (engines see it as IoRequest::cancel and throw
+// Error(ECANCELED)) and cleans up after itself, and this thread waits for it to end. Nothing is
+// removed from here: a clean-up beside running work could race it (a save's final rename once
+// lost the old checkpoint with the new one). Then a line says what is left, from how the work
+// ended (`outcome(true)`: it stopped with ECANCELED; `outcome(false)`: it had finished, or
+// failed), and the process ends by that signal (exit status 128 + N, as shells expect). Without
+// a signal it returns what `work` returns, or throws what it throws.
+int run_stoppable(const std::function<int(const std::atomic<bool>& stop)>& work, const std::function<std::string(bool)>& outcome);
+
+}  // namespace hbmio::cli
