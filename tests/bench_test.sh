@@ -125,13 +125,17 @@ assert [r['name'] for r in j['results']] == ['posix', 'uring'], j['results']
 assert not j['file']['generated'] and j['file']['bytes'] == 5 << 20, j['file']" || fail "--file --cold --json -"
 [ -f "$dir/given.bin" ] || fail "--file was removed"
 
-# Ctrl-C while the sample file is being written or read: the scratch directory goes too.
-"$hbmio" bench --size 512MiB --runs 5 --dir "$dir" --backends posix >/dev/null 2>&1 &
+# Ctrl-C while the sample file is being written or read: the run stops, the scratch directory
+# goes too, and the process ends by the signal (128 + 2).
+"$hbmio" bench --size 512MiB --runs 5 --dir "$dir" --backends posix >/dev/null 2>"$dir/stop.err" &
 pid=$!
 for _ in $(seq 50); do ls "$dir" | grep -q hbmio-bench- && break; sleep 0.1; done
 ls "$dir" | grep -q hbmio-bench- || fail "no scratch directory appeared under --dir"
 sleep 0.5
 kill -INT $pid
-wait $pid 2>/dev/null || true
+rc=0
+wait $pid 2>/dev/null || rc=$?
+[ "$rc" = 130 ] || fail "Ctrl-C: exit status $rc, expected 130: $(cat "$dir/stop.err")"
+grep -q "stopped by SIGINT" "$dir/stop.err" || fail "Ctrl-C: no message: $(cat "$dir/stop.err")"
 ls "$dir" | grep -q hbmio-bench- && fail "Ctrl-C left the scratch directory: $(ls -R "$dir")"
 echo "bench: all checks passed"

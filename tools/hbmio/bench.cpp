@@ -9,15 +9,17 @@
 //   3. measure rows (bench_measure.hpp): per mode, first the ceiling, then each backend; the
 //      first run of each backend is compared with a plain pread of the file;
 //   4. print the table; write --json and --chart (bench_report.hpp).
-// A backend that cannot run here still gets a row, saying why.
+// A backend that cannot run here still gets a row, saying why. Ctrl-C (SIGINT, SIGTERM, SIGHUP)
+// stops the run through run_stoppable(): the engines see the stop flag, the run unwinds, and the
+// scratch files go with it.
 #include "bench.hpp"
 
-#include <signal.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <ctime>
@@ -88,21 +90,8 @@ std::string iso8601_now() {
 // ---------------------------------------------------------------------------------------------
 // Scratch files: the generated sample and the write target, removed on every way out.
 
-// The signal handler may only call async-signal-safe functions (unlink, rmdir, raise), so the
-// paths it removes wait in fixed buffers rather than std::strings.
-char g_scratch_files[2][PATH_MAX];
-char g_scratch_dir[PATH_MAX];
-
-extern "C" void remove_scratch_and_reraise(int signal_number) {
-  for (auto& path : g_scratch_files)
-    if (path[0]) ::unlink(path);
-  if (g_scratch_dir[0]) ::rmdir(g_scratch_dir);
-  ::signal(signal_number, SIG_DFL);
-  ::raise(signal_number);
-}
-
-// A temporary directory holding sample.bin and write.bin. The destructor removes them on a
-// normal return or an exception; Ctrl-C, SIGTERM and SIGHUP remove them through the handler.
+// A temporary directory holding sample.bin and write.bin, removed by the destructor: on a normal
+// return, on an error, and on Ctrl-C, which unwinds the run as an Error(ECANCELED).
 class ScratchDir {
  public:
   explicit ScratchDir(const std::string& parent) {
@@ -113,19 +102,11 @@ class ScratchDir {
       throw Error(errno_code(errno), {.op = "create temporary directory", .path = parent},
                   "--dir must be a writable directory");
     path_ = path;
-    std::snprintf(g_scratch_dir, PATH_MAX, "%s", path_.c_str());
-    std::snprintf(g_scratch_files[0], PATH_MAX, "%s", sample_path().c_str());
-    std::snprintf(g_scratch_files[1], PATH_MAX, "%s", write_path().c_str());
-    struct sigaction action {};
-    action.sa_handler = remove_scratch_and_reraise;
-    for (int s : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(s, &action, nullptr);
   }
   ~ScratchDir() {
-    for (int s : {SIGINT, SIGTERM, SIGHUP}) ::signal(s, SIG_DFL);
     ::unlink(sample_path().c_str());
     ::unlink(write_path().c_str());
     ::rmdir(path_.c_str());
-    g_scratch_dir[0] = g_scratch_files[0][0] = g_scratch_files[1][0] = '\0';
   }
   ScratchDir(const ScratchDir&) = delete;
   ScratchDir& operator=(const ScratchDir&) = delete;
@@ -151,7 +132,7 @@ void require_free_space(const std::string& dir, std::uint64_t needed) {
 // is generated and reused, with each 4 KiB page stamped with its file offset: every page is
 // unique (a chunk landing in the wrong place fails verification) without generating gigabytes
 // of random numbers.
-void create_sample_file(const std::string& path, std::uint64_t size, const Options& options) {
+void create_sample_file(const std::string& path, std::uint64_t size, const Options& options, const std::atomic<bool>& stop) {
   const std::size_t block = static_cast<std::size_t>(std::min<std::uint64_t>(size, std::uint64_t{64} << 20));
   Buffer buffer = Buffer::allocate({MemoryKind::host}, block);
   fill_random(buffer.data(), block, 0x5eed);
@@ -165,7 +146,7 @@ void create_sample_file(const std::string& path, std::uint64_t size, const Optio
       std::memcpy(buffer.data() + page, &stamp, 8);
     }
     engine->submit({.op = IoOp::write, .file = &file, .offset = offset, .memory = buffer.span().subspan(0, length),
-                    .progress = progress.counter()});
+                    .progress = progress.counter(), .cancel = &stop});
   }
   file.sync();
 }
@@ -201,7 +182,7 @@ Engines make_engines(const std::vector<std::string>& names, const Options& optio
   return e;
 }
 
-int run_bench(const BenchFlags& flags) {
+int run_bench(const BenchFlags& flags, const std::atomic<bool>& stop) {
   // 1. Flags.
   const Options options = flags.tuning.resolve();
   const auto backends = split_backends(flags.backends);
@@ -249,6 +230,7 @@ int run_bench(const BenchFlags& flags) {
   // Touch the host pages now so that the first timed run does not pay for page faults.
   fill_memory(destination.span(), std::byte{0});
   if (pinned.data != destination.data()) fill_memory(pinned, std::byte{0});
+  throw_if_stopped(&stop);  // before any file is made, after what may take seconds
 
   // The sample file, and the write target, live in a scratch directory on the file system under
   // test: --dir, else the directory of --file (writes then land on the same storage), else ".".
@@ -261,7 +243,7 @@ int run_bench(const BenchFlags& flags) {
     scratch = std::make_unique<ScratchDir>(dir);
   }
   const std::string path = flags.file.empty() ? scratch->sample_path() : flags.file;
-  if (flags.file.empty()) create_sample_file(path, size, options);
+  if (flags.file.empty()) create_sample_file(path, size, options, stop);
 
   // 2. The machine.
   Report report{.machine = describe_machine(path, into), .date = iso8601_now(), .command = command_line(),
@@ -280,11 +262,12 @@ int run_bench(const BenchFlags& flags) {
     Row row = measure_row({.name = name, .op = op, .mode = mode},
                           {.engine = engine.get(), .unavailable = engines.errors[i], .op = op == "read" ? IoOp::read : IoOp::write,
                            .path = target, .memory = destination.span(), .runs = flags.runs, .verify = verify,
-                           .cpus = report.machine.cpus});
+                           .cpus = report.machine.cpus, .cancel = &stop});
     if (row.verified) verified.push_back(key);
     report.rows.push_back(std::move(row));
   };
-  const RowPlan ceiling_read{.op = IoOp::read, .path = path, .memory = pinned, .runs = flags.runs, .cpus = report.machine.cpus};
+  const RowPlan ceiling_read{.op = IoOp::read, .path = path, .memory = pinned, .runs = flags.runs, .cpus = report.machine.cpus,
+                             .cancel = &stop};
   for (const auto& mode : modes) {
     if (mode == "cold")
       report.rows.push_back(measure_uring_ceiling(kStorageRead, "read", "cold", DirectIo::on, ceiling_read, options));
@@ -293,7 +276,7 @@ int run_bench(const BenchFlags& flags) {
     for (std::size_t i = 0; i < backends.size(); ++i) backend_row(i, "read", mode, path);
   }
   if (into.kind == MemoryKind::device)
-    report.rows.push_back(measure_host_to_device(destination.span(), pinned, flags.runs, report.machine.cpus));
+    report.rows.push_back(measure_host_to_device(destination.span(), pinned, flags.runs, report.machine.cpus, &stop));
   if (flags.write) {
     RowPlan ceiling_write = ceiling_read;
     ceiling_write.op = IoOp::write;
@@ -347,7 +330,13 @@ void add_bench_command(CLI::App& app, int& exit_status) {
       "memory), page-cache read (io_uring, buffered, warm), pinned host->device copy (with a GPU and --into cuda:N),\n"
       "storage write (io_uring, O_DIRECT, fsync; with --write). Cold runs drop the page cache as root\n"
       "(/proc/sys/vm/drop_caches), else with posix_fadvise(DONTNEED); the table says which.");
-  bench->callback([flags, &exit_status] { exit_status = run_bench(*flags); });
+  bench->callback([flags, &exit_status] {
+    exit_status = run_stoppable([flags](const std::atomic<bool>& stop) { return run_bench(*flags, stop); },
+                                [](bool stopped) {
+                                  return stopped ? std::string("no report; the files the run made are removed")
+                                                 : std::string("the run had ended already (see above)");
+                                });
+  });
 }
 
 }  // namespace hbmio::cli

@@ -43,11 +43,12 @@ void summarize(Row& row, unsigned cpus) {
 // Puts the whole file in the page cache with plain buffered reads. A warm-up through the
 // backend itself would not do: O_DIRECT "auto" reads a cold file past the cache and leaves it
 // cold, so every "warm" run would again come from storage.
-void fill_page_cache(const std::string& path) {
+void fill_page_cache(const std::string& path, const std::atomic<bool>* cancel) {
   const File file = File::open(path, OpenMode::read, /*with_direct_io=*/false);
   ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_SEQUENTIAL);
   std::vector<std::byte> scratch(std::size_t{8} << 20);
   for (std::uint64_t offset = 0;;) {
+    throw_if_stopped(cancel);
     const std::size_t n = file.read_at(scratch, offset);
     if (n < scratch.size()) break;
     offset += n;
@@ -66,7 +67,7 @@ Run transfer_once(const RowPlan& plan, const std::string& label) {
   Progress progress(label, plan.memory.size);
   File file = File::open(plan.path, plan.op == IoOp::read ? OpenMode::read : OpenMode::write);
   Run run = run_from(plan.engine->submit({.op = plan.op, .file = &file, .offset = 0, .memory = plan.memory,
-                                          .progress = progress.counter()}));
+                                          .progress = progress.counter(), .cancel = plan.cancel}));
   if (plan.op == IoOp::read) return run;
   const auto start = std::chrono::steady_clock::now();
   const double cpu_start = process_cpu_seconds();
@@ -77,6 +78,10 @@ Run transfer_once(const RowPlan& plan, const std::string& label) {
 }
 
 }  // namespace
+
+void throw_if_stopped(const std::atomic<bool>* cancel) {
+  if (cancel != nullptr && cancel->load()) throw Error(errno_code(ECANCELED), {.op = "bench"}, "stopped on request");
+}
 
 Row measure_row(Row row, const RowPlan& plan) {
   if (plan.engine == nullptr) {
@@ -90,10 +95,11 @@ Row measure_row(Row row, const RowPlan& plan) {
     // sample data that the reads left in it; its target is truncated on every run.)
     if (plan.verify && plan.op == IoOp::read) fill_memory(plan.memory, std::byte{0xA5});
     if (row.mode == "warm") {
-      fill_page_cache(plan.path);
+      fill_page_cache(plan.path, plan.cancel);
       transfer_once(plan, what + " warm-up");
     }
     for (unsigned i = 1; i <= plan.runs; ++i) {
+      throw_if_stopped(plan.cancel);
       if (row.mode == "cold") row.cache_drop = drop_page_cache(plan.path);
       const std::string label = fmt::format("{} run {}/{}", what, i, plan.runs);
       Run run = transfer_once(plan, label);
@@ -114,6 +120,9 @@ Row measure_row(Row row, const RowPlan& plan) {
       }
     }
   } catch (const std::exception& e) {
+    // After a stop request an error is the stop itself (ECANCELED), or what it interrupted:
+    // either way not a property of the backend.
+    if (plan.cancel != nullptr && plan.cancel->load()) throw;
     row.status = row.runs.empty() ? "unavailable" : "failed";
     row.reason = e.what();
   }
@@ -140,11 +149,12 @@ Row measure_uring_ceiling(const char* name, const std::string& op, const std::st
   return row;
 }
 
-Row measure_host_to_device(MemorySpan device, MemorySpan pinned, unsigned runs, unsigned cpus) {
+Row measure_host_to_device(MemorySpan device, MemorySpan pinned, unsigned runs, unsigned cpus, const std::atomic<bool>* cancel) {
   Row row{.name = kHostToDevice, .ceiling = true, .op = "copy", .mode = ""};
   try {
     copy_memory(device, pinned);  // untimed: the first copy may still set up the CUDA context's mappings
     for (unsigned i = 1; i <= runs; ++i) {
+      throw_if_stopped(cancel);
       const auto start = std::chrono::steady_clock::now();
       const double cpu_start = process_cpu_seconds();
       copy_memory(device, pinned);
@@ -154,6 +164,7 @@ Row measure_host_to_device(MemorySpan device, MemorySpan pinned, unsigned runs, 
                           .backend = "cudaMemcpy"});
     }
   } catch (const std::exception& e) {
+    if (cancel != nullptr && cancel->load()) throw;
     row.status = row.runs.empty() ? "unavailable" : "failed";
     row.reason = e.what();
   }

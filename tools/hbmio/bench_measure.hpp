@@ -3,6 +3,7 @@
 // and each backend row is set against the slowest ceiling its data must pass.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -62,11 +63,14 @@ struct RowPlan {
   unsigned runs = 1;
   bool verify = false;         // compare with the file after the first run
   unsigned cpus = 1;
+  // Once it reads true, the row stops at the next chunk or run and Error(ECANCELED) is thrown.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // Measures one row: cold rows empty the page cache before each run, warm rows read once untimed
 // first. An error before any run completed means the path cannot run here ("unavailable", with
-// the error as the reason); an error after that means it broke mid-way ("failed").
+// the error as the reason); an error after that means it broke mid-way ("failed"). A stop
+// request is thrown on, not recorded.
 Row measure_row(Row row, const RowPlan& plan);
 
 // io_uring into pinned memory with O_DIRECT forced on or off: the storage's own rate (cold) or
@@ -76,11 +80,14 @@ Row measure_uring_ceiling(const char* name, const std::string& op, const std::st
 
 // cudaMemcpy from pinned host memory into the device buffer, the whole file size at once: the
 // rate at which any path that stages in host memory can feed the GPU.
-Row measure_host_to_device(MemorySpan device, MemorySpan pinned, unsigned runs, unsigned cpus);
+Row measure_host_to_device(MemorySpan device, MemorySpan pinned, unsigned runs, unsigned cpus, const std::atomic<bool>* cancel);
 
 // Sets each backend row's bound: the slowest ceiling its data must pass. Cold reads pass the
 // storage (and, into a GPU, the host-to-device link unless GDS bypasses it: the min is still the
 // honest bound for the staged paths); warm reads the page cache (and the link); writes the storage.
 void attach_bounds(std::vector<Row>& rows, bool device_target);
+
+// Throws Error(ECANCELED) once `cancel` reads true: the check between steps that no engine makes.
+void throw_if_stopped(const std::atomic<bool>* cancel);
 
 }  // namespace hbmio::cli
