@@ -41,6 +41,47 @@ for word in machine "file " posix uring cufile auto "ceiling: storage read" "cei
 done
 "$hbmio" backends --json "$dir/backends.json"
 
+# The report respects its reader: no line past 120 columns; a row names its cause in a few words
+# and points to a numbered note below the table, which gives the full text once.
+long=$(awk 'length($0) > 120' "$dir/table.txt")
+[ -z "$long" ] || fail "table lines over 120 columns: $long"
+python3 - "$dir/table.txt" "$dir/b.json" <<'EOF2'
+import json, re, sys
+lines = open(sys.argv[1]).read().splitlines()
+j = json.load(open(sys.argv[2]))
+def fail(msg):
+    sys.exit(f"FAIL: {msg}")
+if "notes" not in lines: fail("the table has no notes section")
+table, notes_part = lines[:lines.index("notes")], lines[lines.index("notes") + 1:]
+notes, number = {}, None
+for line in notes_part:  # "  [3] text", continued on lines indented under the text
+    m = re.match(r"  \[(\d+)\] (.*)", line)
+    if m:
+        number = int(m.group(1))
+        notes[number] = m.group(2)
+    elif line.startswith("      ") and number is not None:
+        notes[number] += " " + line.strip()
+if sorted(notes) != list(range(1, len(notes) + 1)): fail(f"notes are not numbered 1..n: {sorted(notes)}")
+cited = set()
+for line in table:
+    for group in re.findall(r"\[([\d,]+)\]$", line):
+        cited |= {int(n) for n in group.split(",")}
+if cited != set(notes): fail(f"rows cite notes {sorted(cited)}, the table lists {sorted(notes)}")
+# Every full reason is in the notes, once, and in no row.
+texts = list(notes.values())
+for r in j["results"] + j["ceilings"]:
+    if r["status"] == "ok": continue
+    if texts.count(r["reason"]) != 1: fail(f"the reason of {r['name']} {r['op']} {r['mode']} is not one note: {r['reason']}")
+    if any(r["reason"] in line for line in table): fail(f"a row repeats the reason of {r['name']}")
+if not j["machine"]["gpu"]["present"]:
+    for line in table:
+        if line.startswith("  cufile ") and not re.search(r"unavailable: no GPU\b.*\[\d+\]$", line):
+            fail(f"without a GPU the cufile row should say 'no GPU' and cite its note: {line}")
+if any(re.match(r"  auto \(\w+\) .*auto picked", line) for line in table):
+    fail("an auto row repeats in its notes the pick its label names")
+print("bench table: ok")
+EOF2
+
 python3 - "$dir/b.json" "$dir/backends.json" <<'EOF'
 import json, sys
 j = json.load(open(sys.argv[1]))
@@ -113,6 +154,10 @@ if not root.tag.endswith("svg"): sys.exit(f"FAIL: root element {root.tag}")
 text = " ".join("".join(t.itertext()) for t in root.iter() if t.tag.endswith("text"))
 for word in ("posix", "uring", "cufile", "auto", "ceiling: storage read", "GiB/s", "CPU"):
     if word not in text: sys.exit(f"FAIL: the chart does not name {word}")
+# Long texts are wrapped at spaces into lines that fit the 1000-pixel chart, not cut.
+lines = ["".join(t.itertext()) for t in root.iter() if t.tag.endswith("text")]
+if max(len(line) for line in lines) > 150: sys.exit(f"FAIL: a chart line of {max(len(l) for l in lines)} characters")
+if any(line.endswith("...") for line in lines): sys.exit("FAIL: the chart cuts a text")
 print("bench SVG: ok")
 EOF
 

@@ -287,7 +287,7 @@ int run_bench(const BenchFlags& flags, const std::atomic<bool>& stop) {
   attach_bounds(report.rows, into.kind == MemoryKind::device);
 
   // 4. Output.
-  if (flags.json != "-") print_table(report);
+  if (flags.json != "-") fmt::print("{}", render_table(report));
   if (!flags.json.empty()) write_json(to_json(report), flags.json);
   if (!flags.chart.empty()) write_text(render_svg(report), flags.chart);
 

@@ -24,14 +24,16 @@ struct Report {
   std::vector<Row> rows;  // in the order measured
 };
 
-// The table on stdout: machine and settings, one block per group (read cold, read warm, write).
-void print_table(const Report& report);
+// The table: machine and settings, one block per group (read cold, read warm, write), and below
+// them the numbered notes the rows point to. Every line fits in 120 columns (but a path or a
+// word that is longer on its own).
+std::string render_table(const Report& report);
 
 // Every figure, the full notes and reasons, and the machine: the record to keep (schema_version 1).
 nlohmann::json to_json(const Report& report);
 
 // A self-contained SVG: per group, a throughput bar and a host-CPU bar per row, the bound as a
-// dashed line.
+// dashed line, and the numbered notes below.
 std::string render_svg(const Report& report);
 
 }  // namespace hbmio::cli
