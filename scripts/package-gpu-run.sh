@@ -19,12 +19,12 @@ strip --strip-debug .gpu/page_cache_dma .gpu/hbmio .gpu/request_overhead .gpu/hb
 # The same layout as /usr, so the copied CMake package files find their files relative to the prefix.
 multiarch=lib/x86_64-linux-gnu
 mkdir -p .gpu/deps/$multiarch/cmake .gpu/deps/share/cmake
-cp -r /usr/include/liburing.h /usr/include/liburing /usr/include/xxhash.h /usr/include/fmt /usr/include/nlohmann .gpu/deps/include/
+cp -r /usr/include/liburing.h /usr/include/liburing /usr/include/xxhash.h /usr/include/fmt /usr/include/nlohmann /usr/include/CLI .gpu/deps/include/
 cp -L /usr/$multiarch/liburing.a /usr/$multiarch/libxxhash.a .gpu/deps/$multiarch/
 # fmt's CMake package checks that its shared library exists, although hbmio uses fmt header-only.
 cp -a /usr/$multiarch/libfmt.so* .gpu/deps/$multiarch/
 cp -r /usr/$multiarch/cmake/fmt .gpu/deps/$multiarch/cmake/
-cp -r /usr/share/cmake/nlohmann_json .gpu/deps/share/cmake/
+cp -r /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11 .gpu/deps/share/cmake/  # CLI11: the wheel's hbmio command
 
 if [ -d ../shared/fixtures/safetensors ]; then
   mkdir -p .gpu/fixtures && cp -r ../shared/fixtures/safetensors .gpu/fixtures/
