@@ -391,8 +391,12 @@ def test_sizes_are_read_by_the_command_lines_parser():
 # --- 11. the hbmio command --------------------------------------------------------------------------
 
 def test_the_wheel_installs_the_hbmio_command():
-    command = pathlib.Path(sysconfig.get_path("scripts")) / "hbmio"
-    assert command.is_file(), f"{command} is missing: `pip install .` did not install the hbmio command"
+    # Where pip puts scripts: the environment's bin/ for an ordinary install, <target>/bin beside
+    # the package for `pip install --target` (how the GPU machine's runs install it).
+    places = [pathlib.Path(sysconfig.get_path("scripts")) / "hbmio",
+              pathlib.Path(hbmio.__file__).resolve().parents[1] / "bin" / "hbmio"]
+    command = next((p for p in places if p.is_file()), None)
+    assert command, f"none of {[str(p) for p in places]}: `pip install .` did not install the hbmio command"
     done = subprocess.run([str(command), "--version"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"hbmio {hbmio.__version__}"  # the same build as the module

@@ -82,7 +82,8 @@ constexpr std::pair<std::string_view, std::string_view> kCauses[] = {
     {"libcufile could not be loaded", "no libcufile"},
     {"nvidia-fs is not loaded", "no nvidia-fs"},
     {"cuFileDriverOpen failed", "cuFile open failed"},
-    {"compatibility mode", "compat mode"},
+    {"no udev database", "no udev data"},  // before compat mode, which its text also mentions
+    {"compatibility mode (", "compat mode"},  // the engine's mode: "compatibility mode (no nvidia-fs ..."
     {"auto: cufile (GDS", "GDS"},
     {"auto: cufile (P2PDMA", "P2PDMA"},
     {"io_uring_queue_init", "no io_uring"},

@@ -72,8 +72,9 @@ void print_checklist(const std::vector<Check>& checks, const DoctorFlags& flags)
     else
       fmt::print("  {}  {:<{}}  {}\n", to_string(c.status), c.id, id_width, line(c.found));
     if (c.status == CheckStatus::pass || (c.status == CheckStatus::info && !flags.verbose)) continue;
-    if (!c.expected.empty()) fmt::print("{}expected: {}\n", indent, line(c.expected));
-    if (!c.fix.empty()) fmt::print("{}fix: {}\n", indent, line(c.fix));
+    // The labels ("expected: ", "fix: ") count against the width too.
+    if (!c.expected.empty()) fmt::print("{}expected: {}\n", indent, flags.verbose ? c.expected : fit(c.expected, 108 - indent.size()));
+    if (!c.fix.empty()) fmt::print("{}fix: {}\n", indent, flags.verbose ? c.fix : fit(c.fix, 113 - indent.size()));
   }
   if (hidden > 0)
     fmt::print("\nGDS checks do not apply: no NVIDIA GPU here ({} fabric and GDS checks not shown; -v shows them)\n", hidden);
