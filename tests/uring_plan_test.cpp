@@ -89,5 +89,38 @@ TEST(UringPlan, DirectIoOffLeavesEveryPartBufferedAndChunksCoverEachPartOnce) {
   }
 }
 
+TEST(UringPlan, AJobSmallerThanAChunkPerWorkerIsSharedByTheWorkers) {
+  Files f;
+  Options o;  // 16 MiB chunks
+  o.workers = 4;
+  const std::vector<IoRequest> one = {f.at(IoOp::read, f.a, 0, 1 << 20)};
+  detail::UringPlan plan = detail::plan_batch(one, o, "uring");
+  EXPECT_EQ(plan.chunk_size, 256u << 10) << "1 MiB over 4 workers";
+  EXPECT_EQ(plan.chunks, 4u);
+
+  const std::vector<IoRequest> small = {f.at(IoOp::read, f.a, 4096, 100000)};
+  plan = detail::plan_batch(small, o, "uring");
+  EXPECT_EQ(plan.chunk_size, detail::kMinSharedChunk) << "never below the smallest share";
+  EXPECT_EQ(plan.chunks, 1u);
+
+  o.workers = 1;
+  plan = detail::plan_batch(one, o, "uring");
+  EXPECT_EQ(plan.chunk_size, 1u << 20) << "one worker: the job in one chunk";
+  EXPECT_EQ(plan.chunks, 1u);
+
+  o.workers = 3;  // 1 MiB / 3 rounds up to 512 KiB
+  plan = detail::plan_batch(one, o, "uring");
+  EXPECT_EQ(plan.chunk_size, 512u << 10);
+  EXPECT_EQ(plan.chunks, 2u);
+  for (std::uint64_t i = 0; i < plan.chunks; ++i)
+    EXPECT_EQ(detail::chunk_range(plan.parts, i, plan.chunk_size).end % (4 << 10), 0u) << "chunks stay on the 4 KiB grid";
+
+  o.workers = 2;
+  o.chunk_size = o.bounce_buffer_size;
+  const std::vector<IoRequest> big(64, f.at(IoOp::read, f.a, 0, 1 << 20));  // 64 MiB in all
+  plan = detail::plan_batch(big, o, "uring");
+  EXPECT_EQ(plan.chunk_size, o.chunk_size) << "a job of a chunk or more per worker keeps Options::chunk_size";
+}
+
 }  // namespace
 }  // namespace hbmio::test

@@ -2,8 +2,9 @@
 // overlapped with asynchronous copies to the GPU. The fastest path where GDS is not available.
 //
 // How a request flows:
-//   1. The file range is cut into chunks (Options::chunk_size) on a grid aligned to 4 KiB, so
-//      every interior boundary suits O_DIRECT. Worker threads take chunks from a shared counter.
+//   1. The file range is cut into chunks (Options::chunk_size; finer for a job smaller than a
+//      chunk per worker, so a lone tensor is still read by several) on a grid aligned to 4 KiB,
+//      so every interior boundary suits O_DIRECT. Worker threads take chunks from a shared counter.
 //   2. Each chunk decides O_DIRECT or page cache (Options::direct_io; "auto" asks cachestat(2)
 //      or mincore(2) whether the chunk is already cached: a warm chunk is copied from memory, a
 //      cold one bypasses the cache).
@@ -128,6 +129,7 @@ struct Job {
   std::vector<Part> parts;
   IoOp op = IoOp::read;
   std::uint64_t chunks = 0;  // over all parts
+  std::size_t chunk_size = 0;  // UringPlan::chunk_size
   int device = -1;           // the CUDA device of the parts in device memory, -1 when none is
   std::atomic<std::uint64_t> next_chunk{0};
   std::atomic<bool> failed{false};
@@ -356,7 +358,7 @@ class Worker {
   bool next_chunk() {
     const std::uint64_t index = job_->next_chunk.fetch_add(1);
     if (index >= job_->chunks) return false;
-    const ChunkRange chunk = chunk_range(job_->parts, index, options_.chunk_size);
+    const ChunkRange chunk = chunk_range(job_->parts, index, job_->chunk_size);
     part_ = chunk.part;
     const IoRequest& request = part_->first();
     if (request.cancel != nullptr && request.cancel->load(std::memory_order_relaxed))
@@ -664,6 +666,7 @@ class UringEngine final : public Engine {
     }
     job.parts = std::move(plan.parts);  // the requests they point to stay where they are
     job.chunks = plan.chunks;
+    job.chunk_size = plan.chunk_size;
     job.device = plan.device;
     job.op = requests.front().op;
 

@@ -56,9 +56,13 @@ UringPlan plan_batch(std::span<const IoRequest> requests, const Options& options
     }
     plan.parts.push_back(std::move(part));
   }
+  // A job of less than a chunk per worker is cut finer, so that every worker takes a share.
+  const std::uint64_t workers = std::max(1u, options.resolved_workers());
+  const std::uint64_t share = round_up((plan.bytes + workers - 1) / workers, kMinSharedChunk);
+  plan.chunk_size = static_cast<std::size_t>(std::min<std::uint64_t>(options.chunk_size, std::max<std::uint64_t>(share, kMinSharedChunk)));
   for (Part& part : plan.parts) {
     part.first_chunk = plan.chunks;
-    part.chunks = (part.end() - part.grid_base + options.chunk_size - 1) / options.chunk_size;
+    part.chunks = (part.end() - part.grid_base + plan.chunk_size - 1) / plan.chunk_size;
     plan.chunks += part.chunks;
   }
   return plan;

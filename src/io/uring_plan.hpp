@@ -18,6 +18,9 @@
 namespace hbmio::detail {
 
 inline constexpr std::size_t kSlotAlignment = 4096;  // slots and grid; O_DIRECT needs at most this
+// The smallest chunk a small job is cut into so that several workers share it (see
+// UringPlan::chunk_size): below this, waking a worker costs more than the copy it takes over.
+inline constexpr std::size_t kMinSharedChunk = std::size_t{256} << 10;
 
 inline std::uint64_t round_down(std::uint64_t v, std::uint64_t a) { return v / a * a; }
 inline std::uint64_t round_up(std::uint64_t v, std::uint64_t a) { return (v + a - 1) / a * a; }
@@ -62,6 +65,10 @@ struct Part {
 struct UringPlan {
   std::vector<Part> parts;   // reads: one per request, in request order; writes: sorted by file and offset
   std::uint64_t chunks = 0;  // over all parts (a part's chunks follow the previous part's)
+  // The job's chunk size: Options::chunk_size, or less for a job smaller than a chunk per worker
+  // (at least kMinSharedChunk, on the 4 KiB grid). A lone 2 MiB tensor in one chunk is one
+  // worker's page-cache copy; in 256 KiB chunks it is eight workers' (random and sliced access).
+  std::size_t chunk_size = 0;
   std::uint64_t bytes = 0;   // of all requests
   int device = -1;           // the CUDA device of the parts in device memory, -1 when none is
   std::string note;          // why O_DIRECT is not used where it is not ("" when it is everywhere)
@@ -69,7 +76,8 @@ struct UringPlan {
 
 // Parts of a batch (empty requests dropped): each read its own part; writes laid end to end in
 // one file, all of device or all of host memory, joined into one part (its pieces gather several
-// requests into one slot, so only the run's two ends can be unaligned). Each part's O_DIRECT
+// requests into one slot, so only the run's two ends can be unaligned). The chunk size: see
+// UringPlan::chunk_size (the workers are Options::resolved_workers()). Each part's O_DIRECT
 // alignment: the file's (statx), for writes at least its file-system block up to 4 KiB; 0 when
 // Options::direct_io is off or the file refuses O_DIRECT (the note says why). Chunks of
 // Options::chunk_size on a 4 KiB grid from each part's start. Throws Error(EINVAL) for a batch
