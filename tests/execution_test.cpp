@@ -20,6 +20,7 @@
 #include "hbmio/doctor.hpp"
 #include "io/cufile_verdict.hpp"
 #include "io/engine_internal.hpp"
+#include "io/page_cache.hpp"
 #include "core/positional_io.hpp"
 #include "core/worker_threads.hpp"
 #include "memory/cuda_runtime.hpp"
@@ -155,6 +156,24 @@ TEST(PositionalIo, WritesResumeAndANoProgressWriteIsEnospc) {
   }
 }
 
+TEST(PageCache, MincoreCountsARangeLongerThanItsWindowAsCachestatDoes) {
+  // mincore is what kernels before 6.5 get; it walks the range in windows of 1,024 pages.
+  TempDir dir;
+  const std::string path = dir.file("cached");
+  write_file(path, random_bytes(std::size_t{9} << 20, 7));  // just written: in the page cache
+  const File file = File::open(path, OpenMode::read);
+  const std::uint64_t offset = 12345, length = (std::uint64_t{9} << 20) - offset - 1000;
+  const detail::Residency m = detail::mincore_residency(file.fd(), offset, length);
+  EXPECT_STREQ(m.method, "mincore");
+  EXPECT_EQ(m.total_pages, (offset + length + 4095) / 4096 - offset / 4096);
+  EXPECT_GT(m.cached_pages, 0u);
+  EXPECT_LE(m.cached_pages, m.total_pages);
+  const detail::Residency any = detail::page_cache_residency(file.fd(), offset, length);
+  EXPECT_EQ(any.total_pages, m.total_pages);
+  if (std::string_view(any.method) == "cachestat") EXPECT_EQ(any.cached_pages, m.cached_pages) << "the two methods disagree";
+  EXPECT_EQ(detail::mincore_residency(file.fd(), 0, 0).total_pages, 0u);
+}
+
 TEST(ErrorBoundary, StandardLibraryErrorsLeaveAsHbmioErrors) {
   const ErrorContext context{.op = "save", .path = "/x/model"};
   try {
@@ -188,6 +207,20 @@ TEST(AutoChoice, TheDoctorSaysWhatAutoPicks) {
   const auto summary = std::find_if(checks.begin(), checks.end(), [&](const Check& c) { return c.id == "summary.auto:" + dir.file("f"); });
   ASSERT_NE(summary, checks.end());
   EXPECT_EQ(summary->found.rfind("auto: " + choice.backend + " ", 0), 0u) << summary->found << " vs " << choice.backend;
+}
+
+TEST(AutoChoice, TheOrderIsDmaCufileThenUringThenPosix) {
+  const BackendStatus uring{"uring", true, ""}, no_uring{"uring", false, "io_uring_queue_init failed"};
+  const detail::CufileVerdict dma{.usable = true, .direct = true, .mode = "GDS (nvidia-fs 2.26)"};
+  const detail::CufileVerdict compat{.usable = true, .direct = false, .mode = "compatibility mode"};
+  const detail::CufileVerdict refused{.reason = "no NVMe device (cuFile not asked)"};
+  EXPECT_EQ(detail::choose_auto(dma, uring).backend, "cufile");
+  EXPECT_EQ(detail::choose_auto(dma, uring).cufile_mode, "GDS (nvidia-fs 2.26)");
+  EXPECT_EQ(detail::choose_auto(compat, uring).backend, "uring") << "compatibility mode is a pread + copy";
+  EXPECT_EQ(detail::choose_auto(compat, uring).passed_over, "cufile: compatibility mode, no faster than uring");
+  EXPECT_EQ(detail::choose_auto(refused, no_uring).backend, "posix");
+  EXPECT_EQ(detail::choose_auto(refused, no_uring).passed_over,
+            "cufile: no NVMe device (cuFile not asked); uring: io_uring_queue_init failed");
 }
 
 // A seed replays the same short transfers at the same bytes whatever the number of workers and

@@ -105,6 +105,7 @@ def main():
         report("walk, random order, allocator holding the memory", timed(walk("random"), rounds=1, fresh=False))
 
         # One engine request per tensor into memory allocated beforehand: the engine's share.
+        loc = f"cuda:{dev.index or 0}" if cuda else "cpu"
         with hbmio.open(path, framework="pt", device=a.device) as f:
             raws = [torch.empty(b, dtype=torch.uint8, device=dev) for b in sizes]
             order = list(range(n))
@@ -112,15 +113,31 @@ def main():
             pick = order[: min(n, 200)]
             t0 = time.perf_counter()
             for i in pick:
-                f._read([i], [raws[i]], backend=f._backend)
+                f._read([i], [raws[i].data_ptr()], backend=f._backend, location=loc)
             sync()
             s = time.perf_counter() - t0
             report(f"engine request per tensor, {len(pick)} random, memory ready", s / len(pick) * n)
             t0 = time.perf_counter()
-            f._read(list(range(n)), raws, backend=f._backend)
+            f._read(list(range(n)), [r.data_ptr() for r in raws], backend=f._backend, location=loc)
             sync()
             report("engine, every tensor in one batch, memory ready", time.perf_counter() - t0)
             del raws
+
+        # One request of part of a tensor, by size and backend: the floor under get_slice and random access.
+        with hbmio.open(path, framework="pt", device=a.device) as f:
+            loc = f"cuda:{dev.index or 0}" if cuda else "cpu"
+            buf = torch.empty(2 << 20, dtype=torch.uint8, device=dev)
+            for backend in ("auto", "uring", "posix"):
+                for size in (64 << 10, 256 << 10, 2 << 20):
+                    picks = [random.Random(size).randrange(n) for _ in range(100)]
+                    f._read([picks[0]], [buf.data_ptr()], lengths=[size], backend=backend, location=loc)
+                    t0 = time.perf_counter()
+                    for i in picks:
+                        f._read([i], [buf.data_ptr()], lengths=[size], backend=backend, location=loc)
+                    s = (time.perf_counter() - t0) / len(picks)
+                    print(f"  one request of {size >> 10:5d} KiB, {backend:5}, memory ready: {s * 1e6:8.1f} us "
+                          f"({size / lc.GIB / s:6.2f} GiB/s)", flush=True)
+            del buf
 
         def slices():
             out = {}

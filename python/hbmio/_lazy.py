@@ -6,13 +6,15 @@ memory of its own (torch.empty / numpy.empty, so nothing returned keeps another 
 alive) and is read straight into it through a pooled engine.
 
 Read-ahead: a caller that walks the tensors in file order (what every framework does) would pay
-one engine round trip per tensor. When get_tensor asks for the tensor after the previous one, the
-next tensors up to half the read-ahead budget are read with it in one batch, and the half after
-that is read on a thread of its own while the caller works; so at most `readahead` bytes (default
-1 GiB, HBMIO_READAHEAD) of tensors not yet asked for exist at once. A walk backwards is read
-ahead backwards, half the budget at a time. Any other order reads just the tensor asked for.
-What was read ahead and is skipped is dropped when the walk passes it, and everything read ahead
-is freed by close() (or the end of a `with` block).
+one engine round trip per tensor. When get_tensor asks for the tensor after the previous one, two
+threads of the handle start reading the tensors from there on in file order, in batches of a
+quarter of the read-ahead budget, each batch one engine request (so the two keep the engine's
+workers busy across the gap between batches), until `readahead` bytes (default 1 GiB,
+HBMIO_READAHEAD) of tensors not yet asked for exist; each tensor the walk takes makes room for
+more. A walk backwards is read ahead backwards, half the budget at a time, on the caller's thread.
+Any other order reads just the tensor asked for. What was read ahead and is skipped is dropped
+when the walk passes it, and everything read ahead is freed by close() (or the end of a `with`
+block); the threads stop then, or soon after the handle is garbage-collected.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import errno as _errno
 import operator as _operator
 import os as _os
 import threading as _threading
+import weakref as _weakref
 
 from . import _hbmio
 
@@ -51,9 +54,12 @@ class _Target:
         self.torch = _torch() if framework == "torch" else None
         self.dev = None
         self.ok = False
+        self.location = "cpu"  # hbmio's name of the memory the arrays are made in
         if framework == "torch":
             self.dev = _torch_target(self.torch, _device_text(device))
             self.ok = self.dev is not None and self.dev.type in ("cpu", "cuda")
+            if self.ok and self.dev.type == "cuda":
+                self.location = f"cuda:{self.dev.index}"  # _torch_target names the index
             self.dtypes = {k: getattr(self.torch, v, None) for k, v in _TORCH_DTYPES.items()}
         elif framework == "numpy":
             import numpy as np
@@ -73,6 +79,10 @@ class _Target:
         np = self.np
         raw = np.empty(max(nbytes, 1), dtype=np.uint8)
         return raw[:nbytes].view(self.dtypes[dtype]).reshape(shape), raw
+
+    def address(self, raw) -> int:
+        """Where a uint8 array from make() starts (what _read takes with `location`)."""
+        return raw.data_ptr() if self.torch is not None else raw.ctypes.data
 
     def before_reads(self):
         # PyTorch's caching allocator may hand out a block that work still queued on the current
@@ -102,9 +112,8 @@ class SafeOpen(_hbmio.SafeOpen):
         self._entries_list = self._entries()  # (name, dtype, shape, bytes) in file order
         self._index = {e[0]: i for i, e in enumerate(self._entries_list)}
         self._target = None   # made at the first get_tensor (imports torch/numpy then)
-        self._ready = {}      # index -> tensor read ahead and not yet asked for
-        self._pending = None  # (_PendingRead, {index: tensor}) being read ahead
-        self._ahead_end = 0   # first index not yet read or being read ahead
+        self._ahead = None    # _ReadAhead of a walk in file order
+        self._ready = {}      # index -> tensor read ahead backwards and not yet asked for
         self._next = 0        # the index a walk in file order asks for next
         # Frameworks read one handle from several threads (transformers 5 materialises slices on a
         # pool of 4): the read-ahead state is changed under this lock.
@@ -164,14 +173,10 @@ class SafeOpen(_hbmio.SafeOpen):
             self._close()
 
     def _close(self):
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending[0].wait()
-            except Error:  # nobody asked for those tensors
-                pass
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.stop()
         self._ready.clear()
-        self._ahead_end = self._next
 
     def __enter__(self):
         return self
@@ -201,83 +206,182 @@ class SafeOpen(_hbmio.SafeOpen):
         return self._target
 
     def _get(self, i: int, target: _Target, backend: str):
-        tensor = self._ready.pop(i, None)
-        if tensor is None and self._pending is not None and i in self._pending[1]:
-            self._collect()
-            tensor = self._ready.pop(i)
         # The tensor after the last one asked for, or one of the next few: threads that share a
         # walk (a pool materialising tensors in file order) ask slightly out of order. A walk
         # backwards (the one before the last) is read ahead backwards, in one batch at a time.
         sequential = self._next <= i < self._next + 4
         backwards = i == self._next - 2 and not sequential
         self._next = max(self._next, i + 1) if sequential else i + 1
-        if tensor is None:
-            if sequential and self._budget > 0:
-                # Skipped tensors of the walk are not asked for any more: free them.
-                for k in [k for k in self._ready if k < i - 8]:
-                    del self._ready[k]
-                batch = self._batch(i, target)
-            elif backwards and self._budget > 0:
-                for k in [k for k in self._ready if k > i + 8]:
-                    del self._ready[k]
-                batch = self._batch(i, target, step=-1)
-            else:
-                batch = [i]
-            made = self._read_now(batch, target, backend)
-            tensor = made.pop(i)
-            self._ready.update(made)
-            if sequential:
-                self._ahead_end = max(self._ahead_end, batch[-1] + 1)
-        if sequential and self._budget > 0 and self._pending is None:
-            self._prefetch(target, backend)
+        ahead = self._ahead
+        if ahead is not None and ahead.holds(i):
+            return ahead.take(i)
+        tensor = self._ready.pop(i, None)
+        if tensor is not None:
+            return tensor
+        if sequential and self._budget > 0 and target.can(self._entries_list[i][1]):
+            # A walk in file order starts here (or moved past what was read ahead): read ahead from i.
+            if ahead is not None:
+                ahead.stop()
+            self._ready.clear()
+            self._ahead = _ReadAhead(self, i, target, backend)
+            return self._ahead.take(i)
+        if backwards and self._budget > 0:
+            for k in [k for k in self._ready if k > i + 8]:
+                del self._ready[k]
+            batch = self._batch_back(i, target)
+        else:
+            batch = [i]
+        made = self._read_now(batch, target, backend)
+        tensor = made.pop(i)
+        self._ready.update(made)
         return tensor
 
-    def _batch(self, first: int, target: _Target, step: int = 1) -> list[int]:
-        """`first`, then the tensors after it in file order (before it, step -1) that are neither
-        ready nor being read, up to half the budget."""
+    def _batch_back(self, first: int, target: _Target) -> list[int]:
+        """`first`, then the tensors before it in file order that are not ready, up to half the budget."""
         batch, total = [first], self._entries_list[first][3]
-        pending = self._pending[1] if self._pending is not None else {}
-        k = first + step
-        while 0 <= k < len(self._entries_list) and k not in self._ready and k not in pending:
+        k = first - 1
+        while k >= 0 and k not in self._ready:
             _, dtype, _, nbytes = self._entries_list[k]
             if not target.can(dtype) or total + nbytes > self._budget // 2:
                 break
             batch.append(k)
             total += nbytes
-            k += step
+            k -= 1
         return batch
 
     def _make(self, batch, target):
-        made, raws = {}, []
+        made, addresses = {}, []
         for k in batch:
             _, dtype, shape, nbytes = self._entries_list[k]
             made[k], raw = target.make(dtype, shape, nbytes)
-            raws.append(raw)
+            addresses.append(target.address(raw))
         target.before_reads()
-        return made, raws
+        return made, addresses
 
     def _read_now(self, batch, target, backend):
-        made, raws = self._make(batch, target)
-        self._read(batch, raws, backend=backend)
+        made, addresses = self._make(batch, target)
+        self._read(batch, addresses, backend=backend, location=target.location)
         return made
 
-    def _prefetch(self, target, backend):
-        """Reads the next half budget after what is read or ready, on a thread of its own."""
-        start = self._ahead_end
-        if start >= len(self._entries_list) or start in self._ready or not target.can(self._entries_list[start][1]):
-            return
-        held = sum(self._entries_list[k][3] for k in self._ready)
-        if held >= self._budget // 2:
-            return  # the caller has not caught up with what is ready
-        batch = self._batch(start, target)
-        made, raws = self._make(batch, target)
-        self._pending = (self._read_async(batch, raws, backend=backend), made)
-        self._ahead_end = batch[-1] + 1
 
-    def _collect(self):
-        pending, self._pending = self._pending, None
-        pending[0].wait()
-        self._ready.update(pending[1])
+class _ReadAhead:
+    """The read-ahead of a walk in file order from tensor `start`: two threads take batches of the
+    tensors after it in turn (a quarter of the budget each, one engine request), allocate them
+    and read them, while the tensors read and not yet taken stay within the budget. take(i)
+    waits for the batch holding tensor i. The threads hold the SafeOpen only while they work on a
+    batch: one that is dropped without close() stops them within a second."""
+
+    _THREADS = 2
+
+    def __init__(self, owner: "SafeOpen", start: int, target: _Target, backend: str):
+        self._entries = owner._entries_list
+        self._budget = owner._budget
+        self._cv = _threading.Condition()
+        self._ready = {}      # index -> tensor read and not yet taken
+        self._reading = set()  # indices whose batch is being allocated or read
+        self._failed = {}     # index -> the error of its batch's read
+        self._held = 0        # bytes of _ready and _reading
+        self._next = start    # first index no thread has taken yet
+        self._stopped = False
+        self._active = self._THREADS
+        owner_ref = _weakref.ref(owner)
+        for _ in range(self._THREADS):
+            _threading.Thread(target=self._work, args=(owner_ref, target, backend), daemon=True,
+                              name="hbmio read-ahead").start()
+
+    def holds(self, i: int) -> bool:
+        with self._cv:
+            return i in self._ready or i in self._reading or i in self._failed
+
+    def take(self, i: int):
+        with self._cv:
+            while i in self._reading:
+                self._cv.wait()
+            if i in self._failed:
+                raise self._failed.pop(i)
+            tensor = self._ready.pop(i)
+            self._held -= self._entries[i][3]
+            # Tensors the walk passed without asking for them are not asked for any more.
+            for k in [k for k in self._ready if k < i - 8]:
+                del self._ready[k]
+                self._held -= self._entries[k][3]
+            self._cv.notify_all()
+            return tensor
+
+    def stop(self):
+        """Stops the threads (each finishes the batch it reads) and frees what was read ahead."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+            while self._active:
+                self._cv.wait()
+            self._ready.clear()
+            self._failed.clear()
+            self._held = 0
+
+    def _claim(self, target: _Target):
+        """The next batch (indices), or None: stopped, the end, or a dtype the fast path lacks.
+        Called with the lock held; waits for room in the budget."""
+        while True:
+            if self._stopped or self._next >= len(self._entries) or not target.can(self._entries[self._next][1]):
+                return None
+            first = self._entries[self._next][3]
+            if self._held == 0 or self._held + first <= self._budget:
+                break
+            if not self._cv.wait(timeout=1.0):
+                return ()  # nothing changed for a second: see whether the handle still exists
+        batch, total = [self._next], first
+        k = self._next + 1
+        limit = min(self._budget // 4, self._budget - self._held)
+        while k < len(self._entries):
+            _, dtype, _, nbytes = self._entries[k]
+            if not target.can(dtype) or total + nbytes > limit:
+                break
+            batch.append(k)
+            total += nbytes
+            k += 1
+        self._next = k
+        self._reading.update(batch)
+        self._held += total
+        return batch
+
+    def _work(self, owner_ref, target: _Target, backend: str):
+        try:
+            while True:
+                with self._cv:
+                    batch = self._claim(target)
+                if batch is None:
+                    return
+                owner = owner_ref()
+                if owner is None:  # the handle is gone: nobody takes what was claimed
+                    return
+                if not batch:  # waited a second for room and the handle is still there: wait on
+                    del owner
+                    continue
+                try:
+                    made, addresses = owner._make(batch, target)
+                    owner._read(batch, addresses, backend=backend, location=target.location)
+                except BaseException as e:  # given to whoever takes these tensors
+                    with self._cv:
+                        for k in batch:
+                            self._failed[k] = e
+                        self._reading.difference_update(batch)
+                        self._stopped = True
+                        self._cv.notify_all()
+                    return
+                finally:
+                    del owner
+                with self._cv:
+                    self._reading.difference_update(batch)
+                    if self._stopped:
+                        self._held -= sum(self._entries[k][3] for k in batch)
+                    else:
+                        self._ready.update(made)
+                    self._cv.notify_all()
+        finally:
+            with self._cv:
+                self._active -= 1
+                self._cv.notify_all()
 
 
 from ._hbmio import Error  # noqa: E402  (after the class, which only names it at run time)
@@ -349,15 +453,17 @@ class _Slice:
         if len(runs) <= self._MAX_RUNS and (run_bytes >= self._MIN_RUN or covering[1] > 8 * slice_bytes):
             array, raw = target.make(self._dtype, out_shape, slice_bytes)
             target.before_reads()
-            owner._read([self._index] * len(runs), [raw[k * run_bytes:(k + 1) * run_bytes] for k in range(len(runs))],
-                        offsets=runs, lengths=[run_bytes] * len(runs), backend=owner._backend)
+            base = target.address(raw)
+            owner._read([self._index] * len(runs), [base + k * run_bytes for k in range(len(runs))],
+                        offsets=runs, lengths=[run_bytes] * len(runs), backend=owner._backend, location=target.location)
             return array
         # Short runs: the rows covering the slice, then the slice of them in memory (a copy).
         (first, length), rows = covering, dims[0]
         block_shape = [len(range(rows[0], rows[1]))] + list(self._shape[1:])
         block, raw = target.make(self._dtype, block_shape, length)
         target.before_reads()
-        owner._read([self._index], [raw], offsets=[first], lengths=[length], backend=owner._backend)
+        owner._read([self._index], [target.address(raw)], offsets=[first], lengths=[length], backend=owner._backend,
+                    location=target.location)
         index = tuple((a - rows[0] if d == 0 else a) if is_int else slice(a - rows[0] if d == 0 else a, b - rows[0] if d == 0 else b, s)
                       for d, (a, b, s, is_int) in enumerate(dims))
         result = block[index]

@@ -224,31 +224,89 @@ def test_sharded_index_and_directory():
             assert same(by_dir.get_tensor(key), files[key]), key
 
 
+def _ahead_bytes(f):
+    """Bytes of tensors read ahead and not yet taken (forwards and backwards), checked against the
+    read-ahead's own count."""
+    held = sum(f._entries_list[k][3] for k in f._ready)
+    ahead = f._ahead
+    if ahead is not None:
+        with ahead._cv:
+            counted = sum(f._entries_list[k][3] for k in list(ahead._ready) + list(ahead._reading))
+            assert counted == ahead._held, (counted, ahead._held)
+            held += counted
+    return held
+
+
 def test_readahead_stays_within_its_budget(tmp_path):
     path = tmp_path / "walk.safetensors"
     tensors = {f"t{i:03d}": np.full(64 << 10, i, dtype=np.uint8) for i in range(100)}
     hbmio.save_file(tensors, path)
     budget = 1 << 20  # 16 tensors of 64 KiB
     with hbmio.open(path, framework="np", readahead=budget) as f:
+        most = 0
         for n, key in enumerate(f.offset_keys()):
             assert (f.get_tensor(key) == int(key[1:])).all()
-            held = sum(f._entries_list[k][3] for k in f._ready)
-            pending = sum(f._entries_list[k][3] for k in (f._pending[1] if f._pending else {}))
-            assert held + pending <= budget, (n, held, pending)
+            held = _ahead_bytes(f)
+            assert held <= budget, (n, held)
+            most = max(most, held)
+        assert most > 0, "nothing was read ahead"
         # A walk that skips: every tensor still right, nothing skipped stays held.
         f.close()
         for key in f.offset_keys()[::3]:
             assert (f.get_tensor(key) == int(key[1:])).all()
-        assert sum(f._entries_list[k][3] for k in f._ready) <= budget
+            assert _ahead_bytes(f) <= budget
         # Backwards: read ahead backwards, within the budget, every tensor right.
         f.close()
         batches = 0
         for key in reversed(f.offset_keys()):
             batches += int(f._index[key]) not in f._ready
             assert (f.get_tensor(key) == int(key[1:])).all()
-            assert sum(f._entries_list[k][3] for k in f._ready) <= budget
+            assert _ahead_bytes(f) <= budget
         assert batches < 20, f"{batches} reads for 100 tensors walked backwards: no read-ahead"
-    assert not f._ready and f._pending is None
+    assert not f._ready and f._ahead is None
+
+
+def _readahead_threads():
+    import threading
+    return [t for t in threading.enumerate() if t.name == "hbmio read-ahead"]
+
+
+def test_readahead_threads_stop_at_close_and_when_the_handle_is_dropped(tmp_path):
+    import gc
+    import time
+    path = tmp_path / "walk.safetensors"
+    hbmio.save_file({f"t{i:03d}": np.full(64 << 10, i, dtype=np.uint8) for i in range(64)}, path)
+    with hbmio.open(path, framework="np", readahead=256 << 10) as f:
+        f.get_tensor("t000")
+        assert _readahead_threads(), "a walk in file order starts the read-ahead threads"
+    assert not _readahead_threads(), "the end of the with block stops them"
+    # Dropped mid-walk without close(): the threads (waiting for room in the budget) notice that
+    # the handle is gone and stop, freeing what they read.
+    f = hbmio.open(path, framework="np", readahead=256 << 10)
+    f.get_tensor("t000")
+    del f
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _readahead_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _readahead_threads(), "read-ahead threads outlived their handle"
+
+
+def test_an_error_read_ahead_reaches_the_caller_at_its_tensor(tmp_path):
+    path = tmp_path / "cut.safetensors"
+    hbmio.save_file({f"t{i:03d}": np.full(64 << 10, i, dtype=np.uint8) for i in range(32)}, path)
+    with hbmio.open(path, framework="np", readahead=512 << 10) as f:
+        keys = f.offset_keys()
+        # Cut the file inside tensor 20: the tensors before it still arrive whole and right; the
+        # walk fails at (or before) the batch holding the cut, naming the file, never with other bytes.
+        cut = f._entries_list[20]
+        os.truncate(path, os.path.getsize(path) - (12 << 16) + 1000)
+        got = 0
+        with pytest.raises(hbmio.Error, match="cut.safetensors"):
+            for key in keys:
+                assert (f.get_tensor(key) == int(key[1:])).all(), key
+                got += 1
+        assert got <= 20, f"{got} tensors read past a cut in tensor 20 ({cut[0]})"
 
 
 def test_replaced_and_truncated_files(tmp_path):

@@ -318,7 +318,12 @@ void check_direct_io_and_cufile(const std::string& path, bool is_directory, Path
     facts.cufile_direct = verdict.direct;
     facts.cufile_mode = verdict.mode;
     facts.cufile_reason = verdict.reason;
-    const detail::AutoChoice choice = detail::choose_auto(file, -1, detail::probe_uring());
+    // auto's decision from the same answer, not a second registration with cuFile: where sysfs
+    // rules DMA out, auto does not ask cuFile, so its verdict is that ruling.
+    detail::CufileVerdict auto_verdict;
+    if (std::optional<std::string> why = detail::cufile_dma_ruled_out(file)) auto_verdict.reason = *why + " (cuFile not asked)";
+    else auto_verdict = verdict;
+    const detail::AutoChoice choice = detail::choose_auto(auto_verdict, detail::probe_uring());
     facts.auto_backend = choice.backend;
     facts.auto_passed_over = choice.passed_over;
   } catch (const std::exception& e) {

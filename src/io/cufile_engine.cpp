@@ -501,12 +501,16 @@ CufileVerdict cufile_verdict(const File& file, int device) {
 }
 
 AutoChoice choose_auto(const File& file, int device, const BackendStatus& uring) {
-  AutoChoice choice;
   // Without opening cuFile's driver where sysfs already rules DMA out: its set-up would be paid by
   // the first load only to learn that cuFile would pread + copy.
   CufileVerdict verdict;
   if (std::optional<std::string> why = cufile_dma_ruled_out(file)) verdict.reason = *why + " (cuFile not asked)";
   else verdict = cufile_verdict(file, device);
+  return choose_auto(verdict, uring);
+}
+
+AutoChoice choose_auto(const CufileVerdict& verdict, const BackendStatus& uring) {
+  AutoChoice choice;
   if (verdict.usable && verdict.direct) {
     choice.backend = "cufile";
     choice.cufile_mode = verdict.mode;

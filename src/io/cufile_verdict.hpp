@@ -36,6 +36,9 @@ struct AutoChoice {
   std::string passed_over;  // "cufile: why not; uring: why not", for what was not picked
 };
 AutoChoice choose_auto(const File& file, int device, const BackendStatus& uring);
+// The same decision from a verdict already at hand (the doctor asks cuFile once and reports it):
+// `verdict` is what choose_auto would have asked, cuFile's answer or the sysfs ruling.
+AutoChoice choose_auto(const CufileVerdict& verdict, const BackendStatus& uring);
 
 // Why cuFile cannot move `file`'s data by DMA, judged from sysfs alone (microseconds; opening the
 // cuFile driver to ask costs about 0.3 s of a process's first load on the H200 machine, see

@@ -4,9 +4,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
-#include <vector>
 
 namespace hbmio::detail {
 namespace {
@@ -45,13 +46,31 @@ Residency page_cache_residency(int fd, std::uint64_t offset, std::uint64_t lengt
     if (errno == ENOSYS) cachestat_missing.store(true, std::memory_order_relaxed);
   }
 
+  return mincore_residency(fd, offset, length);
+}
+
+Residency mincore_residency(int fd, std::uint64_t offset, std::uint64_t length) noexcept {
+  Residency r;
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  const std::uint64_t first = offset / page, last = (offset + length + page - 1) / page;
+  r.total_pages = last - first;
+  if (length == 0) return r;
   // mincore needs a mapping; mapping does not fault pages in, so this does not disturb the cache.
   const std::uint64_t map_offset = first * page, map_length = (last - first) * page;
   void* map = ::mmap(nullptr, map_length, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(map_offset));
   if (map == MAP_FAILED) return r;
-  std::vector<unsigned char> vec(r.total_pages);
-  if (::mincore(map, map_length, vec.data()) == 0) {
-    for (unsigned char v : vec) r.cached_pages += v & 1;
+  // A fixed window of the vector mincore fills, walked over the range: nothing to allocate in a
+  // function that must not throw.
+  std::array<unsigned char, 1024> vec{};
+  std::uint64_t cached = 0;
+  bool ok = true;
+  for (std::uint64_t done = 0; done < r.total_pages && ok; done += vec.size()) {
+    const std::uint64_t pages = std::min<std::uint64_t>(vec.size(), r.total_pages - done);
+    ok = ::mincore(static_cast<char*>(map) + done * page, pages * page, vec.data()) == 0;
+    for (std::uint64_t i = 0; ok && i < pages; ++i) cached += vec[i] & 1;
+  }
+  if (ok) {
+    r.cached_pages = cached;
     r.method = "mincore";
   }
   ::munmap(map, map_length);

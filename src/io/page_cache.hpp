@@ -18,5 +18,7 @@ struct Residency {
 
 // cachestat(2) (Linux 6.5+) where the kernel has it, else mmap + mincore(2).
 Residency page_cache_residency(int fd, std::uint64_t offset, std::uint64_t length) noexcept;
+// The mmap + mincore(2) answer alone (what kernels before 6.5 get), for tests on newer ones.
+Residency mincore_residency(int fd, std::uint64_t offset, std::uint64_t length) noexcept;
 
 }  // namespace hbmio::detail
