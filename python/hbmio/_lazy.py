@@ -6,15 +6,17 @@ memory of its own (torch.empty / numpy.empty, so nothing returned keeps another 
 alive) and is read straight into it through a pooled engine.
 
 Read-ahead: a caller that walks the tensors in file order (what every framework does) would pay
-one engine round trip per tensor. When get_tensor asks for the tensor after the previous one, two
-threads of the handle start reading the tensors from there on in file order, in batches of a
-quarter of the read-ahead budget, each batch one engine request (so the two keep the engine's
-workers busy across the gap between batches), until `readahead` bytes (default 1 GiB,
-HBMIO_READAHEAD) of tensors not yet asked for exist; each tensor the walk takes makes room for
-more. A walk backwards is read ahead backwards, half the budget at a time, on the caller's thread.
-Any other order reads just the tensor asked for. What was read ahead and is skipped is dropped
-when the walk passes it, and everything read ahead is freed by close() (or the end of a `with`
-block); the threads stop then, or soon after the handle is garbage-collected.
+one engine round trip per tensor. When get_tensor asks for the tensor after the previous one, the
+tensors from there on are read ahead in file order, in batches of a quarter of the read-ahead
+budget, each one engine request on a thread of the binding, two in flight at once (one batch's
+last pieces overlap the next one's first, so the engine's workers stay busy), while at most
+`readahead` bytes (default 1 GiB, HBMIO_READAHEAD) of tensors not yet asked for exist; each tensor
+the walk takes makes room for more. The caller's thread allocates each batch when it starts it (a
+Python thread doing so would compete with the caller for the interpreter lock: measured, it made
+the walk slower). A walk backwards is read ahead backwards, half the budget at a time. Any other
+order reads just the tensor asked for and pauses the read-ahead. What was read ahead and is
+skipped is dropped when the walk passes it, and everything read ahead is freed by close() (or the
+end of a `with` block).
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import errno as _errno
 import operator as _operator
 import os as _os
 import threading as _threading
-import weakref as _weakref
 
 from . import _hbmio
 
@@ -71,17 +72,23 @@ class _Target:
         return self.ok and self.dtypes.get(dtype) is not None
 
     def make(self, dtype: str, shape, nbytes: int):
-        """(array of `dtype` and `shape`, the uint8 array of its bytes to read into)."""
+        """(array of `dtype` and `shape`, the array whose memory to read into): one allocation of
+        the array itself (one call: this runs once per tensor of a walk), or for an empty array a
+        byte of its own, so that the address is never null."""
+        if nbytes == 0:
+            if self.torch is not None:
+                raw = self.torch.empty(1, dtype=self.torch.uint8, device=self.dev)
+            else:
+                raw = self.np.empty(1, dtype=self.np.uint8)
+            return raw[:0].view(self.dtypes[dtype]).reshape(shape), raw
         if self.torch is not None:
-            torch = self.torch
-            raw = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.dev)
-            return raw[:nbytes].view(self.dtypes[dtype]).reshape(shape), raw
-        np = self.np
-        raw = np.empty(max(nbytes, 1), dtype=np.uint8)
-        return raw[:nbytes].view(self.dtypes[dtype]).reshape(shape), raw
+            array = self.torch.empty(shape, dtype=self.dtypes[dtype], device=self.dev)
+        else:
+            array = self.np.empty(shape, dtype=self.dtypes[dtype])
+        return array, array
 
     def address(self, raw) -> int:
-        """Where a uint8 array from make() starts (what _read takes with `location`)."""
+        """Where an array from make() starts (what _read takes with `location`)."""
         return raw.data_ptr() if self.torch is not None else raw.ctypes.data
 
     def before_reads(self):
@@ -213,8 +220,11 @@ class SafeOpen(_hbmio.SafeOpen):
         backwards = i == self._next - 2 and not sequential
         self._next = max(self._next, i + 1) if sequential else i + 1
         ahead = self._ahead
-        if ahead is not None and ahead.holds(i):
-            return ahead.take(i)
+        if ahead is not None:
+            if ahead.holds(i):
+                return ahead.take(i, walk=sequential)
+            if not sequential:
+                ahead.pause()  # the walk stopped: read nothing more ahead until it resumes
         tensor = self._ready.pop(i, None)
         if tensor is not None:
             return tensor
@@ -224,7 +234,7 @@ class SafeOpen(_hbmio.SafeOpen):
                 ahead.stop()
             self._ready.clear()
             self._ahead = _ReadAhead(self, i, target, backend)
-            return self._ahead.take(i)
+            return self._ahead.take(i, walk=True)
         if backwards and self._budget > 0:
             for k in [k for k in self._ready if k > i + 8]:
                 del self._ready[k]
@@ -265,123 +275,98 @@ class SafeOpen(_hbmio.SafeOpen):
 
 
 class _ReadAhead:
-    """The read-ahead of a walk in file order from tensor `start`: two threads take batches of the
-    tensors after it in turn (a quarter of the budget each, one engine request), allocate them
-    and read them, while the tensors read and not yet taken stay within the budget. take(i)
-    waits for the batch holding tensor i. The threads hold the SafeOpen only while they work on a
-    batch: one that is dropped without close() stops them within a second."""
+    """The read-ahead of a walk in file order from tensor `start`: batches of the tensors after it
+    (a quarter of the budget each, one engine request), two in flight at once, each read on a
+    thread of the binding while the caller works; the tensors read and not yet taken stay within
+    the budget. The caller's thread allocates the batches and starts them (as it takes tensors),
+    so no Python thread competes with it for the interpreter. Used under the SafeOpen's lock."""
 
-    _THREADS = 2
+    _IN_FLIGHT = 2
 
     def __init__(self, owner: "SafeOpen", start: int, target: _Target, backend: str):
+        self._owner, self._target, self._backend = owner, target, backend
         self._entries = owner._entries_list
         self._budget = owner._budget
-        self._cv = _threading.Condition()
         self._ready = {}      # index -> tensor read and not yet taken
-        self._reading = set()  # indices whose batch is being allocated or read
+        self._batches = []    # (indices, {index: tensor}, _PendingRead) in flight, oldest first
         self._failed = {}     # index -> the error of its batch's read
-        self._held = 0        # bytes of _ready and _reading
-        self._next = start    # first index no thread has taken yet
-        self._stopped = False
-        self._active = self._THREADS
-        owner_ref = _weakref.ref(owner)
-        for _ in range(self._THREADS):
-            _threading.Thread(target=self._work, args=(owner_ref, target, backend), daemon=True,
-                              name="hbmio read-ahead").start()
+        self._held = 0        # bytes of _ready and of the batches in flight
+        self._next = start    # first index not yet in a batch
+        self._floor = start   # no tensor below this index is ready
+        self._paused = False  # an access out of order: start no new batch until the walk resumes
+        self._fill()
 
     def holds(self, i: int) -> bool:
-        with self._cv:
-            return i in self._ready or i in self._reading or i in self._failed
+        return i in self._ready or i in self._failed or any(i in made for _, made, _ in self._batches)
 
-    def take(self, i: int):
-        with self._cv:
-            while i in self._reading:
-                self._cv.wait()
-            if i in self._failed:
-                raise self._failed.pop(i)
-            tensor = self._ready.pop(i)
+    def take(self, i: int, walk: bool):
+        """Tensor i (waiting for its batch). `walk`: the access continues the walk in file order, so
+        the tensors it passed are dropped and new batches start; otherwise the read-ahead pauses."""
+        for n, (_, made, _) in enumerate(self._batches):
+            if i in made:
+                self._collect(n)
+                break
+        if i in self._failed:
+            error = self._failed.pop(i)
             self._held -= self._entries[i][3]
-            # Tensors the walk passed without asking for them are not asked for any more.
-            for k in [k for k in self._ready if k < i - 8]:
-                del self._ready[k]
-                self._held -= self._entries[k][3]
-            self._cv.notify_all()
-            return tensor
+            raise error
+        tensor = self._ready.pop(i)
+        self._held -= self._entries[i][3]
+        self._paused = not walk
+        if walk:
+            # Tensors the walk passed without asking for them are not asked for any more
+            # (_floor: no index below it is ready, so each take looks at a few indices only).
+            for k in range(self._floor, i - 8):
+                if self._ready.pop(k, None) is not None:
+                    self._held -= self._entries[k][3]
+            self._floor = max(self._floor, i - 8)
+            self._fill()
+        return tensor
+
+    def pause(self):
+        self._paused = True
 
     def stop(self):
-        """Stops the threads (each finishes the batch it reads) and frees what was read ahead."""
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-            while self._active:
-                self._cv.wait()
-            self._ready.clear()
-            self._failed.clear()
-            self._held = 0
+        """Waits for the batches in flight and frees what was read ahead."""
+        batches, self._batches = self._batches, []
+        for _, _, pending in batches:
+            try:
+                pending.wait()
+            except Exception:  # nobody asked for those tensors
+                pass
+        self._ready.clear()
+        self._failed.clear()
+        self._held = 0
 
-    def _claim(self, target: _Target):
-        """The next batch (indices), or None: stopped, the end, or a dtype the fast path lacks.
-        Called with the lock held; waits for room in the budget."""
-        while True:
-            if self._stopped or self._next >= len(self._entries) or not target.can(self._entries[self._next][1]):
-                return None
-            first = self._entries[self._next][3]
-            if self._held == 0 or self._held + first <= self._budget:
-                break
-            if not self._cv.wait(timeout=1.0):
-                return ()  # nothing changed for a second: see whether the handle still exists
-        batch, total = [self._next], first
-        k = self._next + 1
-        limit = min(self._budget // 4, self._budget - self._held)
-        while k < len(self._entries):
-            _, dtype, _, nbytes = self._entries[k]
-            if not target.can(dtype) or total + nbytes > limit:
-                break
-            batch.append(k)
-            total += nbytes
-            k += 1
-        self._next = k
-        self._reading.update(batch)
-        self._held += total
-        return batch
-
-    def _work(self, owner_ref, target: _Target, backend: str):
+    def _collect(self, n: int):
+        indices, made, pending = self._batches.pop(n)
         try:
-            while True:
-                with self._cv:
-                    batch = self._claim(target)
-                if batch is None:
-                    return
-                owner = owner_ref()
-                if owner is None:  # the handle is gone: nobody takes what was claimed
-                    return
-                if not batch:  # waited a second for room and the handle is still there: wait on
-                    del owner
-                    continue
-                try:
-                    made, addresses = owner._make(batch, target)
-                    owner._read(batch, addresses, backend=backend, location=target.location)
-                except BaseException as e:  # given to whoever takes these tensors
-                    with self._cv:
-                        for k in batch:
-                            self._failed[k] = e
-                        self._reading.difference_update(batch)
-                        self._stopped = True
-                        self._cv.notify_all()
-                    return
-                finally:
-                    del owner
-                with self._cv:
-                    self._reading.difference_update(batch)
-                    if self._stopped:
-                        self._held -= sum(self._entries[k][3] for k in batch)
-                    else:
-                        self._ready.update(made)
-                    self._cv.notify_all()
-        finally:
-            with self._cv:
-                self._active -= 1
-                self._cv.notify_all()
+            pending.wait()
+        except Exception as e:  # given to whoever takes these tensors; no new batches after it
+            self._failed.update(dict.fromkeys(indices, e))
+            self._next = len(self._entries)
+            return
+        self._ready.update(made)
+
+    def _fill(self):
+        """Starts batches while fewer than _IN_FLIGHT are in flight and the budget has room."""
+        target, entries = self._target, self._entries
+        while len(self._batches) < self._IN_FLIGHT and not self._paused and self._next < len(entries):
+            first = entries[self._next]
+            if not target.can(first[1]) or (self._held > 0 and self._held + first[3] > self._budget):
+                return
+            batch, total = [self._next], first[3]
+            limit = min(self._budget // 4, self._budget - self._held)
+            k = self._next + 1
+            while k < len(entries) and target.can(entries[k][1]) and total + entries[k][3] <= limit:
+                total += entries[k][3]
+                batch.append(k)
+                k += 1
+            made, addresses = self._owner._make(batch, target)
+            pending = self._owner._read_async(batch, addresses, target.location, list(made.values()), backend=self._backend)
+            self._batches.append((batch, made, pending))
+            self._held += total
+            self._next = k
 
 
 from ._hbmio import Error  # noqa: E402  (after the class, which only names it at run time)

@@ -12,6 +12,14 @@ keys() and get_slice(name), then get_shape()/get_dtype()/[...] on the slices fro
 threads, and finally handle.__exit__(None, None, None) without having entered it; 4.x passes
 device_map's device ("cpu", or a CUDA index) and also calls metadata() and get_tensor(). So
 replacing that global in each module is the whole integration: from_pretrained is unchanged.
+
+One adjustment for 5.x: it opens every file on the CPU and moves each tensor to its device
+afterwards, so a plain replacement would read each tensor into host memory and copy it again
+(where safetensors maps the file and the copy reads the page cache once). Where the load's
+device_map (its `load_config`, a local of the function calling safe_open) sends every module to
+one CUDA device, hbmio reads straight into that device instead; the move is then a no-op.
+Anything else (several devices, "cpu", "disk", a device mesh, no device_map) is read into host
+memory as asked.
 """
 from __future__ import annotations
 
@@ -52,6 +60,31 @@ def _hbmio_device(device):
     return None
 
 
+def _one_cuda_device(device_map):
+    """"cuda:N" when every entry of a from_pretrained device_map is that one CUDA device, else None."""
+    if not isinstance(device_map, dict) or not device_map:
+        return None
+    devices = {_hbmio_device(d) for d in device_map.values()}
+    if len(devices) != 1:
+        return None
+    (dev,) = devices
+    if dev is None or not dev.startswith("cuda"):
+        return None
+    if dev == "cuda":
+        import torch
+        dev = f"cuda:{torch.cuda.current_device()}"
+    return dev
+
+
+def _device_of_the_load(frame):
+    """The one CUDA device the from_pretrained calling safe_open loads onto (transformers 5: the
+    `load_config.device_map` of the calling function), or None."""
+    load_config = frame.f_locals.get("load_config") if frame is not None else None
+    if load_config is None or getattr(load_config, "device_mesh", None) is not None:
+        return None
+    return _one_cuda_device(getattr(load_config, "device_map", None))
+
+
 def _safe_open(filename, framework, device="cpu", **kwargs):
     """safetensors.safe_open's signature; hbmio.open serves what it can, safetensors the rest."""
     # safetensors' backend= says how safetensors itself reads ("mmap" or "pread"); hbmio has its
@@ -61,6 +94,8 @@ def _safe_open(filename, framework, device="cpu", **kwargs):
     dev = _hbmio_device(device)
     if framework not in ("pt", "torch") or dev is None or unknown:
         return _original(filename, framework, device=device, **kwargs)
+    if dev == "cpu" and "backend" in kwargs:  # transformers 5: on the CPU, to be moved afterwards
+        dev = _device_of_the_load(sys._getframe(1)) or dev
     import hbmio  # looked up at each call, so a wrapper put on hbmio.open (tests) sees the calls
     # hbmio.open's handle is safe_open's interface, and safe to share between the threads on
     # which transformers 5 materialises the slices of one file.

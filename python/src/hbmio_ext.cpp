@@ -342,6 +342,37 @@ std::vector<hbmio::TensorRead> tensor_reads(const Handle& h, const std::vector<s
   return reads;
 }
 
+// A read of a SafeOpen running on a thread of its own (read-ahead), with the engine it borrowed,
+// keeping `keep` (the arrays it reads into) alive until wait() or its destruction. A thread per
+// batch: batches are a quarter of the read-ahead budget (256 MiB by default), so starting one
+// costs nothing beside the read.
+class PendingRead {
+ public:
+  PendingRead(const Handle& h, std::vector<hbmio::TensorRead> reads, nb::object keep, std::string backend)
+      : keep_(std::move(keep)) {
+    auto lease = std::make_shared<EngineLease>(std::move(backend));
+    done_ = std::async(std::launch::async, [&h, reads = std::move(reads), lease] { h.checkpoint.read(reads, *lease->get()); });
+  }
+  ~PendingRead() {
+    if (done_.valid()) {
+      nb::gil_scoped_release release;
+      done_.wait();  // its error, if any, is dropped with it: nobody asked for the data
+    }
+  }
+  PendingRead(const PendingRead&) = delete;
+  PendingRead& operator=(const PendingRead&) = delete;
+  // Waits for the reads; raises their error.
+  void wait() {
+    if (!done_.valid()) return;
+    nb::gil_scoped_release release;
+    done_.get();
+  }
+
+ private:
+  nb::object keep_;
+  std::future<void> done_;
+};
+
 // A load's checkpoint: a path, or a SafeOpen (Handle) whose headers were read already, so a caller
 // that plans, allocates and loads parses them once.
 struct Target {
@@ -985,6 +1016,9 @@ NB_MODULE(_hbmio, m) {
     return d;
   });
 
+  nb::class_<PendingRead>(m, "_PendingRead", "Reads of a SafeOpen in flight (read-ahead).")
+      .def("wait", &PendingRead::wait, "Waits for the reads; raises their error.");
+
   nb::class_<Handle>(m, "SafeOpen", "A checkpoint opened for lazy, per-tensor loads (like safetensors.safe_open).")
       .def("__init__", [](Handle* self, const std::string& path) {
         std::optional<hbmio::OpenedCheckpoint> opened;
@@ -1042,6 +1076,15 @@ NB_MODULE(_hbmio, m) {
          nb::arg("backend") = "auto", nb::arg("location") = nb::none(),
          "Reads tensors (indices into _entries()), or byte ranges of them, into `dests` in one batch: arrays, or "
          "with `location` (\"cpu\", \"cuda:N\") addresses of memory there that the caller keeps alive.")
+      .def("_read_async", [](nb::handle self, const std::vector<std::size_t>& indices, const nb::list& dests,
+                             const std::string& location, nb::object keep, const std::string& backend) {
+        const Handle& h = nb::cast<const Handle&>(self);
+        std::vector<hbmio::TensorRead> reads = tensor_reads(h, indices, dests, std::nullopt, std::nullopt, location);
+        return new PendingRead(h, std::move(reads), std::move(keep), backend);
+      }, nb::arg("indices"), nb::arg("dests"), nb::arg("location"), nb::arg("keep"), nb::arg("backend") = "auto",
+         nb::keep_alive<0, 1>(),
+         "Starts _read of whole tensors (addresses in `location`, in memory that `keep` holds) on a thread of its "
+         "own; .wait() on the result waits for it.")
       .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
                             const std::string& backend, nb::handle verify) {
         h.info(name);  // KeyError for an unknown name

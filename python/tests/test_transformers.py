@@ -228,6 +228,28 @@ def test_import_hbmio_does_not_import_transformers(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)  # the installed hbmio, not the tree's
 
 
+def test_the_device_of_the_load_from_its_device_map():
+    one = integrations._one_cuda_device
+    assert one({"": "cuda:0"}) == "cuda:0"
+    assert one({"model.embed": 0, "lm_head": "cuda:0", "model.norm": torch.device("cuda", 0)}) == "cuda:0"
+    for spread in ({"a": 0, "b": 1}, {"a": "cuda:0", "b": "cpu"}, {"a": "disk"}, {"": "cpu"}, {}, "auto", None):
+        assert one(spread) is None, spread
+
+    class Config:  # what transformers 5 keeps in its load_config
+        def __init__(self, device_map, device_mesh=None):
+            self.device_map, self.device_mesh = device_map, device_mesh
+
+    class Frame:
+        def __init__(self, **f_locals):
+            self.f_locals = f_locals
+
+    of = integrations._device_of_the_load
+    assert of(Frame(load_config=Config({"": "cuda:1"}))) == "cuda:1"
+    assert of(Frame(load_config=Config({"": "cuda:1"}, device_mesh=object()))) is None, "tensor parallel: as asked"
+    assert of(Frame(load_config=Config(None))) is None
+    assert of(Frame()) is None and of(None) is None
+
+
 @cuda
 def test_device_map_cuda(checkpoints, opened):
     pytest.importorskip("accelerate", reason="device_map needs accelerate")
@@ -238,6 +260,9 @@ def test_device_map_cuda(checkpoints, opened):
             ours = _load(dirs[layout], device_map="cuda:0")
         assert all(t.device == torch.device("cuda", 0) for t in ours.values())
         assert sorted({p for p, _, _ in opened}) == _files(dirs[layout])
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            # 5.x asks for the CPU and moves each tensor; hbmio reads straight into the device.
+            assert {kw.get("device") for _, _, kw in opened} == {"cuda:0"}, opened
         opened.clear()
         _assert_identical(ours, stock)
         _assert_identical(ours, reference)
