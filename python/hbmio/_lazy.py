@@ -8,15 +8,14 @@ alive) and is read straight into it through a pooled engine.
 Read-ahead: a caller that walks the tensors in file order (what every framework does) would pay
 one engine round trip per tensor. When get_tensor asks for the tensor after the previous one, the
 tensors from there on are read ahead in file order, in batches of a quarter of the read-ahead
-budget, each one engine request on a thread of the binding, two in flight at once (one batch's
-last pieces overlap the next one's first, so the engine's workers stay busy), while at most
-`readahead` bytes (default 1 GiB, HBMIO_READAHEAD) of tensors not yet asked for exist; each tensor
-the walk takes makes room for more. The caller's thread allocates each batch when it starts it (a
-Python thread doing so would compete with the caller for the interpreter lock: measured, it made
-the walk slower). A walk backwards is read ahead backwards, half the budget at a time. Any other
-order reads just the tensor asked for and pauses the read-ahead. What was read ahead and is
-skipped is dropped when the walk passes it, and everything read ahead is freed by close() (or the
-end of a `with` block).
+budget, each one engine request, two queued at once to a reader thread of the binding (so the
+next batch starts the moment one ends), while at most `readahead` bytes (default 1 GiB,
+HBMIO_READAHEAD) of tensors not yet asked for exist; each tensor the walk takes makes room for
+more. The caller's thread allocates each batch when it queues it (a Python thread doing so would
+compete with the caller for the interpreter lock: measured, it made the walk slower). A walk
+backwards is read ahead backwards, half the budget at a time. Any other order reads just the
+tensor asked for and pauses the read-ahead. What was read ahead and is skipped is dropped when the
+walk passes it, and everything read ahead is freed by close() (or the end of a `with` block).
 """
 from __future__ import annotations
 
@@ -120,6 +119,8 @@ class SafeOpen(_hbmio.SafeOpen):
         self._index = {e[0]: i for i, e in enumerate(self._entries_list)}
         self._target = None   # made at the first get_tensor (imports torch/numpy then)
         self._ahead = None    # _ReadAhead of a walk in file order
+        self._slices = None   # _ReadAhead of a walk of slices, each taking the same part of its tensor
+        self._last_rows = None  # (index, start, stop) of the last slice that was a range of rows
         self._ready = {}      # index -> tensor read ahead backwards and not yet asked for
         self._next = 0        # the index a walk in file order asks for next
         # Frameworks read one handle from several threads (transformers 5 materialises slices on a
@@ -180,9 +181,10 @@ class SafeOpen(_hbmio.SafeOpen):
             self._close()
 
     def _close(self):
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.stop()
+        for ahead in (self._ahead, self._slices):
+            if ahead is not None:
+                ahead.stop()
+        self._ahead = self._slices = self._last_rows = None
         self._ready.clear()
 
     def __enter__(self):
@@ -246,6 +248,28 @@ class SafeOpen(_hbmio.SafeOpen):
         self._ready.update(made)
         return tensor
 
+    def _rows_ahead(self, i: int, start: int, stop: int, target: _Target):
+        """Rows [start, stop) of tensor i from a walk of slices read ahead, or None. A walk of
+        slices that take the same part of each tensor in file order (tensor-parallel loading: rank
+        r of t takes rows [r n / t, (r + 1) n / t) of every tensor) is read ahead like a walk of
+        tensors, from the second such slice on; any other slice stops it."""
+        rows = self._entries_list[i][2][0]
+        ahead = self._slices
+        if ahead is not None:
+            if ahead.holds(i) and ahead.key(i) == (start, stop):
+                return ahead.take(i, walk=True)
+            ahead.stop()
+            self._slices = None
+        last, self._last_rows = self._last_rows, (i, start, stop)
+        if self._budget <= 0 or last is None:
+            return None
+        j, a, b = last
+        rows_j = self._entries_list[j][2][0]
+        if not j < i <= j + 4 or a * rows != start * rows_j or b * rows != stop * rows_j:
+            return None
+        self._slices = _ReadAhead(self, i, target, self._backend, plan=_row_plan(self._entries_list, target, start, stop, rows))
+        return self._slices.take(i, walk=True) if self._slices.holds(i) else None
+
     def _batch_back(self, first: int, target: _Target) -> list[int]:
         """`first`, then the tensors before it in file order that are not ready, up to half the budget."""
         batch, total = [first], self._entries_list[first][3]
@@ -276,97 +300,164 @@ class SafeOpen(_hbmio.SafeOpen):
 
 class _ReadAhead:
     """The read-ahead of a walk in file order from tensor `start`: batches of the tensors after it
-    (a quarter of the budget each, one engine request), two in flight at once, each read on a
-    thread of the binding while the caller works; the tensors read and not yet taken stay within
-    the budget. The caller's thread allocates the batches and starts them (as it takes tensors),
-    so no Python thread competes with it for the interpreter. Used under the SafeOpen's lock."""
+    (a quarter of the budget each, one engine request), two queued at once to a reader of the
+    binding (one thread, one engine: the next batch starts the moment the one before it ends)
+    while the caller works; what was read and not yet taken stays within the budget. The
+    caller's thread allocates the batches and queues them (as it takes tensors), so no Python
+    thread competes with it for the interpreter. Used under the SafeOpen's lock.
+
+    `plan(k)` says what is read of tensor k: (shape, byte offset, bytes, key), or None where the
+    walk cannot be predicted (the read-ahead stops before k). Whole tensors by default; a walk of
+    slices reads the same rows of each tensor (see _row_plan), and `key` is what the caller
+    checks the request against."""
 
     _IN_FLIGHT = 2
 
-    def __init__(self, owner: "SafeOpen", start: int, target: _Target, backend: str):
-        self._owner, self._target, self._backend = owner, target, backend
-        self._entries = owner._entries_list
+    def __init__(self, owner: "SafeOpen", start: int, target: _Target, backend: str, plan=None):
+        self._owner, self._target = owner, target
+        self._plan = plan or self._whole
+        self._queue = owner._read_queue(backend)  # its thread reads the batches in order
+        self._count = len(owner._entries_list)
         self._budget = owner._budget
-        self._ready = {}      # index -> tensor read and not yet taken
-        self._batches = []    # (indices, {index: tensor}, _PendingRead) in flight, oldest first
+        self._ready = {}      # index -> (array, key) read and not yet taken
+        self._sizes = {}      # index -> bytes, of what is ready or in flight
+        self._batches = []    # (indices, {index: array}, batch number in the queue) in flight, oldest first
         self._failed = {}     # index -> the error of its batch's read
         self._held = 0        # bytes of _ready and of the batches in flight
         self._next = start    # first index not yet in a batch
-        self._floor = start   # no tensor below this index is ready
+        self._floor = start   # nothing below this index is ready
         self._paused = False  # an access out of order: start no new batch until the walk resumes
+        self._keys = {}       # index -> the key of its plan
         self._fill()
+
+    def _whole(self, k):
+        _, dtype, shape, nbytes = self._owner._entries_list[k]
+        return (shape, 0, nbytes, None) if self._target.can(dtype) else None
 
     def holds(self, i: int) -> bool:
         return i in self._ready or i in self._failed or any(i in made for _, made, _ in self._batches)
 
+    def key(self, i: int):
+        """The key of what is held for tensor i (its plan's)."""
+        return self._keys.get(i)
+
     def take(self, i: int, walk: bool):
-        """Tensor i (waiting for its batch). `walk`: the access continues the walk in file order, so
-        the tensors it passed are dropped and new batches start; otherwise the read-ahead pauses."""
+        """What was read of tensor i (waiting for its batch). `walk`: the access continues the walk
+        in file order, so what it passed is dropped and new batches start; otherwise the
+        read-ahead pauses."""
         for n, (_, made, _) in enumerate(self._batches):
             if i in made:
                 self._collect(n)
                 break
+        self._keys.pop(i, None)
         if i in self._failed:
             error = self._failed.pop(i)
-            self._held -= self._entries[i][3]
+            self._held -= self._sizes.pop(i)
             raise error
-        tensor = self._ready.pop(i)
-        self._held -= self._entries[i][3]
+        array = self._ready.pop(i)
+        self._held -= self._sizes.pop(i)
         self._paused = not walk
         if walk:
-            # Tensors the walk passed without asking for them are not asked for any more
-            # (_floor: no index below it is ready, so each take looks at a few indices only).
+            # What the walk passed without asking for it is not asked for any more (_floor:
+            # nothing below it is ready, so each take looks at a few indices only).
             for k in range(self._floor, i - 8):
                 if self._ready.pop(k, None) is not None:
-                    self._held -= self._entries[k][3]
+                    self._held -= self._sizes.pop(k)
+                    self._keys.pop(k, None)
             self._floor = max(self._floor, i - 8)
             self._fill()
-        return tensor
+        return array
 
     def pause(self):
         self._paused = True
 
     def stop(self):
-        """Waits for the batches in flight and frees what was read ahead."""
-        batches, self._batches = self._batches, []
-        for _, _, pending in batches:
-            try:
-                pending.wait()
-            except Exception:  # nobody asked for those tensors
-                pass
+        """Frees what was read ahead (waiting for the batch being read)."""
+        # Dropping the queue skips the batches not started and waits for the one being read.
+        self._batches, self._queue = [], None
         self._ready.clear()
         self._failed.clear()
+        self._sizes.clear()
+        self._keys.clear()
         self._held = 0
 
     def _collect(self, n: int):
-        indices, made, pending = self._batches.pop(n)
+        indices, made, batch = self._batches.pop(n)
         try:
-            pending.wait()
+            self._queue.wait(batch)
         except Exception as e:  # given to whoever takes these tensors; no new batches after it
             self._failed.update(dict.fromkeys(indices, e))
-            self._next = len(self._entries)
+            self._next = self._count
             return
         self._ready.update(made)
 
     def _fill(self):
         """Starts batches while fewer than _IN_FLIGHT are in flight and the budget has room."""
-        target, entries = self._target, self._entries
-        while len(self._batches) < self._IN_FLIGHT and not self._paused and self._next < len(entries):
-            first = entries[self._next]
-            if not target.can(first[1]) or (self._held > 0 and self._held + first[3] > self._budget):
+        target = self._target
+        while len(self._batches) < self._IN_FLIGHT and not self._paused and self._next < self._count:
+            first = self._plan(self._next)
+            if first is None:
+                self._next = self._count  # the walk cannot be predicted past here
                 return
-            batch, total = [self._next], first[3]
+            if self._held > 0 and self._held + first[2] > self._budget:
+                return
+            plans, total = [(self._next, first)], first[2]
             limit = min(self._budget // 4, self._budget - self._held)
             k = self._next + 1
-            while k < len(entries) and target.can(entries[k][1]) and total + entries[k][3] <= limit:
-                total += entries[k][3]
-                batch.append(k)
+            while k < self._count:
+                p = self._plan(k)
+                if p is None or total + p[2] > limit:
+                    break
+                plans.append((k, p))
+                total += p[2]
                 k += 1
-            made, addresses = self._owner._make(batch, target)
-            pending = self._owner._read_async(batch, addresses, target.location, list(made.values()), backend=self._backend)
-            self._batches.append((batch, made, pending))
+            end = k
+            made, addresses, offsets, lengths = {}, [], [], []
+            for j, (shape, offset, nbytes, key) in plans:
+                made[j], raw = target.make(self._owner._entries_list[j][1], shape, nbytes)
+                addresses.append(target.address(raw))
+                offsets.append(offset)
+                lengths.append(nbytes)
+                self._sizes[j] = nbytes
+                self._keys[j] = key
+            target.before_reads()
+            indices = [k for k, _ in plans]
+            number = self._queue.push(indices, addresses, target.location, list(made.values()), offsets, lengths)
+            self._batches.append((indices, made, number))
             self._held += total
-            self._next = k
+            self._next = end
+
+
+def _row_range(dims, shape):
+    """(start, stop) where a slice's dims select rows [start, stop) of dimension 0 (step 1) and all
+    of every other dimension, else None."""
+    if not dims:
+        return None
+    a, b, step, is_int = dims[0]
+    if is_int or step != 1 or b <= a:
+        return None
+    for (x, y, st, one), n in zip(dims[1:], shape[1:]):
+        if one or st != 1 or x != 0 or y != n:
+            return None
+    return a, b
+
+
+def _row_plan(entries, target, a, b, rows):
+    """A read-ahead plan for a walk of slices that takes rows [a, b) of `rows` of one tensor and
+    the same part of each tensor after it: rows [a * n / rows, b * n / rows) of a tensor of n rows,
+    where those are whole numbers (tensor-parallel shards: rank r of t takes rows [r n / t,
+    (r + 1) n / t)); None for any other tensor, which ends the prediction."""
+    def plan(k):
+        _, dtype, shape, nbytes = entries[k]
+        if not shape or not target.can(dtype) or shape[0] == 0:
+            return None
+        n = shape[0]
+        if (a * n) % rows or (b * n) % rows:
+            return None
+        ak, bk = a * n // rows, b * n // rows
+        row = nbytes // n
+        return [bk - ak] + list(shape[1:]), ak * row, (bk - ak) * row, (ak, bk)
+    return plan
 
 
 from ._hbmio import Error  # noqa: E402  (after the class, which only names it at run time)
@@ -431,6 +522,12 @@ class _Slice:
         if any(len(range(a, b, s)) == 0 for a, b, s, _ in dims):
             array, _ = target.make(self._dtype, out_shape, 0)
             return array
+        rows = _row_range(dims, self._shape)
+        if rows is not None:
+            with owner._lock:
+                array = owner._rows_ahead(self._index, rows[0], rows[1], target)
+            if array is not None:
+                return array
         item = self._nbytes // max(1, _prod(self._shape))
         runs, run_bytes = _runs(dims, self._shape, item)
         slice_bytes = len(runs) * run_bytes

@@ -289,6 +289,38 @@ def test_readahead_pauses_when_the_walk_stops_and_resumes_with_it(tmp_path):
     assert f._ahead is None
 
 
+def test_a_walk_of_tensor_parallel_slices_is_read_ahead_and_equals_safe_open(tmp_path):
+    """vLLM's tensor-parallel load: rank r of t takes rows [r n / t, (r + 1) n / t) of every tensor,
+    in file order. Tensors of other row counts, of one row, 1-D ones, and one whose rows do not
+    divide (which stops the prediction) are among them; every slice equals safe_open's."""
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(5)
+    shapes = [(64, 48), (32, 8), (128,), (64, 3, 5), (16, 16), (7, 4), (64, 48), (8,), (24, 2)] * 4
+    tensors = {f"w{i:03d}": rng.integers(0, 255, size=s, dtype=np.uint8).astype(np.float32) for i, s in enumerate(shapes)}
+    path = tmp_path / "tp.safetensors"
+    save_file(tensors, str(path))
+    for t in (1, 2, 4, 8):
+        for r in range(t):
+            with safe_open(path, "np") as ref, hbmio.open(path, framework="np", readahead=64 << 10) as f:
+                engaged = 0
+                for key in f.offset_keys():
+                    n = f.get_slice(key).get_shape()[0]
+                    part = slice(r * n // t, (r + 1) * n // t)
+                    got, want = f.get_slice(key)[part], ref.get_slice(key)[part]
+                    assert got.shape == want.shape and same(got, want), (t, r, key)
+                    engaged += (f._slices if t > 1 else f._ahead) is not None  # t = 1: whole tensors, a walk
+                    assert _ahead_bytes(f) <= 64 << 10
+                    if f._slices is not None:
+                        assert f._slices._held <= 64 << 10
+                assert engaged > len(shapes) // 3, f"t={t} r={r}: the slices were hardly read ahead ({engaged})"
+    # A walk whose slices change their part half-way: still every slice right.
+    with safe_open(path, "np") as ref, hbmio.open(path, framework="np") as f:
+        for n_key, key in enumerate(f.offset_keys()):
+            n = f.get_slice(key).get_shape()[0]
+            part = slice(0, n // 2) if n_key < 10 else slice(n // 2, n)
+            assert same(f.get_slice(key)[part], ref.get_slice(key)[part]), key
+
+
 def test_an_error_read_ahead_reaches_the_caller_at_its_tensor(tmp_path):
     path = tmp_path / "cut.safetensors"
     hbmio.save_file({f"t{i:03d}": np.full(64 << 10, i, dtype=np.uint8) for i in range(32)}, path)
