@@ -300,15 +300,16 @@ nb::dict stats_dict(const hbmio::Stats& s) {
 }
 
 struct Handle {
-  hbmio::OpenedCheckpoint checkpoint;
+  // Shared with the read-ahead's reader (ReadQueue), which may outlive the Python object.
+  std::shared_ptr<const hbmio::OpenedCheckpoint> checkpoint;
 
-  const std::string& path() const noexcept { return checkpoint.path(); }
-  const std::vector<hbmio::CheckpointFile>& files() const noexcept { return checkpoint.files(); }
+  const std::string& path() const noexcept { return checkpoint->path(); }
+  const std::vector<hbmio::CheckpointFile>& files() const noexcept { return checkpoint->files(); }
   std::size_t index(const std::string& name) const {
-    if (const auto i = checkpoint.find(name)) return *i;
+    if (const auto i = checkpoint->find(name)) return *i;
     throw nb::key_error(("no tensor named '" + name + "' in " + path()).c_str());
   }
-  const hbmio::safetensors::TensorInfo& info(const std::string& name) const { return *checkpoint.tensors()[index(name)].info; }
+  const hbmio::safetensors::TensorInfo& info(const std::string& name) const { return *checkpoint->tensors()[index(name)].info; }
 };
 
 // Reads of parts of tensors of a SafeOpen into arrays: indices into tensors(), destinations, and
@@ -317,7 +318,7 @@ struct Handle {
 // "cuda:N"), each destination is the address of memory there (torch's data_ptr()), which the
 // caller keeps alive and large enough for the read: a walk of thousands of tensors then skips a
 // DLPack export per tensor (7 us each on the GPU machine, a tenth of the walk's time per tensor).
-std::vector<hbmio::TensorRead> tensor_reads(const Handle& h, const std::vector<std::size_t>& indices, const nb::list& dests,
+std::vector<hbmio::TensorRead> tensor_reads(const hbmio::OpenedCheckpoint& checkpoint, const std::vector<std::size_t>& indices, const nb::list& dests,
                                             const std::optional<std::vector<std::uint64_t>>& offsets,
                                             const std::optional<std::vector<std::uint64_t>>& lengths,
                                             const std::optional<std::string>& location) {
@@ -327,8 +328,8 @@ std::vector<hbmio::TensorRead> tensor_reads(const Handle& h, const std::vector<s
       location ? std::optional(hbmio::MemoryLocation::parse(*location)) : std::nullopt;
   std::vector<hbmio::TensorRead> reads(indices.size());
   for (std::size_t i = 0; i < indices.size(); ++i) {
-    if (indices[i] >= h.checkpoint.tensors().size()) throw nb::index_error("_read: tensor index out of range");
-    const std::uint64_t size = h.checkpoint.tensors()[indices[i]].info->size();
+    if (indices[i] >= checkpoint.tensors().size()) throw nb::index_error("_read: tensor index out of range");
+    const std::uint64_t size = checkpoint.tensors()[indices[i]].info->size();
     reads[i].tensor = indices[i];
     reads[i].offset = offsets ? (*offsets)[i] : 0;
     reads[i].length = lengths ? (*lengths)[i] : size;
@@ -354,7 +355,7 @@ std::vector<hbmio::TensorRead> tensor_reads(const Handle& h, const std::vector<s
 // the batches not started and waits for the one being read.
 class ReadQueue {
  public:
-  ReadQueue(const Handle& h, const std::string& backend) : handle_(h), engine_(backend) {
+  ReadQueue(const Handle& h, const std::string& backend) : checkpoint_(h.checkpoint), engine_(backend) {
     thread_ = std::thread([this] { run(); });
   }
   ~ReadQueue() {
@@ -371,7 +372,7 @@ class ReadQueue {
   }
   ReadQueue(const ReadQueue&) = delete;
   ReadQueue& operator=(const ReadQueue&) = delete;
-  const Handle& handle() const noexcept { return handle_; }
+  const hbmio::OpenedCheckpoint& checkpoint() const noexcept { return *checkpoint_; }
 
   std::uint64_t push(std::vector<hbmio::TensorRead> reads, nb::object keep) {
     std::lock_guard lock(mutex_);
@@ -422,7 +423,7 @@ class ReadQueue {
       }
       std::exception_ptr error;
       try {
-        handle_.checkpoint.read(*reads, *engine_.get());
+        checkpoint_->read(*reads, *engine_.get());
       } catch (...) {
         error = std::current_exception();
       }
@@ -436,7 +437,7 @@ class ReadQueue {
     }
   }
 
-  const Handle& handle_;
+  std::shared_ptr<const hbmio::OpenedCheckpoint> checkpoint_;  // alive while a read may run
   EngineLease engine_;
   std::mutex mutex_;
   std::condition_variable changed_;
@@ -1094,7 +1095,7 @@ NB_MODULE(_hbmio, m) {
       .def("push", [](ReadQueue& q, const std::vector<std::size_t>& indices, const nb::list& dests,
                       const std::string& location, nb::object keep, std::optional<std::vector<std::uint64_t>> offsets,
                       std::optional<std::vector<std::uint64_t>> lengths) {
-        return q.push(tensor_reads(q.handle(), indices, dests, offsets, lengths, location), std::move(keep));
+        return q.push(tensor_reads(q.checkpoint(), indices, dests, offsets, lengths, location), std::move(keep));
       }, nb::arg("indices"), nb::arg("dests"), nb::arg("location"), nb::arg("keep"), nb::arg("offsets") = nb::none(),
          nb::arg("lengths") = nb::none(),
          "Queues a read of tensors (or of byte ranges of them) into the addresses `dests` in `location`, in memory "
@@ -1108,25 +1109,25 @@ NB_MODULE(_hbmio, m) {
           nb::gil_scoped_release release;
           opened.emplace(path);
         }
-        new (self) Handle{std::move(*opened)};
+        new (self) Handle{std::make_shared<const hbmio::OpenedCheckpoint>(std::move(*opened))};
       }, nb::arg("path"))
       .def_prop_ro("path", [](const Handle& h) { return h.path(); })
       .def("keys", [](const Handle& h) {
         // Sorted by name, as safetensors' safe_open.keys() (offset_keys() gives file order).
         std::vector<std::string> keys;
-        for (const auto& t : h.checkpoint.tensors()) keys.push_back(t.info->name);
+        for (const auto& t : h.checkpoint->tensors()) keys.push_back(t.info->name);
         std::sort(keys.begin(), keys.end());
         return keys;
       })
       .def("offset_keys", [](const Handle& h) {
         std::vector<std::string> keys;
-        for (const auto& t : h.checkpoint.tensors()) keys.push_back(t.info->name);
+        for (const auto& t : h.checkpoint->tensors()) keys.push_back(t.info->name);
         return keys;
       })
       .def("metadata", [](const Handle& h) -> nb::object {
         // None where the file has no __metadata__, as safetensors' safe_open.
-        if (h.checkpoint.metadata().empty()) return nb::none();
-        return nb::cast(h.checkpoint.metadata());
+        if (h.checkpoint->metadata().empty()) return nb::none();
+        return nb::cast(h.checkpoint->metadata());
       })
       .def("files", [](const Handle& h) {
         std::vector<std::string> paths;
@@ -1140,7 +1141,7 @@ NB_MODULE(_hbmio, m) {
       .def("_entries", [](const Handle& h) {
         // (name, dtype, shape, bytes) of every tensor in file order: what the Python side indexes once.
         nb::list out;
-        for (const auto& t : h.checkpoint.tensors()) {
+        for (const auto& t : h.checkpoint->tensors()) {
           nb::list shape;
           for (auto n : t.info->shape) shape.append(n);
           out.append(nb::make_tuple(t.info->name, std::string(hbmio::safetensors::to_string(t.info->dtype)), shape, t.info->size()));
@@ -1150,16 +1151,16 @@ NB_MODULE(_hbmio, m) {
       .def("_read", [](const Handle& h, const std::vector<std::size_t>& indices, const nb::list& dests,
                        std::optional<std::vector<std::uint64_t>> offsets, std::optional<std::vector<std::uint64_t>> lengths,
                        const std::string& backend, std::optional<std::string> location) {
-        std::vector<hbmio::TensorRead> reads = tensor_reads(h, indices, dests, offsets, lengths, location);
+        std::vector<hbmio::TensorRead> reads = tensor_reads(*h.checkpoint, indices, dests, offsets, lengths, location);
         nb::gil_scoped_release release;
         EngineLease engine(backend);
-        h.checkpoint.read(reads, *engine.get());
+        h.checkpoint->read(reads, *engine.get());
       }, nb::arg("indices"), nb::arg("dests"), nb::arg("offsets") = nb::none(), nb::arg("lengths") = nb::none(),
          nb::arg("backend") = "auto", nb::arg("location") = nb::none(),
          "Reads tensors (indices into _entries()), or byte ranges of them, into `dests` in one batch: arrays, or "
          "with `location` (\"cpu\", \"cuda:N\") addresses of memory there that the caller keeps alive.")
       .def("_read_queue", [](const Handle& h, const std::string& backend) { return new ReadQueue(h, backend); },
-           nb::arg("backend") = "auto", nb::keep_alive<0, 1>(),
+           nb::arg("backend") = "auto",
            "A reader of batches of this checkpoint's tensors, in order, on a thread and an engine of its own.")
       .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
                             const std::string& backend, nb::handle verify) {
