@@ -26,14 +26,22 @@ struct Cachestat {
 // Remembered once the kernel says ENOSYS, so old kernels pay for the probe only once.
 std::atomic<bool> cachestat_missing{false};
 
+// The pages [first, last) holding bytes [offset, offset + length), of `size` bytes each.
+struct Pages {
+  std::uint64_t size, first, last;
+};
+Pages pages_of(std::uint64_t offset, std::uint64_t length) noexcept {
+  const auto size = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  return {size, offset / size, (offset + length + size - 1) / size};
+}
+
 }  // namespace
 
 Residency page_cache_residency(int fd, std::uint64_t offset, std::uint64_t length) noexcept {
-  Residency r;
-  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-  const std::uint64_t first = offset / page, last = (offset + length + page - 1) / page;
-  r.total_pages = last - first;
+  const Pages p = pages_of(offset, length);
+  Residency r{.total_pages = p.last - p.first};
   if (length == 0) return r;
+  const std::uint64_t page = p.size, first = p.first, last = p.last;
 
   if (!cachestat_missing.load(std::memory_order_relaxed)) {
     CachestatRange range{first * page, (last - first) * page};
@@ -50,11 +58,10 @@ Residency page_cache_residency(int fd, std::uint64_t offset, std::uint64_t lengt
 }
 
 Residency mincore_residency(int fd, std::uint64_t offset, std::uint64_t length) noexcept {
-  Residency r;
-  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-  const std::uint64_t first = offset / page, last = (offset + length + page - 1) / page;
-  r.total_pages = last - first;
+  const Pages p = pages_of(offset, length);
+  Residency r{.total_pages = p.last - p.first};
   if (length == 0) return r;
+  const std::uint64_t page = p.size, first = p.first, last = p.last;
   // mincore needs a mapping; mapping does not fault pages in, so this does not disturb the cache.
   const std::uint64_t map_offset = first * page, map_length = (last - first) * page;
   void* map = ::mmap(nullptr, map_length, PROT_READ, MAP_SHARED, fd, static_cast<off_t>(map_offset));
