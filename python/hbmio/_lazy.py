@@ -283,17 +283,17 @@ class SafeOpen(_hbmio.SafeOpen):
             k -= 1
         return batch
 
-    def _make(self, batch, target):
+    def _make(self, items, target):
+        """Memory for reads of tensors: items (index, shape, bytes) -> ({index: array}, addresses)."""
         made, addresses = {}, []
-        for k in batch:
-            _, dtype, shape, nbytes = self._entries_list[k]
-            made[k], raw = target.make(dtype, shape, nbytes)
+        for k, shape, nbytes in items:
+            made[k], raw = target.make(self._entries_list[k][1], shape, nbytes)
             addresses.append(target.address(raw))
         target.before_reads()
         return made, addresses
 
     def _read_now(self, batch, target, backend):
-        made, addresses = self._make(batch, target)
+        made, addresses = self._make([(k, self._entries_list[k][2], self._entries_list[k][3]) for k in batch], target)
         self._read(batch, addresses, backend=backend, location=target.location)
         return made
 
@@ -415,17 +415,13 @@ class _ReadAhead:
                 total += p[2]
                 k += 1
             end = k
-            made, addresses, offsets, lengths = {}, [], [], []
-            for j, (shape, offset, nbytes, key) in plans:
-                made[j], raw = target.make(self._owner._entries_list[j][1], shape, nbytes)
-                addresses.append(target.address(raw))
-                offsets.append(offset)
-                lengths.append(nbytes)
+            made, addresses = self._owner._make([(j, p[0], p[2]) for j, p in plans], target)
+            for j, (_, _, nbytes, key) in plans:
                 self._sizes[j] = nbytes
                 self._keys[j] = key
-            target.before_reads()
-            indices = [k for k, _ in plans]
-            number = self._queue.push(indices, addresses, target.location, list(made.values()), offsets, lengths)
+            indices = [j for j, _ in plans]
+            number = self._queue.push(indices, addresses, target.location, list(made.values()),
+                                      [p[1] for _, p in plans], [p[2] for _, p in plans])
             self._batches.append((indices, made, number))
             self._held += total
             self._next = end
