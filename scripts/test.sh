@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
+# The whole run needs about 12 GB of disk (four build trees, a venv with torch); say what there is,
+# so that a run that stops on ENOSPC is recognised as such.
+df -h . | sed 's/^/disk: /'
 
 run() { echo "+ $*" >&2; "$@"; }
 jobs=$(nproc)
@@ -35,8 +38,9 @@ python_start=$SECONDS
 [ -x "$venv/bin/python" ] || run python3 -m venv --system-site-packages "$venv"
 # torch (PyPI's build; it runs on the CPU here) for the drop-in and torch.distributed (gloo) tests:
 # about 1.5 minutes and 5 GB, and it is what users of hbmio.load_file have.
-run "$venv/bin/python" -m pip install -q --disable-pip-version-check pytest numpy safetensors torch transformers
-CMAKE_BUILD_PARALLEL_LEVEL=2 run "$venv/bin/python" -m pip install -q --disable-pip-version-check .
+# --no-cache-dir: pip's cache would hold a second copy of those gigabytes.
+run "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check pytest numpy safetensors torch transformers
+CMAKE_BUILD_PARALLEL_LEVEL=2 run "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check .
 (cd "$prefix" && run "$OLDPWD/$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests")
 echo "python package stage: $((SECONDS - python_start)) s"
 echo "all test stages passed"
