@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The layers of src/ and the only directions their includes may take. A newcomer sees the layers
-# in the folders; this test keeps an include from crossing one the wrong way (the io layer once
-# included the doctor's headers, and the doctor re-derived what auto picks).
+# in the folders; the build enforces the directions (cmake/layers.cmake: each layer compiles with
+# only its allowed layers on its include path), and this test reads the same table from
+# CMakeLists.txt to check what a compiler never sees: headers no source includes, and the public
+# headers, which must include no src/ header.
 #
 #   core      errors, positional I/O, worker threads        -> nothing of hbmio's but its public headers
 #   platform  sysfs/procfs under a settable root            -> core
@@ -11,24 +13,23 @@
 #   io        the engines and auto's choice                 -> core, platform, memory, shim
 #   checkpoint loads, saves, checksums, distributed loads   -> core, platform, memory, shim, format, io
 #   doctor    the deployment checklist                      -> core, platform, memory, shim, io
-# Public headers (include/hbmio) may be included from anywhere; they include no src/ header.
 set -euo pipefail
 cd "$(dirname "$0")/../src"
-declare -A allowed=(
-  [core]="core"
-  [platform]="platform core"
-  [memory]="memory core"
-  [shim]="shim core memory"
-  [format]="format core"
-  [io]="io core platform memory shim"
-  [checkpoint]="checkpoint core platform memory shim format io"
-  [doctor]="doctor core platform memory shim io"
-)
+# hbmio_layer(<name> [SEES <layers>] SOURCES ...), possibly over several lines.
+declare -A allowed=()
+while read -r name sees; do
+  allowed[$name]="$name $sees"
+done < <(tr '\n' ' ' < ../CMakeLists.txt | grep -o 'hbmio_layer([a-z_]*\( SEES [a-z_ ]*\)\? *SOURCES' |
+         sed -E 's/hbmio_layer\(([a-z_]*)( SEES ([a-z_ ]*))? *SOURCES/\1 \3/')
+if [ ${#allowed[@]} -lt 8 ]; then
+  echo "found ${#allowed[@]} hbmio_layer() calls in CMakeLists.txt; expected one per folder of src/"
+  exit 1
+fi
 bad=0
 for layer in */; do
   layer=${layer%/}
   if [ -z "${allowed[$layer]+x}" ]; then
-    echo "src/$layer: a layer this test does not know; add it to the table with its allowed includes"
+    echo "src/$layer: a folder with no hbmio_layer() in CMakeLists.txt"
     bad=1
     continue
   fi

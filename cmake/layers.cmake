@@ -1,0 +1,43 @@
+# The layers of src/ as build targets. Each layer is an OBJECT library whose only view of src/ is
+# a folder of links, made here, to itself and the layers it may use; an include that crosses a
+# layer the wrong way ("io/..." from the doctor is fine, "doctor/..." from io is not) then fails to
+# compile with "No such file or directory" instead of waiting for a review. tests/layers_test.sh
+# states the same table for a reader and checks the public headers. The static library hbmio is
+# the union of the layers' objects, so users still link one archive.
+#
+#   hbmio_layer(<name> SEES <layers it may include> SOURCES <files under src/<name>>)
+
+set(HBMIO_LAYER_ROOTS ${PROJECT_BINARY_DIR}/layers)
+
+# What every layer compiles with: warnings, the version, the CUDA switch, and the include roots of
+# the libraries used in headers (fmt, nlohmann-json, liburing, the CUDA runtime).
+add_library(hbmio_layer_flags INTERFACE)
+target_compile_features(hbmio_layer_flags INTERFACE cxx_std_20)
+target_include_directories(hbmio_layer_flags INTERFACE ${PROJECT_SOURCE_DIR}/include ${LIBURING_INCLUDE_DIRS})
+target_compile_options(hbmio_layer_flags INTERFACE -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wno-sign-conversion
+                                                   -Wno-missing-field-initializers)  # designated initializers leave fields defaulted on purpose
+target_compile_definitions(hbmio_layer_flags INTERFACE HBMIO_VERSION="${PROJECT_VERSION}" HBMIO_BUILDING)
+target_link_libraries(hbmio_layer_flags INTERFACE fmt::fmt-header-only nlohmann_json::nlohmann_json)
+if(HBMIO_HAVE_CUDA)
+  target_compile_definitions(hbmio_layer_flags INTERFACE HBMIO_HAVE_CUDA=1)
+  target_include_directories(hbmio_layer_flags INTERFACE ${CUDAToolkit_INCLUDE_DIRS})
+endif()
+
+function(hbmio_layer name)
+  cmake_parse_arguments(PARSE_ARGV 1 L "" "" "SEES;SOURCES")
+  set(root ${HBMIO_LAYER_ROOTS}/${name})
+  # Made again at every configure, so a layer dropped from SEES disappears from the root.
+  file(REMOVE_RECURSE ${root})
+  file(MAKE_DIRECTORY ${root})
+  foreach(seen IN ITEMS ${name} ${L_SEES})
+    if(NOT IS_DIRECTORY ${PROJECT_SOURCE_DIR}/src/${seen})
+      message(FATAL_ERROR "hbmio_layer(${name}): no layer src/${seen}")
+    endif()
+    file(CREATE_LINK ${PROJECT_SOURCE_DIR}/src/${seen} ${root}/${seen} SYMBOLIC)
+  endforeach()
+  list(TRANSFORM L_SOURCES PREPEND ${PROJECT_SOURCE_DIR}/src/${name}/)
+  add_library(hbmio_${name} OBJECT ${L_SOURCES})
+  target_include_directories(hbmio_${name} PRIVATE ${root})
+  target_link_libraries(hbmio_${name} PRIVATE hbmio_layer_flags)
+  target_sources(hbmio PRIVATE $<TARGET_OBJECTS:hbmio_${name}>)
+endfunction()
