@@ -3,7 +3,7 @@
 if(NOT DEFINED HBMIO_FIXTURES)
   set(HBMIO_FIXTURES "${PROJECT_SOURCE_DIR}/../shared/fixtures" CACHE PATH "fixtures made by reference implementations")
 endif()
-add_executable(checkpoint_tests ${CMAKE_CURRENT_LIST_DIR}/checkpoint_test.cpp)
+add_executable(checkpoint_tests ${CMAKE_CURRENT_LIST_DIR}/checkpoint_test.cpp ${CMAKE_CURRENT_LIST_DIR}/async_save_test.cpp)
 target_link_libraries(checkpoint_tests PRIVATE hbmio GTest::gtest_main fmt::fmt-header-only nlohmann_json::nlohmann_json)
 target_include_directories(checkpoint_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
 # One rank of the NCCL test, run by it as a process per GPU.

@@ -43,7 +43,7 @@ _memory_counters = _hbmio._memory_counters
 _idle_engines = _hbmio._idle_engines
 
 __version__ = _hbmio.__version__
-__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "load_file", "save_file", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers",
+__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "load_file", "save_file", "SaveHandle", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers",
            "cuda_device_count", "cuda_unavailable_reason"]
 
 # Free the pooled engines while the CUDA runtime is still alive (a static destructor would run
@@ -477,7 +477,8 @@ def _prepare_save(tensors, where) -> dict:
     return tensors
 
 
-def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None, progress=False):
+def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None, progress=False,
+              blocking=True, staging="pinned", pool_bytes=None, wait_if_busy=True):
     """Writes {name: array} as a safetensors file, crash-safe (an unnamed new file, fsync, rename,
     directory fsync): on any error the previous file at `path` is untouched and nothing of the new
     one is left. Ctrl-C (KeyboardInterrupt) stops the save before it publishes and removes what it
@@ -495,19 +496,95 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max
     `path` is then a directory that receives a Hugging Face sharded checkpoint
     (model-0000K-of-0000N.safetensors and model.safetensors.index.json), each shard at most that
     many tensor bytes. backend=None: $HBMIO_BACKEND, else "auto".
-    progress=True draws `done/total GiB  rate GiB/s` on stderr while the tensors are written."""
+    progress=True draws `done/total GiB  rate GiB/s` on stderr while the tensors are written.
+
+    blocking=False: returns a SaveHandle as soon as every byte has been copied out of the arrays
+    (the snapshot); the caller may then change or free them. Writing, checksums, fsync and the
+    rename run in the background with the same guarantees; handle.result() waits and raises the
+    save's error. staging="pinned" copies into a pool of page-locked host memory kept between
+    saves (pool_bytes caps it: default a quarter of physical memory, at most 64 GiB; a larger
+    state is copied as the writer drains the pool, and the call blocks for that long);
+    staging="device" copies CUDA tensors into one spare device buffer instead (falls back to
+    pinned without the room). One save per path at a time: another waits for it, or raises
+    hbmio.Error (EBUSY) with wait_if_busy=False. An error nobody asked for is raised by the next
+    save of the path; at exit, saves in flight are finished, and failures nobody saw are printed."""
     shard = 0 if max_shard_size is None else _parse_size(max_shard_size)
     if max_shard_size is not None and shard == 0:
         raise ValueError("max_shard_size must be at least 1 byte")
     path = _os.fspath(path)
     tensors = _prepare_save(tensors, path)
     metadata = _check_metadata(metadata)
+    if not blocking:
+        if progress:
+            raise ValueError("progress=True draws a bar while the caller waits; with blocking=False nobody waits")
+        _synchronize_cuda_streams(tensors)
+        pool = 0 if pool_bytes is None else _parse_size(pool_bytes)
+        return SaveHandle(_hbmio._save_file_async(tensors, path, metadata, checksums=checksums, backend=_backend(backend),
+                                                  max_shard_size=shard, staging=staging, pool_bytes=pool,
+                                                  wait_if_busy=wait_if_busy))
     # The bar's total: every array type save_file takes (torch, NumPy, CuPy, JAX, memoryview)
     # has nbytes.
     total = sum(int(getattr(t, "nbytes", 0)) for t in tensors.values()) if progress else 0
     with _ProgressBar(total, progress) as bar:
         _hbmio.save_file(tensors, path, metadata,
                          checksums=checksums, backend=_backend(backend), max_shard_size=shard, progress=bar.counter)
+
+
+def _synchronize_cuda_streams(tensors):
+    # The snapshot copies with the CUDA runtime's own stream; work queued on the caller's current
+    # torch stream (a step that writes the tensors) must be finished first, or the copy could take
+    # bytes from before it. One synchronize per device involved.
+    torch = _torch_module
+    if not torch:
+        return
+    devices = {t.device for t in tensors.values() if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
+class SaveHandle:
+    """A save running in the background (hbmio.save_file(..., blocking=False))."""
+
+    __slots__ = ("_save",)
+
+    def __init__(self, save):
+        self._save = save
+
+    @property
+    def path(self) -> str:
+        return self._save.path
+
+    def done(self) -> bool:
+        """True once the save is durable, or has failed."""
+        return self._save.done()
+
+    def result(self, timeout=None):
+        """Waits until the save is durable (raises TimeoutError after `timeout` seconds) and
+        raises its error: hbmio.Error naming the path and the step, as a synchronous save does.
+        The previous file at the path is then untouched."""
+        if not self._save._wait(timeout):
+            raise TimeoutError(f"the background save of {self.path} is still running after {timeout} s")
+        self._save._result()
+
+    @property
+    def report(self) -> dict:
+        """snapshot_seconds (the call), stalled_seconds (of it, waiting for staging room or for an
+        earlier save of the path), persist_seconds (call to durable; 0 while running),
+        staged_bytes, staging ("pinned" or "device")."""
+        return self._save._report()
+
+    def __repr__(self):
+        return f"<hbmio.SaveHandle {self.path!r} {'done' if self.done() else 'running'}>"
+
+
+def _finish_saves():
+    # Background saves still running at exit finish (nothing is left half-published); a failure
+    # nobody asked about is said rather than lost.
+    for failure in _hbmio._wait_for_all_saves():
+        print(f"hbmio: a background save failed and nobody waited for it: {failure}", file=_sys.stderr)
+
+
+_atexit.register(_finish_saves)  # after _release_engines: atexit runs it first
 
 
 def __getattr__(name):

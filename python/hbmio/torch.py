@@ -45,13 +45,16 @@ def load_file(path, device="cpu", *, backend=None, verify=False, names=None, pro
                             progress=progress)
 
 
-def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None, progress=False):
+def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None, progress=False,
+              blocking=True, staging="pinned", pool_bytes=None, wait_if_busy=True):
     """Like safetensors.torch.save_file, crash-safe; CPU or CUDA tensors. Refuses what safetensors
     refuses: tensors that share memory (RuntimeError naming them: use save_model), strided
-    tensors (ValueError: save .contiguous()), sparse ones (ValueError). See hbmio.save_file."""
+    tensors (ValueError: save .contiguous()), sparse ones (ValueError). blocking=False returns an
+    hbmio.SaveHandle once the tensors are copied out. See hbmio.save_file."""
     where = _hbmio._os.fspath(path)
-    _hbmio.save_file(_check_tensors(tensors, where), path, metadata, checksums=checksums, backend=backend,
-                     max_shard_size=max_shard_size, progress=progress)
+    return _hbmio.save_file(_check_tensors(tensors, where), path, metadata, checksums=checksums, backend=backend,
+                            max_shard_size=max_shard_size, progress=progress, blocking=blocking, staging=staging,
+                            pool_bytes=pool_bytes, wait_if_busy=wait_if_busy)
 
 
 # --- bytes ----------------------------------------------------------------------------------

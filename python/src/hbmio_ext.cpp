@@ -16,6 +16,8 @@
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -39,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "hbmio/async_save.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"
@@ -718,6 +721,68 @@ void save(nb::dict tensors, const std::string& path, std::optional<std::map<std:
   done.get();
 }
 
+// A background save (hbmio.save_file(..., blocking=False)). Dropping it does not wait: the save
+// goes on, and hbmio's exit handler waits for every save still in flight (wait_for_all_saves).
+struct BackgroundSave {
+  hbmio::SaveInProgress save;
+  explicit BackgroundSave(hbmio::SaveInProgress s) : save(std::move(s)) {}
+  ~BackgroundSave() { save.detach(); }
+
+  bool done() const { return save.done(); }
+  // Waits up to `timeout` seconds (None: no limit); true once the save has finished. Ctrl-C raises
+  // KeyboardInterrupt and leaves the save running.
+  bool wait(std::optional<double> timeout) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout.value_or(0));
+    for (;;) {
+      bool finished;
+      {
+        nb::gil_scoped_release release;
+        finished = save.wait_for(std::chrono::milliseconds(50));
+      }
+      if (finished) return true;
+      if (PyErr_CheckSignals() != 0) throw nb::python_error();
+      if (timeout && std::chrono::steady_clock::now() >= until) return false;
+    }
+  }
+  // Raises the error of a finished save (hbmio.Error and its subclasses, as a synchronous save).
+  void result() {
+    nb::gil_scoped_release release;
+    (void)save.wait();
+  }
+  nb::dict report() const {
+    const hbmio::AsyncSaveReport r = save.report();
+    nb::dict d;
+    d["snapshot_seconds"] = r.snapshot_seconds;
+    d["stalled_seconds"] = r.stalled_seconds;
+    d["persist_seconds"] = r.persist_seconds;
+    d["staged_bytes"] = r.staged_bytes;
+    d["staging"] = r.staging == hbmio::Staging::device ? "device" : "pinned";
+    return d;
+  }
+};
+
+std::unique_ptr<BackgroundSave> save_async(nb::dict tensors, const std::string& path,
+                                           std::optional<std::map<std::string, std::string>> metadata, bool checksums,
+                                           const std::string& backend, std::uint64_t max_shard_size, const std::string& staging,
+                                           std::uint64_t pool_bytes, bool wait_if_busy) {
+  SaveInput input = collect_tensors(tensors, path);
+  hbmio::SaveOptions options;
+  if (metadata) options.metadata = std::move(*metadata);
+  options.checksums = checksums;
+  options.backend = backend;
+  options.max_shard_size = max_shard_size;
+  hbmio::AsyncSaveOptions async;
+  if (staging == "device") {
+    async.staging = hbmio::Staging::device;
+  } else if (staging != "pinned") {
+    throw nb::value_error(("staging must be 'pinned' or 'device', not '" + staging + "'").c_str());
+  }
+  async.pool_bytes = pool_bytes;
+  async.wait_if_busy = wait_if_busy;
+  nb::gil_scoped_release release;  // the snapshot: copies out of the arrays, which `input` keeps alive
+  return std::make_unique<BackgroundSave>(hbmio::save_checkpoint_async(path, input.list, options, async));
+}
+
 // Safetensors bytes in memory (hbmio.torch.save/load, as safetensors.torch.save/load): the
 // format code of the files (serialize_header, parse_header), so bytes and files are written in
 // the same layout and read under the same checks, with no file in between.
@@ -1011,6 +1076,25 @@ NB_MODULE(_hbmio, m) {
         nb::arg("progress").none() = nb::none(),
         "Writes {name: array} (anything supporting DLPack or the buffer protocol, host or CUDA) as a "
         "safetensors file, crash-safe (temporary file, fsync, rename, directory fsync).");
+
+  nb::class_<BackgroundSave>(m, "BackgroundSave",
+                             "A save running in the background (hbmio.save_file(..., blocking=False)).")
+      .def("done", &BackgroundSave::done, "True once the save is durable or has failed.")
+      .def("_wait", &BackgroundSave::wait, nb::arg("timeout").none())
+      .def("_result", &BackgroundSave::result)
+      .def("_report", &BackgroundSave::report)
+      .def_prop_ro("path", [](const BackgroundSave& b) { return b.save.path(); });
+  m.def("_save_file_async", &save_async, nb::arg("tensors"), nb::arg("path"), nb::arg("metadata").none(), nb::kw_only(),
+        nb::arg("checksums"), nb::arg("backend"), nb::arg("max_shard_size"), nb::arg("staging"), nb::arg("pool_bytes"),
+        nb::arg("wait_if_busy"));
+  m.def("_wait_for_all_saves", [] {
+    nb::gil_scoped_release release;
+    return hbmio::wait_for_all_saves();
+  }, "Waits for every background save; returns 'path: error' for those that failed unseen.");
+  m.def("_staging_pool", [] {
+    const hbmio::StagingPoolStats s = hbmio::staging_pool_stats();
+    return std::make_tuple(s.capacity, s.allocated, s.in_use);
+  }, "(capacity, allocated, in use) bytes of the pinned pool of background saves.");
 
   m.def("_check_shared", [](nb::dict tensors, const std::string& where) { (void)gather_tensors(tensors, where); },
         nb::arg("tensors"), nb::arg("where"),

@@ -26,6 +26,7 @@
 #include <xxhash.h>
 
 #include "checkpoint/integrity.hpp"
+#include "checkpoint/staging.hpp"
 #include "core/error_boundary.hpp"
 #include "core/positional_io.hpp"
 #include "hbmio/checkpoint.hpp"
@@ -232,6 +233,21 @@ std::uint64_t expected_size(const TensorToSave& t) {
   return (bits + 7) / 8;
 }
 
+// Names (none empty, none "__metadata__", none twice) and sizes (each span the size its dtype and
+// shape call for), checked before anything touches the disk.
+void check_tensors(const std::vector<TensorToSave>& tensors, const ErrorContext& context) {
+  std::set<std::string_view> names;
+  for (const auto& t : tensors) {
+    if (t.name.empty()) throw Error(errno_code(EINVAL), context, "a tensor has an empty name");
+    if (t.name == "__metadata__") throw Error(errno_code(EINVAL), context, "'__metadata__' cannot name a tensor");
+    if (!names.insert(t.name).second) throw Error(errno_code(EINVAL), context, fmt::format("tensor '{}' given twice", t.name));
+    if (expected_size(t) != t.data.size)
+      throw Error(errno_code(EINVAL), context,
+                  fmt::format("tensor '{}': {} bytes in memory, but {} {} needs {}", t.name, t.data.size,
+                              st::to_string(t.dtype), fmt::join(t.shape, "x"), expected_size(t)));
+  }
+}
+
 // Waits for, then holds, the lock of the file now at `target` (if any): add_checksums holds it
 // while it rewrites that file, and a save that published meanwhile would be overwritten by the
 // rewrite's older data. A file the caller may not read is not locked (nor rewritten by others).
@@ -305,24 +321,136 @@ class PendingFile {
 }  // namespace
 
 namespace {
-Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
+// `staged`: where the tensors' bytes come from when not from their own memory (a background save's
+// staging, save_checkpoint_async); null for save_checkpoint.
+Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options,
+                   detail::StagedStream* staged);
 Stats save_file(const fs::path& target, const std::string& shown, const std::vector<TensorToSave>& tensors,
-                const SaveOptions& options, bool top_level);
+                const SaveOptions& options, bool top_level, detail::StagedStream* staged);
 }
 
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   return detail::errors_as_hbmio({.op = "save", .path = path}, [&] {
-    if (options.max_shard_size > 0) return save_sharded(path, tensors, options);
-    return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true);
+    if (options.max_shard_size > 0) return save_sharded(path, tensors, options, nullptr);
+    return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true, nullptr);
   });
 }
 
+namespace detail {
+
+Stats save_staged(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options, StagedStream& stream) {
+  return errors_as_hbmio({.op = "save", .path = path}, [&] {
+    if (options.max_shard_size > 0) return save_sharded(path, tensors, options, &stream);
+    return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true, &stream);
+  });
+}
+
+std::string check_save(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  return errors_as_hbmio({.op = "save", .path = path}, [&] {
+    const ErrorContext context{.op = "save", .path = path};
+    check_tensors(tensors, context);
+    const fs::path target = final_target(path, options.max_shard_size > 0, context);
+    check_directory_of(target, context);
+    return target.string();
+  });
+}
+
+std::vector<std::size_t> file_order(const std::vector<TensorToSave>& tensors) {
+  std::vector<st::TensorInfo> infos;
+  for (const auto& t : tensors) infos.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
+  st::order_like_reference(infos);
+  std::map<std::string_view, std::size_t> index;
+  for (std::size_t i = 0; i < tensors.size(); ++i) index.emplace(tensors[i].name, i);
+  std::vector<std::size_t> order;
+  for (const auto& info : infos) order.push_back(index.at(info.name));
+  return order;
+}
+
+}  // namespace detail
+
 namespace {
+
+// The final header, its checksums filled in; it must keep the size of the one with placeholders,
+// which fixed where the data went.
+std::string sealed_header(std::vector<st::TensorInfo>& infos, const std::map<std::string, std::string>& metadata,
+                          std::size_t placeholder_size, const ErrorContext& context) {
+  std::string header = st::serialize_header(infos, metadata);
+  detail::seal_header(header);
+  if (header.size() != placeholder_size)
+    throw Error(errno_code(EPROTO), context,
+                fmt::format("header changed size with its checksums ({} -> {} bytes)", placeholder_size, header.size()));
+  return header;
+}
+
+// Bytes taken from the staging per round: enough to keep every worker of the engine busy, while
+// the snapshot refills the pool behind it.
+constexpr std::uint64_t kStagedRound = std::uint64_t{256} << 20;
+
+// The tensors' bytes from a background save's staging: pieces arrive in file order (the snapshot
+// walks the tensors so) and are written a round at a time through the engine, each round hashed
+// beside its writes (XXH3's streaming state gives the digest of the whole tensor). The round's
+// pieces, and with them their staging blocks, are dropped once written and hashed. Returns each
+// tensor's checksum in the order of `tensors` (none without checksums).
+std::vector<std::uint64_t> write_staged(detail::StagedStream& stream, Engine& engine, File& file, std::uint64_t data_start,
+                                        const std::vector<TensorToSave>& tensors, const std::vector<st::TensorInfo>& infos,
+                                        const SaveOptions& options, Stats& total, double& hashing, const ErrorContext& context) {
+  struct Place {
+    std::size_t index = 0;
+    std::uint64_t file_offset = 0;
+    std::uint64_t left = 0;  // bytes not yet staged
+  };
+  std::map<std::string_view, Place> place;
+  std::uint64_t left = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    place[tensors[i].name] = {.index = i, .left = tensors[i].data.size};
+    left += tensors[i].data.size;
+  }
+  for (const auto& info : infos) place[info.name].file_offset = data_start + info.begin;
+  using State = std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)>;
+  std::vector<State> states;
+  for (std::size_t i = 0; options.checksums && i < tensors.size(); ++i) {
+    states.emplace_back(XXH3_createState(), &XXH3_freeState);
+    if (!states.back() || XXH3_64bits_reset(states.back().get()) != XXH_OK) throw Error(errno_code(ENOMEM), context, "XXH3_createState");
+  }
+  while (left > 0) {
+    // At most what this file still needs: the queue holds this file's pieces first, then the next
+    // file's (a sharded save), and a prefix of `left` bytes is this file's alone.
+    const std::vector<detail::StagedPiece> round = stream.take(std::min(kStagedRound, left));
+    if (round.empty())
+      throw Error(errno_code(ECANCELED), context,
+                  stream.abandoned() ? "the snapshot stopped before every tensor was copied; nothing was published"
+                                     : "the staging ended before every tensor arrived (an internal error); nothing was published");
+    std::vector<IoRequest> writes;
+    std::vector<XXH3_state_t*> hash_into;
+    for (const auto& piece : round) {
+      const auto it = place.find(piece.tensor);
+      if (it == place.end() || piece.memory.size > it->second.left)
+        throw Error(errno_code(EPROTO), context, fmt::format("a staged piece of '{}' that this file does not expect (an internal error)", piece.tensor));
+      writes.push_back({.op = IoOp::write, .file = &file, .offset = it->second.file_offset + piece.offset, .memory = piece.memory,
+                        .progress = options.progress, .cancel = options.cancel});
+      if (options.checksums) hash_into.push_back(states[it->second.index].get());
+      it->second.left -= piece.memory.size;
+      left -= piece.memory.size;
+    }
+    std::future<void> hashed;  // its destructor waits on every path: no hashing of a dropped block
+    if (options.checksums)
+      hashed = std::async(std::launch::async, [&round, &hash_into, &hashing] {
+        const auto start = std::chrono::steady_clock::now();
+        for (std::size_t i = 0; i < round.size(); ++i) XXH3_64bits_update(hash_into[i], round[i].memory.data, round[i].memory.size);
+        hashing += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      });
+    total.add_part(engine.submit_batch(writes));
+    if (hashed.valid()) hashed.get();
+  }
+  std::vector<std::uint64_t> sums;
+  for (const auto& state : states) sums.push_back(XXH3_64bits_digest(state.get()));
+  return sums;
+}
 
 // One safetensors file at `target` (a regular file's path or nothing, links resolved), named
 // `shown` in errors and notes.
 Stats save_file(const fs::path& target, const std::string& shown, const std::vector<TensorToSave>& tensors,
-                const SaveOptions& options, bool top_level) {
+                const SaveOptions& options, bool top_level, detail::StagedStream* staged) {
   // top_level: `target` is the caller's path, not a shard in a sharded save's temporary directory.
   // Only there does the rename wait for a rewrite of the file in place, and only there is it a
   // publication (a failure after it is reported as such).
@@ -330,18 +458,9 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
   const ErrorContext context{.op = "save", .path = shown};
 
   // Check everything before touching the disk.
-  std::set<std::string> names;
+  check_tensors(tensors, context);
   std::vector<st::TensorInfo> infos;
-  for (const auto& t : tensors) {
-    if (t.name.empty()) throw Error(errno_code(EINVAL), context, "a tensor has an empty name");
-    if (t.name == "__metadata__") throw Error(errno_code(EINVAL), context, "'__metadata__' cannot name a tensor");
-    if (!names.insert(t.name).second) throw Error(errno_code(EINVAL), context, fmt::format("tensor '{}' given twice", t.name));
-    if (expected_size(t) != t.data.size)
-      throw Error(errno_code(EINVAL), context,
-                  fmt::format("tensor '{}': {} bytes in memory, but {} {} needs {}", t.name, t.data.size,
-                              st::to_string(t.dtype), fmt::join(t.shape, "x"), expected_size(t)));
-    infos.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
-  }
+  for (const auto& t : tensors) infos.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
   st::order_like_reference(infos);
 
   std::map<std::string, std::string> metadata = options.metadata;
@@ -378,7 +497,16 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
   {
     PendingFile pending(target, shown);
     File& file = pending.file();
-    {
+    if (staged != nullptr) {
+      const Clock::time_point phase = Clock::now();
+      const std::vector<std::uint64_t> computed =
+          write_staged(*staged, *engine, file, header.size(), tensors, infos, options, total, hashing, context);
+      data = seconds_since(phase);
+      if (options.checksums) {
+        for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
+        header = sealed_header(infos, metadata, header.size(), context);
+      }
+    } else {
       // Hashing runs beside the writes; the future's destructor waits for it on every path, so
       // no hashing thread reads the tensors after a failed save returns.
       std::future<std::vector<std::uint64_t>> sums;
@@ -408,12 +536,7 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
         const std::vector<std::uint64_t> computed = sums.get();
         wait = seconds_since(phase);
         for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
-        std::string final_header = st::serialize_header(infos, metadata);
-        detail::seal_header(final_header);
-        if (final_header.size() != header.size())
-          throw Error(errno_code(EPROTO), context, fmt::format("header changed size with its checksums ({} -> {} bytes)",
-                                                               header.size(), final_header.size()));
-        header = std::move(final_header);
+        header = sealed_header(infos, metadata, header.size(), context);
       }
     }
     Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
@@ -467,7 +590,8 @@ void write_durably(const fs::path& file, const std::string& shown, const std::st
   out.sync();
 }
 
-Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options,
+                   detail::StagedStream* staged) {
   detail::TransferTimer timer;
   const ErrorContext context{.op = "save sharded checkpoint", .path = path};
   const fs::path target = final_target(path, true, context);
@@ -513,7 +637,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
     single.engine = chosen.get();  // one engine writes every shard
     for (std::size_t k = 0; k < shards.size(); ++k) {
       // Errors name the shard where it will be (PATH/model-...), not inside the temporary directory.
-      total.add_part(save_file(temp / shard_names[k], (fs::path(path) / shard_names[k]).string(), shards[k], single, false));
+      total.add_part(save_file(temp / shard_names[k], (fs::path(path) / shard_names[k]).string(), shards[k], single, false, staged));
       for (const auto& t : shards[k]) weight_map[t.name] = shard_names[k];
     }
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};

@@ -1,0 +1,242 @@
+"""hbmio.save_file(..., blocking=False): the file holds the tensors as they were at the call, byte
+for byte (read back with the reference safetensors), whatever the caller does to them afterwards;
+the pinned pool is reused and memory stays flat over many saves; failures in the background reach
+result(), the next save of the path, or the exit handler; a process killed while a background
+save persists leaves the complete old or complete new file.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import hbmio
+
+st_numpy = pytest.importorskip("safetensors.numpy", reason="the reference safetensors is not installed")
+
+
+def state(seed, big=False):
+    rng = np.random.default_rng(seed)
+    out = {
+        "embed": rng.integers(0, 255, size=(3 << 20,), dtype=np.uint8),
+        "norm": rng.standard_normal(1000).astype(np.float32),
+        "scalar": np.array(seed, dtype=np.int64),
+        "empty": np.zeros((0, 4), dtype=np.float16),
+    }
+    if big:
+        out["big"] = rng.integers(0, 255, size=(70 << 20,), dtype=np.uint8)  # larger than a staging block
+    return out
+
+
+def snapshot(tensors):
+    return {k: v.copy() for k, v in tensors.items()}
+
+
+def assert_file_holds(path, expected):
+    got = st_numpy.load_file(str(path))
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert got[k].tobytes() == v.tobytes(), f"{k}: the file does not hold the values at the call"
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["small", "larger-than-a-block"])
+def test_the_file_holds_the_values_at_the_call(tmp_path, big):
+    tensors = state(1, big)
+    expected = snapshot(tensors)
+    handle = hbmio.save_file(tensors, tmp_path / "m.safetensors", {"step": "1"}, blocking=False,
+                             pool_bytes=128 << 20)
+    for v in tensors.values():  # the next training step overwrites everything at once
+        v[...] = 0 if v.dtype != np.float32 else np.float32(-1)
+    handle.result()
+    assert handle.done()
+    assert_file_holds(tmp_path / "m.safetensors", expected)
+    report = handle.report
+    assert report["staging"] == "pinned"
+    assert report["staged_bytes"] == sum(v.nbytes for v in expected.values())
+    assert report["persist_seconds"] > 0 and report["snapshot_seconds"] >= report["stalled_seconds"] >= 0
+    # The same bytes as a blocking save of the snapshot.
+    hbmio.save_file(expected, tmp_path / "sync.safetensors", {"step": "1"})
+    assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "sync.safetensors").read_bytes()
+
+
+def test_torch_tensors_and_a_sharded_directory(tmp_path):
+    torch = pytest.importorskip("torch")
+    import hbmio.torch
+    tensors = {k: torch.from_numpy(v.copy()) for k, v in state(2, True).items()}
+    expected = {k: v.numpy().copy() for k, v in tensors.items()}
+    handle = hbmio.torch.save_file(tensors, tmp_path / "ckpt", max_shard_size="20MiB", blocking=False)
+    for v in tensors.values():
+        v.zero_()
+    handle.result()
+    loaded = hbmio.load_file(tmp_path / "ckpt", framework="numpy", verify=True)
+    assert sorted(loaded) == sorted(expected)
+    for k, v in expected.items():
+        assert np.asarray(loaded[k]).tobytes() == v.tobytes(), k
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_hundred_saves_reuse_the_pool_and_memory_stays_flat(tmp_path):
+    tensors = state(3)
+    capacity = 64 << 20  # one block: every save reuses it
+    handles = []
+
+    def saves(n):
+        # Four paths in rotation, up to five saves in flight (the fifth waits for the pool's block).
+        for i in range(n):
+            tensors["scalar"][...] = i
+            handles.append(hbmio.save_file(tensors, tmp_path / f"s{i % 4}.safetensors", blocking=False, pool_bytes=capacity))
+            if len(handles) > 4:
+                handles.pop(0).result()
+            _, allocated, _ = hbmio._hbmio._staging_pool()
+            assert allocated <= capacity
+        while handles:
+            handles.pop(0).result()
+
+    saves(20)  # the same pattern first: the pool's block, an engine per save in flight
+    before = rss_bytes()
+    saves(100)
+    grown = rss_bytes() - before
+    assert grown < 16 << 20, f"resident memory grew by {grown >> 20} MiB over 100 background saves"
+    _, allocated, in_use = hbmio._hbmio._staging_pool()
+    assert in_use == 0 and allocated <= capacity
+    assert st_numpy.load_file(str(tmp_path / "s3.safetensors"))["scalar"] == 99
+
+
+def test_one_save_of_a_path_at_a_time(tmp_path):
+    path = tmp_path / "m.safetensors"
+    first, second = state(4), state(5)
+    hbmio.save_file(first, path)
+    with open(path, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # the save's rename waits for the lock of the file it replaces
+        handle = hbmio.save_file(first, path, blocking=False)
+        with pytest.raises(TimeoutError):
+            handle.result(timeout=0.2)
+        with pytest.raises(hbmio.Error, match="still in flight"):
+            hbmio.save_file(second, path, blocking=False, wait_if_busy=False)
+    handle.result()
+    hbmio.save_file(second, path, blocking=False).result()
+    assert_file_holds(path, second)
+
+
+def test_bad_arguments_are_raised_by_the_call(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        hbmio.save_file(state(6), tmp_path / "missing" / "m.safetensors", blocking=False)
+    with pytest.raises(ValueError, match="staging"):
+        hbmio.save_file(state(6), tmp_path / "m.safetensors", blocking=False, staging="disk")
+    with pytest.raises(ValueError, match="progress"):
+        hbmio.save_file(state(6), tmp_path / "m.safetensors", blocking=False, progress=True)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+# A file system that fills up, by RLIMIT_FSIZE: writes past 1 MiB fail with EFBIG (SIGXFSZ ignored).
+FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys, numpy as np, hbmio
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    path, mode = sys.argv[1], sys.argv[2]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    big = {"t": np.full(4 << 20, 7, dtype=np.uint8)}
+    handle = hbmio.save_file(big, path, blocking=False, backend="posix")
+    print("returned", flush=True)
+    if mode == "wait":
+        try:
+            handle.result()
+        except hbmio.Error as e:
+            print("raised:", e, flush=True)
+        try:
+            hbmio.save_file({"u": np.ones(10, dtype=np.uint8)}, path, blocking=False).result()
+            print("next save ok", flush=True)
+        except hbmio.Error as e:
+            print("next save raised:", e, flush=True)
+    elif mode == "next":
+        del handle
+        try:
+            hbmio.save_file({"u": np.ones(10, dtype=np.uint8)}, path, blocking=False).result()
+            print("next save ok", flush=True)
+        except hbmio.Error as e:
+            print("next save raised:", e, flush=True)
+    # mode "exit": nobody asks; the exit handler waits and says so
+""")
+
+
+@pytest.mark.parametrize("mode", ["wait", "next", "exit"])
+def test_a_failure_in_the_background_is_never_lost(tmp_path, mode):
+    path = tmp_path / "m.safetensors"
+    old = {"old": np.arange(100, dtype=np.int32)}
+    hbmio.save_file(old, path)
+    old_bytes = path.read_bytes()
+    run = subprocess.run([sys.executable, "-c", FULL_DISK, str(path), mode], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("returned")
+    if mode == "wait":
+        assert "raised:" in run.stdout and "File too large" in run.stdout, run.stdout
+        assert "next save ok" in run.stdout, run.stdout
+        assert_file_holds(path, {"u": np.ones(10, dtype=np.uint8)})
+    elif mode == "next":
+        assert "next save raised:" in run.stdout and "never waited for" in run.stdout, run.stdout
+        assert path.read_bytes() == old_bytes
+    else:
+        assert "a background save failed and nobody waited for it" in run.stderr, run.stderr
+        assert path.read_bytes() == old_bytes
+    assert not [p for p in tmp_path.iterdir() if ".hbmio-tmp-" in p.name]
+
+
+# Background saves in a loop, each over the last; the parent kills the process at some point of
+# a persist.
+SAVER = textwrap.dedent("""
+    import sys, numpy as np, hbmio
+    path = sys.argv[1]
+    print("ready", flush=True)
+    for i in range(1000):
+        tensors = {f"t{k}": np.full(24 << 20, (i * 8 + k) % 251, dtype=np.uint8) for k in range(4)}
+        hbmio.save_file(tensors, path, blocking=False, backend="posix").result()
+        print(i, flush=True)
+""")
+
+
+def test_a_process_killed_while_a_background_save_persists_leaves_a_whole_checkpoint(tmp_path):
+    path = tmp_path / "m.safetensors"
+    for delay in (0.05, 0.3, 0.7, 1.1):
+        child = subprocess.Popen([sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(delay)
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        if not path.exists():
+            continue  # killed before the first save published: nothing there, as before it
+        got = st_numpy.load_file(str(path))
+        assert sorted(got) == [f"t{k}" for k in range(4)]
+        first = int(got["t0"][0])
+        for k in range(4):  # every tensor of one and the same save
+            assert np.all(got[f"t{k}"] == (first + k) % 251), delay
+        hbmio.load_file(path, framework="numpy", verify=True)  # its checksums hold
+        assert not [p for p in tmp_path.iterdir() if ".hbmio-tmp-" in p.name]
+
+
+@pytest.mark.skipif(hbmio.cuda_device_count() == 0, reason="no CUDA device")
+@pytest.mark.parametrize("staging", ["pinned", "device"])
+def test_cuda_tensors_changed_by_the_next_step(tmp_path, staging):
+    torch = pytest.importorskip("torch")
+    import hbmio.torch
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    tensors = {f"w{i}": torch.randn(1 << 20, device="cuda", generator=gen) for i in range(8)}
+    expected = {k: v.cpu().numpy().copy() for k, v in tensors.items()}
+    handle = hbmio.torch.save_file(tensors, tmp_path / "m.safetensors", blocking=False, staging=staging)
+    for v in tensors.values():
+        v.mul_(3).add_(1)  # queued on the current stream right after the call
+    handle.result()
+    assert handle.report["staging"] == staging
+    assert_file_holds(tmp_path / "m.safetensors", expected)

@@ -1,0 +1,200 @@
+"""hbmio.dcp: torch.distributed.checkpoint (dcp.save, dcp.async_save, dcp.load) through hbmio's
+StorageWriter and StorageReader. Results must equal the state saved and a round trip through
+torch's own FileSystemWriter/FileSystemReader; the files must be safetensors that the reference
+safetensors reads; a save over an older checkpoint must leave the old or the new one whole.
+1 process, and 2 and 4 ranks on gloo with DTensor-sharded tensors (saved sharded one way, loaded
+sharded another way).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+dcp = pytest.importorskip("torch.distributed.checkpoint", reason="torch.distributed.checkpoint is not available")
+dist = pytest.importorskip("torch.distributed")
+st_torch = pytest.importorskip("safetensors.torch", reason="the reference safetensors is not installed")
+
+import hbmio  # noqa: E402
+import hbmio.dcp  # noqa: E402
+
+
+def make_state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "embed.weight": torch.randn(64, 48, generator=g),
+            "layers.0.w": torch.randn(48, 48, generator=g).to(torch.bfloat16),
+            "layers.0.b": torch.randint(0, 100, (48,), generator=g, dtype=torch.int64),
+            "mask": torch.rand(17, generator=g) > 0.5,
+        },
+        "optim": {"step": seed, "lr": 0.001 * seed, "name": f"adamw-{seed}"},
+    }
+
+
+def zeros_like_state(state):
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out[k] = zeros_like_state(v)
+        elif isinstance(v, torch.Tensor):
+            out[k] = torch.zeros_like(v)
+        else:
+            out[k] = None
+    return out
+
+
+def assert_state_equal(got, expected):
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        if isinstance(v, dict):
+            assert_state_equal(got[k], v)
+        elif isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+            assert torch.equal(got[k].cpu(), v.cpu()), k
+        else:
+            assert got[k] == v, k
+
+
+def test_save_and_load_in_one_process_equal_the_state_and_torchs_own_round_trip(tmp_path):
+    state = make_state(1)
+    dcp.save(state, storage_writer=hbmio.dcp.StorageWriter(tmp_path / "hbmio"))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "torch")))
+    ours, theirs = zeros_like_state(state), zeros_like_state(state)
+    dcp.load(ours, storage_reader=hbmio.dcp.StorageReader(tmp_path / "hbmio"))
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(str(tmp_path / "torch")))
+    assert_state_equal(ours, state)
+    assert_state_equal(ours, theirs)
+    # With verify: every file's checksums checked on the way.
+    verified = zeros_like_state(state)
+    dcp.load(verified, storage_reader=hbmio.dcp.StorageReader(tmp_path / "hbmio", verify=True))
+    assert_state_equal(verified, state)
+
+
+def test_the_files_are_safetensors_with_a_hugging_face_index(tmp_path):
+    state = make_state(2)
+    dcp.save(state, storage_writer=hbmio.dcp.StorageWriter(tmp_path))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == 1 and files[0].startswith("model-00001-of-00001-")
+    ref = st_torch.load_file(str(tmp_path / files[0]))
+    for name in state["model"]:
+        assert torch.equal(ref[f"model.{name}"], state["model"][name]), name
+    # hbmio reads the directory through the index, checksums verified.
+    loaded = hbmio.load_file(tmp_path, framework="torch", verify=True)
+    assert torch.equal(loaded["model.embed.weight"], state["model"]["embed.weight"])
+
+
+def test_a_new_save_replaces_the_old_one_and_removes_its_files(tmp_path):
+    dcp.save(make_state(3), storage_writer=hbmio.dcp.StorageWriter(tmp_path))
+    old_files = {p.name for p in tmp_path.glob("model-*.safetensors")}
+    new = make_state(4)
+    dcp.save(new, storage_writer=hbmio.dcp.StorageWriter(tmp_path))
+    now = {p.name for p in tmp_path.glob("model-*.safetensors")}
+    assert now and not (now & old_files), "the old save's data files are still there"
+    got = zeros_like_state(new)
+    dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path))
+    assert_state_equal(got, new)
+    assert not [p for p in tmp_path.iterdir() if ".hbmio-tmp-" in p.name]
+
+
+def test_async_save(tmp_path):
+    state = make_state(5)
+    future = dcp.async_save(state, storage_writer=hbmio.dcp.StorageWriter(tmp_path))
+    future.result()
+    got = zeros_like_state(state)
+    dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path))
+    assert_state_equal(got, state)
+
+
+def test_an_unfinished_directory_is_refused_by_name(tmp_path):
+    with pytest.raises(BaseException) as raised:  # CheckpointException is a BaseException
+        dcp.load(zeros_like_state(make_state(1)), storage_reader=hbmio.dcp.StorageReader(tmp_path))
+    # DCP wraps a rank's error in its CheckpointException (rank -> error in .failures).
+    text = str(raised.value) + "".join(str(e) for e in getattr(raised.value, "failures", {}).values())
+    assert "no DCP metadata" in text, text
+
+
+# Saves in a loop over one directory; the parent kills the process at some point of one.
+SAVER = textwrap.dedent("""
+    import sys, torch, torch.distributed.checkpoint as dcp, hbmio.dcp
+    path = sys.argv[1]
+    print("ready", flush=True)
+    for i in range(1000):
+        state = {f"t{k}": torch.full((6 << 20,), float(i * 4 + k)) for k in range(4)}
+        dcp.save(state, storage_writer=hbmio.dcp.StorageWriter(path))
+        print(i, flush=True)
+""")
+
+
+def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
+    for delay in (0.2, 0.6, 1.0, 1.5, 2.2):
+        child = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(delay)
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        if not (tmp_path / ".metadata").exists():
+            continue  # killed before the first save published
+        got = {f"t{k}": torch.zeros(6 << 20) for k in range(4)}
+        dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path, verify=True))
+        first = got["t0"][0].item()
+        for k in range(4):  # every tensor of one and the same save
+            assert torch.all(got[f"t{k}"] == first + k), delay
+
+
+def _rank(rank, world, init_file, path, out):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = {f"w{i}": torch.arange(i * 1000, i * 1000 + 24 * 40, dtype=torch.float32).reshape(24, 40) for i in range(3)}
+        state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+        state["bias"] = torch.arange(7, dtype=torch.int32)  # a plain tensor, the same on every rank
+        state["step"] = 42
+        dcp.save(state, storage_writer=hbmio.dcp.StorageWriter(path))
+        # Loaded sharded another way (by columns) and replicated: each rank reads its own part.
+        by_columns = {k: distribute_tensor(torch.zeros(24, 40), mesh, [Shard(1)]) for k in full}
+        replicated = {k: distribute_tensor(torch.zeros(24, 40), mesh, [Replicate()]) for k in full}
+        for target in (by_columns, replicated):
+            target.update(bias=torch.zeros(7, dtype=torch.int32), step=0)
+            dcp.load(target, storage_reader=hbmio.dcp.StorageReader(path))
+            for k, v in full.items():
+                assert torch.equal(target[k].full_tensor(), v), k
+            assert torch.equal(target["bias"], state["bias"]) and target["step"] == 42
+        dist.barrier()
+        with open(os.path.join(out, f"rank{rank}"), "w") as f:
+            f.write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_save_their_shards_and_load_them_sharded_another_way(tmp_path, world):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp = pytest.importorskip("torch.multiprocessing")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_rank, args=(world, str(tmp_path / "init"), str(ckpt), str(out)), nprocs=world, join=True)
+    assert sorted(p.name for p in out.iterdir()) == [f"rank{r}" for r in range(world)]
+    # One file per rank, each holding its rows of every sharded tensor, readable by safetensors.
+    files = sorted(ckpt.glob("model-*.safetensors"))
+    assert len(files) == world
+    rows = 0
+    for f in files:
+        tensors = st_torch.load_file(str(f))
+        rows += sum(t.shape[0] for name, t in tensors.items() if name.startswith("w0"))
+    assert rows == 24

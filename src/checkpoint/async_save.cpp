@@ -1,0 +1,325 @@
+// Background saves: the snapshot on the caller's thread, the rest of save_checkpoint on a thread
+// of the save's own.
+//
+// Pinned staging streams: the caller copies each tensor, in file order, into 64 MiB blocks of the
+// pinned pool and queues the pieces; the save's thread writes and hashes them and drops them,
+// which returns their blocks to the pool. A state that fits the pool is copied at the speed of
+// device-to-host copies and the call returns; a larger one waits for blocks as the writer frees
+// them (the report's stalled_seconds). Device staging copies into one device buffer and hands
+// the copies to an ordinary save.
+#include "hbmio/async_save.hpp"
+
+#include <algorithm>
+#include <condition_variable>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "checkpoint/staging.hpp"
+#include "core/error_boundary.hpp"
+#include "hbmio/error.hpp"
+
+namespace hbmio {
+
+namespace detail {
+
+struct AsyncSaveState {
+  std::string path;    // as the caller gave it
+  std::string target;  // what the save replaces: "one save per path" is one per target
+  std::vector<TensorToSave> tensors;  // names, dtypes, shapes, sizes; data where staged on a device
+  SaveOptions options;
+  StagedStream stream;
+  std::optional<Buffer> device_copy;  // Staging::device
+  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
+
+  mutable std::mutex mutex;
+  std::condition_variable finished_cv;
+  bool finished = false;
+  bool observed = false;  // the error (if any) reached someone through wait()
+  std::optional<Stats> stats;
+  std::exception_ptr error;
+  AsyncSaveReport report;
+};
+
+namespace {
+
+// Saves in flight, and failed ones whose error nobody has seen, by target.
+struct Registry {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::map<std::string, std::shared_ptr<AsyncSaveState>> by_target;
+};
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed: saves may finish during static destruction
+  return *r;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+void finish(const std::shared_ptr<AsyncSaveState>& state, std::optional<Stats> stats, std::exception_ptr error) {
+  state->device_copy.reset();  // device staging goes back at once
+  {
+    std::lock_guard lock(state->mutex);
+    state->stats = std::move(stats);
+    state->error = error;
+    state->report.persist_seconds = seconds_since(state->started);
+    state->finished = true;
+  }
+  state->finished_cv.notify_all();
+  Registry& r = registry();
+  {
+    std::lock_guard lock(r.mutex);
+    const auto it = r.by_target.find(state->target);
+    // A failed save stays until its error is seen (wait(), or the next save of the path).
+    if (it != r.by_target.end() && it->second == state && !error) r.by_target.erase(it);
+  }
+  r.changed.notify_all();
+}
+
+// The save's thread: save_checkpoint over the staging.
+void persist(std::shared_ptr<AsyncSaveState> state) {
+  try {
+    Stats stats = state->device_copy ? save_checkpoint(state->path, state->tensors, state->options)
+                                     : save_staged(state->path, state->tensors, state->options, state->stream);
+    finish(state, std::move(stats), nullptr);
+  } catch (...) {
+    state->stream.fail();  // a snapshot still copying stops
+    finish(state, std::nullopt, std::current_exception());
+  }
+}
+
+// Waits for a save of the same target still in flight; throws the error of one that failed
+// unseen. Returns the seconds waited.
+double take_turn(const std::string& target, const std::string& path, bool wait_if_busy) {
+  Registry& r = registry();
+  std::unique_lock lock(r.mutex);
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const auto it = r.by_target.find(target);
+    if (it == r.by_target.end()) return seconds_since(start);
+    const std::shared_ptr<AsyncSaveState> earlier = it->second;
+    std::unique_lock state_lock(earlier->mutex);
+    if (earlier->finished) {
+      r.by_target.erase(it);
+      if (earlier->error && !earlier->observed) {
+        earlier->observed = true;
+        try {
+          std::rethrow_exception(earlier->error);
+        } catch (const Error& e) {
+          throw Error(e.code(), {.op = "save", .path = path},
+                      fmt::format("an earlier background save of this path failed and was never waited for: {}; "
+                                  "this save was not started",
+                                  e.what()));
+        }
+      }
+      continue;
+    }
+    state_lock.unlock();
+    if (!wait_if_busy)
+      throw Error(errno_code(EBUSY), {.op = "save", .path = path}, "a background save of this path is still in flight");
+    r.changed.wait(lock);
+  }
+}
+
+// The device all device tensors are on, if they are all on one and there is no host tensor.
+std::optional<int> one_device(const std::vector<TensorToSave>& tensors) {
+  std::optional<int> device;
+  for (const auto& t : tensors) {
+    if (t.data.size == 0) continue;
+    if (t.data.kind() != MemoryKind::device) return std::nullopt;
+    if (device && *device != t.data.location.device) return std::nullopt;
+    device = t.data.location.device;
+  }
+  return device;
+}
+
+// Staging::device: one buffer, each tensor at a 256-byte boundary, filled by device copies.
+bool stage_on_device(AsyncSaveState& state, const std::vector<TensorToSave>& tensors) {
+  const std::optional<int> device = one_device(tensors);
+  if (!device) return false;
+  std::uint64_t bytes = 0;
+  for (const auto& t : tensors) bytes += (t.data.size + 255) / 256 * 256;
+  try {
+    state.device_copy.emplace(Buffer::allocate({MemoryKind::device, *device}, std::max<std::uint64_t>(bytes, 256)));
+  } catch (const Error&) {
+    return false;  // no room: pinned staging instead, as documented
+  }
+  std::uint64_t at = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const MemorySpan into = state.device_copy->span().subspan(at, tensors[i].data.size);
+    if (into.size > 0) copy_memory(into, tensors[i].data);
+    state.tensors[i].data = into;
+    at += (tensors[i].data.size + 255) / 256 * 256;
+  }
+  state.report.staged_bytes = bytes;
+  state.report.staging = Staging::device;
+  return true;
+}
+
+// Staging::pinned: the caller's tensors in file order, into pool blocks back to back (a block
+// holds the end of one tensor and the start of the next), each piece queued once copied.
+// Returns the seconds spent waiting for blocks. Stops early when the writer failed.
+double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& tensors) {
+  StagingPool& pool = StagingPool::shared();
+  double waited = 0;
+  std::shared_ptr<Buffer> block;
+  std::size_t used = 0;
+  for (const std::size_t i : file_order(tensors)) {
+    const TensorToSave& t = tensors[i];
+    for (std::uint64_t at = 0; at < t.data.size;) {
+      if (!block || used == block->size()) {
+        block.reset();
+        const auto start = std::chrono::steady_clock::now();
+        block = pool.acquire([&] { return state.stream.failed(); });
+        waited += seconds_since(start);
+        if (!block) return waited;
+        used = 0;
+      }
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(block->size() - used, t.data.size - at));
+      const MemorySpan into = block->span().subspan(used, n);
+      copy_memory(into, t.data.subspan(static_cast<std::size_t>(at), n));
+      state.stream.push({.tensor = state.tensors[i].name, .offset = at, .memory = into, .block = block});
+      state.report.staged_bytes += n;
+      used += n;
+      at += n;
+    }
+  }
+  return waited;
+}
+
+}  // namespace
+}  // namespace detail
+
+SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options,
+                                     const AsyncSaveOptions& async) {
+  return detail::errors_as_hbmio({.op = "save", .path = path}, [&] {
+    const auto start = std::chrono::steady_clock::now();
+    auto state = std::make_shared<detail::AsyncSaveState>();
+    state->path = path;
+    state->target = detail::check_save(path, tensors, options);
+    state->options = options;
+    state->tensors = tensors;
+    for (auto& t : state->tensors) t.data = {nullptr, t.data.size, {MemoryKind::host}};  // sizes only, until staged
+
+    double stalled = detail::take_turn(state->target, path, async.wait_if_busy);
+    {
+      detail::Registry& r = detail::registry();
+      std::lock_guard lock(r.mutex);
+      r.by_target[state->target] = state;
+    }
+    if (async.staging == Staging::device && detail::stage_on_device(*state, tensors)) {
+      std::thread(detail::persist, state).detach();
+    } else {
+      detail::StagingPool::shared().set_capacity(async.pool_bytes);
+      state->report.staging = Staging::pinned;
+      // The writer starts first and drains the pool while the snapshot fills it.
+      try {
+        std::thread(detail::persist, state).detach();
+      } catch (...) {
+        detail::finish(state, std::nullopt, std::current_exception());
+        throw;
+      }
+      try {
+        stalled += detail::stage_in_pool(*state, tensors);
+        state->stream.finish();
+      } catch (...) {
+        state->stream.abandon();  // the writer stops with nothing published; the caller gets this error
+        SaveInProgress(state).wait_for(std::chrono::hours(24));
+        std::lock_guard lock(state->mutex);
+        state->observed = true;
+        throw;
+      }
+    }
+    state->report.snapshot_seconds = detail::seconds_since(start);
+    state->report.stalled_seconds = stalled;
+    return SaveInProgress(state);
+  });
+}
+
+SaveInProgress::SaveInProgress(std::shared_ptr<detail::AsyncSaveState> state) : state_(std::move(state)) {}
+SaveInProgress::SaveInProgress(SaveInProgress&&) noexcept = default;
+SaveInProgress& SaveInProgress::operator=(SaveInProgress&& other) noexcept {
+  if (this != &other) {
+    if (state_) wait_for(std::chrono::hours(24 * 365));
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+SaveInProgress::~SaveInProgress() {
+  if (state_) wait_for(std::chrono::hours(24 * 365));
+}
+
+bool SaveInProgress::done() const {
+  if (!state_) return true;
+  std::lock_guard lock(state_->mutex);
+  return state_->finished;
+}
+
+bool SaveInProgress::wait_for(std::chrono::milliseconds timeout) const {
+  if (!state_) return true;
+  std::unique_lock lock(state_->mutex);
+  return state_->finished_cv.wait_for(lock, timeout, [&] { return state_->finished; });
+}
+
+Stats SaveInProgress::wait() {
+  if (!state_) throw Error(errno_code(EINVAL), {.op = "save"}, "wait() on an empty SaveInProgress");
+  std::unique_lock lock(state_->mutex);
+  state_->finished_cv.wait(lock, [&] { return state_->finished; });
+  if (state_->error) {
+    state_->observed = true;
+    std::rethrow_exception(state_->error);
+  }
+  return *state_->stats;
+}
+
+AsyncSaveReport SaveInProgress::report() const {
+  if (!state_) return {};
+  std::lock_guard lock(state_->mutex);
+  return state_->report;
+}
+
+void SaveInProgress::detach() noexcept { state_.reset(); }
+
+const std::string& SaveInProgress::path() const {
+  static const std::string none;
+  return state_ ? state_->path : none;
+}
+
+std::vector<std::string> wait_for_all_saves() {
+  detail::Registry& r = detail::registry();
+  std::vector<std::string> errors;
+  std::unique_lock lock(r.mutex);
+  for (;;) {
+    bool in_flight = false;
+    for (auto it = r.by_target.begin(); it != r.by_target.end();) {
+      const std::shared_ptr<detail::AsyncSaveState> state = it->second;
+      std::lock_guard state_lock(state->mutex);
+      if (!state->finished) {
+        in_flight = true;
+        ++it;
+        continue;
+      }
+      if (state->error && !state->observed) {
+        state->observed = true;
+        try {
+          std::rethrow_exception(state->error);
+        } catch (const std::exception& e) {
+          errors.push_back(fmt::format("{}: {}", state->path, e.what()));
+        }
+      }
+      it = r.by_target.erase(it);
+    }
+    if (!in_flight) return errors;
+    r.changed.wait(lock);
+  }
+}
+
+StagingPoolStats staging_pool_stats() { return detail::StagingPool::shared().stats(); }
+
+}  // namespace hbmio

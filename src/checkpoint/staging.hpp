@@ -1,0 +1,127 @@
+// The staging of a background save: a pool of page-locked blocks kept between saves, and the
+// stream of tensor pieces from the snapshot (the caller's thread, copying out of its tensors) to
+// the writer (the save's thread, writing and hashing them).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hbmio/async_save.hpp"
+#include "hbmio/memory.hpp"
+
+namespace hbmio::detail {
+
+// Pinned host memory in blocks of kBlockBytes, allocated on demand up to a capacity and kept
+// after use: registering memory with CUDA costs about as much as copying into it, so a pool that
+// lives across saves makes every save after the first pay only the copy. A block lent out is
+// never handed to anyone else until its last user drops it (a reused staging buffer still being
+// written corrupts checkpoints), which shared ownership makes structural.
+class StagingPool {
+ public:
+  static constexpr std::size_t kBlockBytes = std::size_t{64} << 20;
+
+  // The process's pool (never destroyed: saves may finish during static destruction).
+  static StagingPool& shared();
+
+  // Sets the capacity (rounded up to a whole block, at least one); frees blocks above it that
+  // nobody uses. 0 leaves it as it is.
+  void set_capacity(std::uint64_t bytes);
+  // A free block, waiting while all `capacity` bytes are in use. Returns null once `give_up()`
+  // reads true (checked every few milliseconds while waiting).
+  template <class GiveUp>
+  std::shared_ptr<Buffer> acquire(GiveUp give_up);
+  StagingPoolStats stats() const;
+
+ private:
+  StagingPool();
+  std::shared_ptr<Buffer> lend(Buffer block);  // under mutex_
+  void take_back(Buffer block);
+
+  mutable std::mutex mutex_;
+  std::condition_variable returned_;
+  std::uint64_t capacity_;
+  std::uint64_t allocated_ = 0;
+  std::uint64_t in_use_ = 0;
+  std::vector<Buffer> free_;
+};
+
+// Bytes [offset, offset + memory.size) of one tensor, in staging memory held by `block`.
+struct StagedPiece {
+  std::string_view tensor;  // the tensor's name, owned by the save
+  std::uint64_t offset = 0;
+  MemorySpan memory;
+  std::shared_ptr<Buffer> block;  // the staging block stays lent while a piece of it is alive
+};
+
+// Single producer (the snapshot), single consumer (the writer of the save's files, which takes the
+// pieces of each file in turn: the snapshot walks the tensors in file order).
+class StagedStream {
+ public:
+  void push(StagedPiece piece);
+  void finish();                       // the snapshot is complete
+  void abandon();                      // the snapshot stopped early (its error goes to the caller)
+  void fail();                         // the writer stopped: queued pieces are dropped, the snapshot stops
+  bool failed() const { return failed_.load(); }
+  // Waits for pieces and takes those queued, in order: the first whatever its size, then more while
+  // the total stays within `max_bytes`. Empty when the snapshot finished (or was abandoned) and
+  // everything was taken.
+  std::vector<StagedPiece> take(std::uint64_t max_bytes);
+  bool abandoned() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<StagedPiece> queue_;
+  bool finished_ = false;
+  bool abandoned_ = false;
+  std::atomic<bool> failed_{false};
+};
+
+// save_checkpoint with the tensors' bytes taken from `stream` instead of their own memory (their
+// spans give only sizes); the rest, from checks to the publishing rename, is save_checkpoint's.
+Stats save_staged(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options, StagedStream& stream);
+// The checks save_checkpoint makes before touching the disk (names, sizes, what is at `path`, its
+// directory), for a background save to throw them from its call; returns the path a save replaces
+// (symbolic links followed), which keys "one save per path".
+std::string check_save(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
+// The indices of `tensors` in the order the save writes them (the reference writer's order; a
+// sharded save's shards are consecutive runs of it).
+std::vector<std::size_t> file_order(const std::vector<TensorToSave>& tensors);
+
+template <class GiveUp>
+std::shared_ptr<Buffer> StagingPool::acquire(GiveUp give_up) {
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    if (!free_.empty()) {
+      Buffer block = std::move(free_.back());
+      free_.pop_back();
+      return lend(std::move(block));
+    }
+    if (allocated_ + kBlockBytes <= capacity_) {
+      allocated_ += kBlockBytes;  // counted first: another thread must not allocate past the capacity meanwhile
+      lock.unlock();
+      Buffer block;
+      try {
+        block = Buffer::allocate({MemoryKind::pinned}, kBlockBytes);
+      } catch (...) {
+        lock.lock();
+        allocated_ -= kBlockBytes;
+        throw;
+      }
+      lock.lock();
+      return lend(std::move(block));
+    }
+    if (give_up()) return nullptr;
+    returned_.wait_for(lock, std::chrono::milliseconds(5));
+  }
+}
+
+}  // namespace hbmio::detail

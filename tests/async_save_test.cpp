@@ -1,0 +1,237 @@
+// Background saves (save_checkpoint_async): the call's snapshot is what the file holds, byte for
+// byte the file a synchronous save writes; the pinned pool is reused and bounded; one save per
+// path; errors reach wait(), the next save of the path, or wait_for_all_saves().
+#include <gtest/gtest.h>
+#include <sys/file.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "hbmio/async_save.hpp"
+#include "hbmio/testing/fault_injection.hpp"
+#include "test_support.hpp"
+
+namespace hbmio::test {
+namespace {
+namespace fs = std::filesystem;
+namespace st = safetensors;
+
+std::vector<std::byte> read_all(const std::string& path) { return pread_range(path, 0, static_cast<std::size_t>(fs::file_size(path))); }
+
+// Tensors of several sizes in `where`, one of them larger than a staging block (a tensor cut
+// across blocks) and several smaller (blocks shared by tensors), plus an empty one.
+struct State {
+  std::vector<Buffer> buffers;
+  std::vector<TensorToSave> tensors;
+
+  // big: with a tensor of 70 MiB, larger than a staging block; otherwise about 10 MiB in all.
+  State(MemoryLocation where, std::uint64_t seed, bool big = true) {
+    std::vector<std::pair<std::string, std::uint64_t>> specs = {
+        {"a", 1000}, {"b", 3 << 20}, {"empty", 0}, {"c", 12345}, {"d", (std::uint64_t{9} << 20) / 2}};
+    if (big) specs.insert(specs.begin(), {"big", (std::uint64_t{70} << 20) / 2});
+    for (const auto& [name, elements] : specs) {
+      const std::size_t size = static_cast<std::size_t>(elements * 2);
+      buffers.push_back(Buffer::allocate(where, std::max<std::size_t>(size, 1)));
+      tensors.push_back({name, st::Dtype::BF16, {elements}, buffers.back().span().subspan(0, size)});
+    }
+    fill(seed);
+  }
+  // New values in every tensor (what a training step does to the state).
+  void fill(std::uint64_t seed) {
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].data.size == 0) continue;
+      const auto bytes = random_bytes(tensors[i].data.size, seed * 100 + i);
+      copy_memory(tensors[i].data, {const_cast<std::byte*>(bytes.data()), bytes.size(), {}});
+    }
+  }
+};
+
+TEST(AsyncSave, TheFileHoldsTheSnapshotByteForByteAsASynchronousSaveWritesIt) {
+  for (const char* memory : {"host", "pinned"}) {
+    SCOPED_TRACE(memory);
+    TempDir dir;
+    State state(MemoryLocation::parse(memory), 1);
+    save_checkpoint(dir.file("sync.safetensors"), state.tensors, {.metadata = {{"step", "1"}}});
+    const auto expected = read_all(dir.file("sync.safetensors"));
+    // A pool of two blocks for a 83 MiB state: the snapshot waits for the writer to drain it.
+    SaveInProgress save = save_checkpoint_async(dir.file("async.safetensors"), state.tensors, {.metadata = {{"step", "1"}}},
+                                                {.pool_bytes = 2 * (std::uint64_t{64} << 20)});
+    state.fill(2);  // the caller changes every tensor as soon as the call returns
+    const Stats stats = save.wait();
+    EXPECT_GT(stats.bytes, 0u);
+    EXPECT_TRUE(read_all(dir.file("async.safetensors")) == expected) << "the file differs from the synchronous save of the snapshot";
+    EXPECT_FALSE(verify_checkpoint(dir.file("async.safetensors")).first_bad.has_value());
+    const AsyncSaveReport report = save.report();
+    EXPECT_EQ(report.staging, Staging::pinned);
+    EXPECT_EQ(report.staged_bytes, (std::uint64_t{70} << 20) + 2000 + (6u << 20) + 24690 + (std::uint64_t{9} << 20));
+    EXPECT_GT(report.persist_seconds, 0);
+    const StagingPoolStats pool = staging_pool_stats();
+    EXPECT_LE(pool.allocated, pool.capacity);
+    EXPECT_EQ(pool.in_use, 0u);
+  }
+}
+
+TEST(AsyncSave, ShardedSavesStreamEveryShardAndTheIndex) {
+  TempDir dir;
+  State state({MemoryKind::host}, 3);
+  save_checkpoint(dir.file("sync"), state.tensors, {.max_shard_size = 20 << 20});
+  SaveInProgress save = save_checkpoint_async(dir.file("async"), state.tensors, {.max_shard_size = 20 << 20}, {.pool_bytes = 64 << 20});
+  state.fill(4);
+  save.wait();
+  std::size_t files = 0;
+  for (const auto& entry : fs::directory_iterator(dir.file("sync"))) {
+    const std::string name = entry.path().filename().string();
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(read_all(entry.path().string()) == read_all(dir.file("async/" + name)));
+    ++files;
+  }
+  EXPECT_GE(files, 4u);  // three shards (big, the rest) and the index
+}
+
+// The same state saved 50 times from one buffer set that changes after every call: each file
+// holds the values of its own call (a staging block reused while still being written would mix
+// them), and the pool holds no more than its capacity, none of it lent once the saves are done.
+TEST(AsyncSave, FiftySavesReuseThePoolAndEachHoldsItsOwnSnapshot) {
+  TempDir dir;
+  State state({MemoryKind::host}, 10, false);
+  State expected({MemoryKind::host}, 10, false);
+  const std::uint64_t capacity = std::uint64_t{64} << 20;  // one block: every save reuses it
+  std::vector<SaveInProgress> saves;
+  std::vector<std::vector<std::byte>> wanted;
+  for (int i = 0; i < 50; ++i) {
+    const std::string path = dir.file(fmt::format("step{}.safetensors", i % 5));
+    if (saves.size() == 5) {  // five paths in rotation: the sixth save of a path waits for the first
+      saves.front().wait();
+      saves.erase(saves.begin());
+    }
+    saves.push_back(save_checkpoint_async(path, state.tensors, {.checksums = i % 2 == 0}, {.pool_bytes = capacity}));
+    state.fill(static_cast<std::uint64_t>(i) + 11);
+    EXPECT_LE(staging_pool_stats().allocated, capacity);
+    if (i >= 45) {
+      saves.back().wait();
+      expected.fill(static_cast<std::uint64_t>(i) + 10);
+      save_checkpoint(dir.file("check.safetensors"), expected.tensors, {.checksums = i % 2 == 0});
+      EXPECT_TRUE(read_all(path) == read_all(dir.file("check.safetensors"))) << "save " << i;
+    }
+  }
+  for (auto& s : saves) s.wait();
+  EXPECT_EQ(staging_pool_stats().in_use, 0u);
+  EXPECT_LE(staging_pool_stats().allocated, capacity);
+}
+
+// One save per path: while one is in flight (held here at its rename, which waits for the lock
+// of the file it replaces), a second one with wait_if_busy=false is refused with EBUSY; one that
+// waits starts when the first has finished, and the path then holds the second.
+TEST(AsyncSave, OneSaveOfAPathAtATime) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  State first({MemoryKind::host}, 20), second({MemoryKind::host}, 21);
+  save_checkpoint(path, first.tensors);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+  SaveInProgress held = save_checkpoint_async(path, first.tensors);
+  EXPECT_FALSE(held.wait_for(std::chrono::milliseconds(200)));
+  try {
+    save_checkpoint_async(path, second.tensors, {}, {.wait_if_busy = false});
+    ADD_FAILURE() << "a second save of a path in flight was started";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), std::errc::device_or_resource_busy) << e.what();
+  }
+  // Another path is not held up.
+  SaveInProgress other = save_checkpoint_async(dir.file("other.safetensors"), second.tensors);
+  other.wait();
+  ::close(fd);  // the first save publishes
+  SaveInProgress next = save_checkpoint_async(path, second.tensors);
+  EXPECT_TRUE(held.done());
+  next.wait();
+  EXPECT_TRUE(read_all(path) == read_all(dir.file("other.safetensors")));
+}
+
+// A write or fsync failing in the background: wait() throws it, the previous checkpoint is intact
+// and no temporary is left. Not waited for, the error is thrown by the next save of the path,
+// which does not start, and a save after that one works.
+TEST(AsyncSave, BackgroundFailuresAreNeverLost) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  State state({MemoryKind::host}, 30);
+  save_checkpoint(path, state.tensors);
+  const auto old_bytes = read_all(path);
+  State changed({MemoryKind::host}, 31);
+  for (std::uint64_t call : {1, 3}) {
+    SCOPED_TRACE(call);
+    auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = call, .fail_errno = ENOSPC});
+    SaveInProgress save = save_checkpoint_async(path, changed.tensors, {.backend = "posix", .faults = faults}, {.pool_bytes = 64 << 20});
+    try {
+      save.wait();
+      ADD_FAILURE() << "a save whose call " << call << " failed reported success";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), std::errc::no_space_on_device) << e.what();
+    }
+    EXPECT_TRUE(read_all(path) == old_bytes);
+  }
+  {
+    auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = 2, .fail_errno = EIO});
+    save_checkpoint_async(path, changed.tensors, {.backend = "posix", .faults = faults}).detach();
+  }
+  try {
+    save_checkpoint_async(path, changed.tensors).wait();
+    ADD_FAILURE() << "an unseen background failure was lost";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), std::errc::io_error) << e.what();
+    EXPECT_NE(std::string(e.what()).find("never waited for"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(read_all(path) == old_bytes);
+  {
+    auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = 2, .fail_errno = EIO});
+    save_checkpoint_async(dir.file("elsewhere.safetensors"), changed.tensors, {.backend = "posix", .faults = faults}).detach();
+  }
+  const std::vector<std::string> unseen = wait_for_all_saves();
+  ASSERT_EQ(unseen.size(), 1u);
+  EXPECT_NE(unseen[0].find("elsewhere.safetensors"), std::string::npos) << unseen[0];
+  save_checkpoint_async(path, changed.tensors).wait();
+  save_checkpoint(dir.file("check.safetensors"), changed.tensors);
+  EXPECT_TRUE(read_all(path) == read_all(dir.file("check.safetensors")));
+  std::size_t temporaries = 0;
+  for (const auto& e : fs::directory_iterator(dir.path())) temporaries += e.path().filename().string().find(".hbmio-tmp-") != std::string::npos;
+  EXPECT_EQ(temporaries, 0u);
+  EXPECT_EQ(staging_pool_stats().in_use, 0u);
+}
+
+TEST(AsyncSave, BadArgumentsAreThrownByTheCall) {
+  TempDir dir;
+  State state({MemoryKind::host}, 40);
+  std::vector<TensorToSave> bad = state.tensors;
+  bad[1].shape = {7};
+  EXPECT_THROW(save_checkpoint_async(dir.file("x.safetensors"), bad), Error);
+  EXPECT_THROW(save_checkpoint_async(dir.file("missing/x.safetensors"), state.tensors), Error);
+  fs::create_directory(dir.file("adir"));
+  EXPECT_THROW(save_checkpoint_async(dir.file("adir"), state.tensors), Error);
+  EXPECT_TRUE(wait_for_all_saves().empty());
+}
+
+class GpuAsyncSave : public testing::Test {
+  void SetUp() override {
+    if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  }
+};
+
+// Device tensors, staged in pinned memory and on the device: the file holds the snapshot.
+TEST_F(GpuAsyncSave, DeviceTensorsStagedOnTheHostOrTheDevice) {
+  for (Staging staging : {Staging::pinned, Staging::device}) {
+    TempDir dir;
+    State state({MemoryKind::device, 0}, 50);
+    save_checkpoint(dir.file("sync.safetensors"), state.tensors);
+    SaveInProgress save = save_checkpoint_async(dir.file("async.safetensors"), state.tensors, {}, {.staging = staging});
+    state.fill(51);
+    save.wait();
+    EXPECT_EQ(save.report().staging, staging);
+    EXPECT_TRUE(read_all(dir.file("async.safetensors")) == read_all(dir.file("sync.safetensors")));
+  }
+  EXPECT_EQ(memory_counters().device_buffers, 0);
+}
+
+}  // namespace
+}  // namespace hbmio::test
