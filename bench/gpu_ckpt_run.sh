@@ -18,6 +18,9 @@
 #            under those environment variables, HBMIO=PATH naming another executable)
 #   firstuse the first warm load of a process against its next ones, per backend (what a program
 #            that loads once pays; the first run's note itemises the set-up)
+#   pytests  the Python test files named in $PYTESTS only
+#   asave    background saves and DCP async_save: stall and time to durable (bench/peers/async_save_compare.py;
+#            SAVES (20), ROUNDS (3), ASAVE_ONLY: contenders)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
 #            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
@@ -133,6 +136,21 @@ firstuse)
     "$BIN/hbmio" ckpt load $W2/small.safetensors --into cuda:0 --backend $backend --runs 3 --json - | python3 -c "import json,sys; j=json.load(sys.stdin); j.pop('tensors',None); print(json.dumps(j))" | tee -a "$OUT/firstuse.jsonl" |
       python3 -c "import json,sys; j=json.load(sys.stdin); print('$backend', [round(x,3) for x in j['run_seconds']], '|', j['run_notes'][0][-220:])"
   done
+  ;;
+pytests)
+  # Named Python test files only ($PYTESTS, e.g. "test_async_save.py test_dcp.py"), GPU included.
+  build_python || continue
+  log "Python tests: ${PYTESTS:-}"
+  (cd /tmp && PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 -m pytest -q -rs -p no:cacheprovider \
+     $(for t in ${PYTESTS:-}; do echo "$OLDPWD/python/tests/$t"; done) 2>&1 | tail -15)
+  ;;
+asave)
+  # Background saves: stall and time to durable of a 6 GiB state on cuda:0 changed between saves,
+  # beside one device-to-pinned copy, a blocking save and dcp.async_save (bench/peers/async_save_compare.py).
+  build_python || continue
+  log "background saves: 6 GiB on cuda:0"
+  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/async_save_compare.py --saves "${SAVES:-20}" --rounds "${ROUNDS:-3}" \
+    ${ASAVE_ONLY:+--only "$ASAVE_ONLY"} --json "$OUT/asave.jsonl" 2>&1 | tee "$OUT/asave.txt" | grep -v '^{'
   ;;
 pybench)
   install_wheels; build_python
