@@ -14,6 +14,7 @@ debian_packages=(
   libgtest-dev          # tests
   fio                   # the storage ceiling the benchmarks compare against
   strace                # tests/durability_test.sh: the order of a save's fsyncs and renames
+  fuse3                 # python/tests/test_power_loss.py: libfuse3 and fusermount3 for CrashFS
   python3-pip
   python3-dev python3-venv  # the Python package (nanobind extension, tested in a venv)
 )

@@ -37,9 +37,10 @@ venv=build-python/venv
 python_start=$SECONDS
 [ -x "$venv/bin/python" ] || run python3 -m venv --system-site-packages "$venv"
 # torch (PyPI's build; it runs on the CPU here) for the drop-in and torch.distributed (gloo) tests:
-# about 1.5 minutes and 5 GB, and it is what users of hbmio.load_file have.
+# about 1.5 minutes and 5 GB, and it is what users of hbmio.load_file have. mfusepy: the FUSE
+# binding of the power-loss tests (python/tests/crashfs.py).
 # --no-cache-dir: pip's cache would hold a second copy of those gigabytes.
-run "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check pytest numpy safetensors torch transformers
+run "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check pytest numpy safetensors torch transformers mfusepy
 CMAKE_BUILD_PARALLEL_LEVEL=2 run "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check .
 (cd "$prefix" && run "$OLDPWD/$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests")
 echo "python package stage: $((SECONDS - python_start)) s"
