@@ -534,8 +534,8 @@ def _synchronize_cuda_streams(tensors):
     # The snapshot copies with the CUDA runtime's own stream; work queued on the caller's current
     # torch stream (a step that writes the tensors) must be finished first, or the copy could take
     # bytes from before it. One synchronize per device involved.
-    torch = _torch_module
-    if not torch:
+    torch = _sys.modules.get("torch")  # the tensors are torch's only if torch is imported
+    if torch is None:
         return
     devices = {t.device for t in tensors.values() if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
     for device in devices:

@@ -14,7 +14,11 @@ atomic rename and a directory fsync: model.safetensors.index.json (a Hugging Fac
 stored tensor, so hbmio.load_file(directory) and safetensors read the files) and then DCP's
 .metadata. A crash at any point leaves the directory holding the complete previous checkpoint
 or the complete new one: data files carry the save's id in their names and never replace the
-previous save's files, which are removed only after the new .metadata is in place.
+previous save's files, which are removed only after the new .metadata is in place. (A crash
+between the two renames leaves the index naming the new files and .metadata the old ones: each
+reader sees a whole checkpoint, DCP the old and an index reader the new.) One save of a
+directory at a time: a save removes the data files of every other save of its directory once it
+has published, so an earlier dcp.async_save of the same directory must be waited for first.
 
 Names in the files: a whole tensor is stored under its fully qualified name; a chunk of a
 sharded tensor under "<name>@<offset>,<offset>,..." (its offset in each dimension); values
@@ -69,6 +73,21 @@ def _fsync_directory(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _make_directory_durably(path):
+    # A directory made here is named in its parent only once the parent is fsynced: without it a
+    # power cut after the save could lose the whole checkpoint directory.
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    _make_directory_durably(parent)
+    try:
+        os.mkdir(path)
+    except FileExistsError:  # another rank made it meanwhile
+        pass
+    _fsync_directory(parent)
 
 
 def _publish(directory, name, data: bytes):
@@ -154,7 +173,7 @@ class StorageWriter(_StorageWriter):
                              "(a metadata file per rank) is not supported")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
+        _make_directory_durably(self.path)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -230,7 +249,8 @@ class StorageReader(_StorageReader):
     """Reads a DCP checkpoint that hbmio.dcp.StorageWriter wrote, through hbmio.open: each rank reads
     only the bytes of the chunks it asks for, straight into the device of the tensors it loads into.
 
-    verify=True checks each file's stored checksums (the whole file) before its tensors are used."""
+    verify=True loads each stored tensor a rank needs whole and checks it against its stored
+    checksum (and the file's header checksum) before it is used."""
 
     def __init__(self, path=None, *, verify=False, backend=None):
         super().__init__()

@@ -94,15 +94,21 @@ void persist(std::shared_ptr<AsyncSaveState> state) {
   }
 }
 
-// Waits for a save of the same target still in flight; throws the error of one that failed
-// unseen. Returns the seconds waited.
-double take_turn(const std::string& target, const std::string& path, bool wait_if_busy) {
+// Waits for a save of the same target still in flight, then registers `state` as the one in
+// flight, under the same lock (two saves waiting for one must not both start); throws the error
+// of one that failed unseen. Returns the seconds waited.
+double take_turn(const std::shared_ptr<AsyncSaveState>& state, bool wait_if_busy) {
+  const std::string& target = state->target;
+  const std::string& path = state->path;
   Registry& r = registry();
   std::unique_lock lock(r.mutex);
   const auto start = std::chrono::steady_clock::now();
   for (;;) {
     const auto it = r.by_target.find(target);
-    if (it == r.by_target.end()) return seconds_since(start);
+    if (it == r.by_target.end()) {
+      r.by_target.emplace(target, state);
+      return seconds_since(start);
+    }
     const std::shared_ptr<AsyncSaveState> earlier = it->second;
     std::unique_lock state_lock(earlier->mutex);
     if (earlier->finished) {
@@ -173,6 +179,7 @@ double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& ten
   for (const std::size_t i : file_order(tensors)) {
     const TensorToSave& t = tensors[i];
     for (std::uint64_t at = 0; at < t.data.size;) {
+      if (state.stream.failed()) return waited;  // the writer stopped: nothing more is written
       if (!block || used == block->size()) {
         block.reset();
         const auto start = std::chrono::steady_clock::now();
@@ -207,22 +214,30 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
     state->tensors = tensors;
     for (auto& t : state->tensors) t.data = {nullptr, t.data.size, {MemoryKind::host}};  // sizes only, until staged
 
-    double stalled = detail::take_turn(state->target, path, async.wait_if_busy);
-    {
-      detail::Registry& r = detail::registry();
-      std::lock_guard lock(r.mutex);
-      r.by_target[state->target] = state;
+    double stalled = detail::take_turn(state, async.wait_if_busy);
+    // From here the path is this save's: every way out must finish() it, or later saves of the
+    // path (and the exit handler) would wait for it forever.
+    const auto give_up = [&state](std::exception_ptr error) {
+      detail::finish(state, std::nullopt, error);
+      std::lock_guard lock(state->mutex);
+      state->observed = true;  // the caller gets the error now, from this call
+    };
+    bool on_device = false;
+    try {
+      on_device = async.staging == Staging::device && detail::stage_on_device(*state, tensors);
+      if (on_device) std::thread(detail::persist, state).detach();
+    } catch (...) {
+      give_up(std::current_exception());
+      throw;
     }
-    if (async.staging == Staging::device && detail::stage_on_device(*state, tensors)) {
-      std::thread(detail::persist, state).detach();
-    } else {
+    if (!on_device) {
       detail::StagingPool::shared().set_capacity(async.pool_bytes);
       state->report.staging = Staging::pinned;
       // The writer starts first and drains the pool while the snapshot fills it.
       try {
         std::thread(detail::persist, state).detach();
       } catch (...) {
-        detail::finish(state, std::nullopt, std::current_exception());
+        give_up(std::current_exception());
         throw;
       }
       try {

@@ -44,8 +44,14 @@ void StagingPool::set_capacity(std::uint64_t bytes) {
 }
 
 std::shared_ptr<Buffer> StagingPool::lend(Buffer block) {
-  in_use_ += kBlockBytes;
-  auto* raw = new Buffer(std::move(block));
+  Buffer* raw = nullptr;
+  try {
+    raw = new Buffer(std::move(block));
+  } catch (...) {
+    take_back(std::move(block));  // not moved from: operator new failed first
+    throw;
+  }
+  // (Should making the shared_ptr fail, it calls the deleter: the block goes back.)
   return std::shared_ptr<Buffer>(raw, [this](Buffer* b) {
     take_back(std::move(*b));
     delete b;

@@ -42,7 +42,9 @@ class StagingPool {
 
  private:
   StagingPool();
-  std::shared_ptr<Buffer> lend(Buffer block);  // under mutex_
+  // Wraps a block counted in in_use_ for lending; called without mutex_ (if making the shared_ptr
+  // fails, its deleter, take_back, takes the lock).
+  std::shared_ptr<Buffer> lend(Buffer block);
   void take_back(Buffer block);
 
   mutable std::mutex mutex_;
@@ -103,10 +105,14 @@ std::shared_ptr<Buffer> StagingPool::acquire(GiveUp give_up) {
     if (!free_.empty()) {
       Buffer block = std::move(free_.back());
       free_.pop_back();
+      in_use_ += kBlockBytes;
+      lock.unlock();
       return lend(std::move(block));
     }
     if (allocated_ + kBlockBytes <= capacity_) {
-      allocated_ += kBlockBytes;  // counted first: another thread must not allocate past the capacity meanwhile
+      // Counted first: another thread must not allocate past the capacity meanwhile.
+      allocated_ += kBlockBytes;
+      in_use_ += kBlockBytes;
       lock.unlock();
       Buffer block;
       try {
@@ -114,9 +120,9 @@ std::shared_ptr<Buffer> StagingPool::acquire(GiveUp give_up) {
       } catch (...) {
         lock.lock();
         allocated_ -= kBlockBytes;
+        in_use_ -= kBlockBytes;
         throw;
       }
-      lock.lock();
       return lend(std::move(block));
     }
     if (give_up()) return nullptr;

@@ -202,11 +202,17 @@ void register_host(void* ptr, std::size_t size, const ErrorContext& context) {
 }
 void unregister_host(void* ptr) noexcept { if (ptr) (void)cudaHostUnregister(ptr); }
 
+// cudaMemcpy returns before a device-to-device copy is done, and cudaMemset before the memory is
+// set: both are queued on the legacy default stream, which is synchronised here so that the
+// copy is complete on return whatever the kinds (a background save reads its device staging
+// from the engine's own streams right after).
 void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
   check(cudaMemcpy(dst, src, size, cudaMemcpyDefault), context, "cudaMemcpy");
+  check(cudaStreamSynchronize(nullptr), context, "cudaStreamSynchronize after cudaMemcpy");
 }
 void memset_device(void* dst, int value, std::size_t size, const ErrorContext& context) {
   check(cudaMemset(dst, value, size), context, "cudaMemset");
+  check(cudaStreamSynchronize(nullptr), context, "cudaStreamSynchronize after cudaMemset");
 }
 
 Stream::Stream(int device, const ErrorContext& context) : device_(device) {
