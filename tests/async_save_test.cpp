@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -143,11 +144,18 @@ TEST(AsyncSave, OneSaveOfAPathAtATime) {
   // Another path is not held up.
   SaveInProgress other = save_checkpoint_async(dir.file("other.safetensors"), second.tensors);
   other.wait();
-  ::close(fd);  // the first save publishes
-  SaveInProgress next = save_checkpoint_async(path, second.tensors);
+  // A blocking save of the path waits for the background one (else the older state could
+  // publish last), and so does a background one.
+  std::thread blocking([&] { save_checkpoint(path, second.tensors); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ::close(fd);  // the first save publishes, then the blocking one
+  blocking.join();
   EXPECT_TRUE(held.done());
-  next.wait();
   EXPECT_TRUE(read_all(path) == read_all(dir.file("other.safetensors")));
+  SaveInProgress next = save_checkpoint_async(path, first.tensors);
+  next.wait();
+  save_checkpoint(dir.file("first.safetensors"), first.tensors);
+  EXPECT_TRUE(read_all(path) == read_all(dir.file("first.safetensors")));
 }
 
 // A write or fsync failing in the background: wait() throws it, the previous checkpoint is intact

@@ -76,7 +76,9 @@ class SaveInProgress {
 };
 
 // save_checkpoint in the background (one file, or a sharded directory with max_shard_size). When
-// it returns, the caller may change or free the tensors. options.engine, if set, must outlive the
+// it returns, the caller may change or free the tensors. Saves of one path, background or not,
+// take turns in the order they were called: save_checkpoint waits for a background save of its
+// path still in flight, so an older state never publishes after a newer one. options.engine, if set, must outlive the
 // save; options.progress and options.cancel likewise. Errors found before anything is staged (bad
 // names, sizes, a path that cannot be saved to) are thrown here.
 SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<TensorToSave>& tensors,

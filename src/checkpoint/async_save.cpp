@@ -85,8 +85,7 @@ void finish(const std::shared_ptr<AsyncSaveState>& state, std::optional<Stats> s
 // The save's thread: save_checkpoint over the staging.
 void persist(std::shared_ptr<AsyncSaveState> state) {
   try {
-    Stats stats = state->device_copy ? save_checkpoint(state->path, state->tensors, state->options)
-                                     : save_staged(state->path, state->tensors, state->options, state->stream);
+    Stats stats = save_now(state->path, state->tensors, state->options, state->device_copy ? nullptr : &state->stream);
     finish(state, std::move(stats), nullptr);
   } catch (...) {
     state->stream.fail();  // a snapshot still copying stops
@@ -132,6 +131,21 @@ double take_turn(const std::shared_ptr<AsyncSaveState>& state, bool wait_if_busy
     r.changed.wait(lock);
   }
 }
+
+}  // namespace
+
+void wait_for_background_save(const std::string& target) {
+  Registry& r = registry();
+  std::unique_lock lock(r.mutex);
+  r.changed.wait(lock, [&] {
+    const auto it = r.by_target.find(target);
+    if (it == r.by_target.end()) return true;
+    std::lock_guard state_lock(it->second->mutex);
+    return it->second->finished;
+  });
+}
+
+namespace {
 
 // The device all device tensors are on, if they are all on one and there is no host tensor.
 std::optional<int> one_device(const std::vector<TensorToSave>& tensors) {

@@ -331,17 +331,19 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
 
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   return detail::errors_as_hbmio({.op = "save", .path = path}, [&] {
-    if (options.max_shard_size > 0) return save_sharded(path, tensors, options, nullptr);
-    return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true, nullptr);
+    // A background save of the same path still in flight goes first: otherwise the older state
+    // could publish after this newer one.
+    detail::wait_for_background_save(final_target(path, options.max_shard_size > 0, {.op = "save", .path = path}).string());
+    return detail::save_now(path, tensors, options, nullptr);
   });
 }
 
 namespace detail {
 
-Stats save_staged(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options, StagedStream& stream) {
+Stats save_now(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options, StagedStream* staged) {
   return errors_as_hbmio({.op = "save", .path = path}, [&] {
-    if (options.max_shard_size > 0) return save_sharded(path, tensors, options, &stream);
-    return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true, &stream);
+    if (options.max_shard_size > 0) return save_sharded(path, tensors, options, staged);
+    return save_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true, staged);
   });
 }
 

@@ -87,9 +87,12 @@ class StagedStream {
   std::atomic<bool> failed_{false};
 };
 
-// save_checkpoint with the tensors' bytes taken from `stream` instead of their own memory (their
-// spans give only sizes); the rest, from checks to the publishing rename, is save_checkpoint's.
-Stats save_staged(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options, StagedStream& stream);
+// save_checkpoint without waiting for background saves of the path (a background save's own
+// thread calls it), and with the tensors' bytes taken from `staged` instead of their own memory
+// where given (their spans then give only sizes).
+Stats save_now(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options, StagedStream* staged);
+// Waits while a background save of `target` (a path as check_save returns it) is in flight.
+void wait_for_background_save(const std::string& target);
 // The checks save_checkpoint makes before touching the disk (names, sizes, what is at `path`, its
 // directory), for a background save to throw them from its call; returns the path a save replaces
 // (symbolic links followed), which keys "one save per path".
