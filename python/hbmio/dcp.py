@@ -52,6 +52,11 @@ _BYTES_KEY = "hbmio.dcp.bytes"
 # model-<rank + 1>-of-<world>-<save id>.safetensors: the pattern of the files a save writes, and
 # of those it may remove once a newer save has published.
 _DATA_FILE = re.compile(r"^model-\d{5}-of-\d{5}-[0-9a-f]{12}\.safetensors$")
+# Temporaries of a save of this directory that a crash left behind (hbmio's own named temporaries
+# of data files, where the file system has no O_TMPFILE, and those of _publish): the data files'
+# names are never saved again, so nothing else would ever remove them.
+_LEFT_BEHIND = re.compile(r"^\.(model-\d{5}-of-\d{5}-[0-9a-f]{12}\.safetensors|model\.safetensors\.index\.json|\.metadata)"
+                          r"(\.hbmio-tmp-|~[0-9a-f]{16}\.hbmio-tmp-)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +111,11 @@ def _publish(directory, name, data: bytes):
         except FileNotFoundError:
             pass
         raise
-    _fsync_directory(directory)
+    try:
+        _fsync_directory(directory)
+    except OSError as e:
+        raise OSError(e.errno, f"the new {name} is in place in {directory}, but the fsync of the directory failed "
+                               f"({e.strerror}): whether it is durable is unknown") from e
 
 
 def _checkpoint_path(current, checkpoint_id, who, call):
@@ -228,10 +237,11 @@ class StorageWriter(_StorageWriter):
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         _publish(self.path, _INDEX, (json.dumps(index, indent=2) + "\n").encode())
         _publish(self.path, _METADATA, pickle.dumps(metadata))
-        # The previous save's data files, now unreferenced.
+        # The previous save's data files, now unreferenced, and temporaries of saves a crash cut
+        # short (this save's own are gone: every rank's write returned).
         keep = set(weight_map.values())
         for entry in os.listdir(self.path):
-            if _DATA_FILE.match(entry) and entry not in keep:
+            if (_DATA_FILE.match(entry) and entry not in keep) or _LEFT_BEHIND.match(entry):
                 try:
                     os.unlink(os.path.join(self.path, entry))
                 except FileNotFoundError:

@@ -3,9 +3,10 @@
 It keeps the whole file system in memory and models what survives a power cut:
   - file data survives up to the last fsync/fdatasync of that file; with `tear`, any subset of
     the 4 KiB pages written since then may survive too (a torn write);
-  - directory operations (create, mkdir, link, unlink, rmdir, rename, RENAME_EXCHANGE) survive in
-    the order they were made, as journaling file systems (ext4, XFS) commit them: a crash keeps
-    every one up to the last directory fsync, and any prefix of those after it.
+  - a directory operation (create, mkdir, link, unlink, rmdir, rename, RENAME_EXCHANGE) survives
+    once every directory it changes has been fsynced after it (POSIX promises no more: a new
+    checkpoint directory needs an fsync of its parent); of those not yet made durable, any prefix
+    in the order they were made survives as well (journaling file systems commit in order).
 Every operation is logged; after each one the file system records the crash states a power cut
 right there could leave (one per surviving prefix of directory operations). `load(state)` then
 serves such a state through the mount, as the machine would find it after a reboot. `fail(k, errno)`
@@ -39,7 +40,7 @@ RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
 class State:
     """What the disk holds after a power cut at one point: the tree, and each file's bytes."""
     after: int                       # the number of logged operations before the cut
-    prefix: int                      # directory operations kept
+    prefix: int                      # directory operations kept (of those logged)
     tree: dict                       # dir inode -> {name: inode}
     files: dict                      # file inode -> bytes
     kinds: dict                      # inode -> "f" or "d"
@@ -81,7 +82,7 @@ class CrashFS(mfusepy.Operations):
         self.tree = {d: dict(e) for d, e in tree.items()}
         self.base_tree = {d: dict(e) for d, e in tree.items()}  # the tree the directory log starts from
         self.meta = []               # directory operations since base_tree, in order
-        self.meta_durable = 0        # how many of them a directory fsync made durable
+        self.unsynced = {}           # index in meta -> directories still to be fsynced for it to survive
         self.next_ino = max(kinds) + 1
         self.handles = {}
         self.next_fh = 1
@@ -93,7 +94,7 @@ class CrashFS(mfusepy.Operations):
                 node.synced = bytes(node.data)
                 node.dirty.clear()
             self.base_tree = {d: dict(e) for d, e in self.tree.items()}
-            self.meta, self.meta_durable = [], 0
+            self.meta, self.unsynced = [], {}
 
     def start(self, fail=None, fail_kinds=()):
         """Starts logging (and recording crash states); `fail`: {log index: errno}."""
@@ -147,15 +148,17 @@ class CrashFS(mfusepy.Operations):
         files = {ino: n.synced for ino, n in self.inodes.items() if n.kind == "f"}
         kinds = {ino: n.kind for ino, n in self.inodes.items()}
         data_key = tuple(sorted((ino, id(b)) for ino, b in files.items()))  # synced bytes are replaced, never changed
-        for prefix in range(self.meta_durable, len(self.meta) + 1):
-            key = (prefix, len(self.meta[:prefix]), data_key)
+        pending = sorted(self.unsynced)
+        for prefix in range(len(pending) + 1):
+            kept = [i for i in range(len(self.meta)) if i not in self.unsynced or i in pending[:prefix]]
+            key = (tuple(kept), data_key)
             if key in self._seen:
                 continue
             self._seen.add(key)
             tree = {d: dict(e) for d, e in self.base_tree.items()}
-            for op in self.meta[:prefix]:
-                _apply(tree, op)
-            self.states.append(State(len(self.log), prefix, tree, files, kinds))
+            for i in kept:
+                _apply(tree, self.meta[i])
+            self.states.append(State(len(self.log), len(kept), tree, files, kinds))
         if self.tear:
             # One torn variant: every other page written since the last fsync made it to disk.
             torn = {}
@@ -173,6 +176,7 @@ class CrashFS(mfusepy.Operations):
                 self.states.append(State(len(self.log), len(self.meta), tree, {**files, **torn}, kinds, torn=True))
 
     def _meta(self, op):
+        self.unsynced[len(self.meta)] = {op[1]} if op[0] != "rename" else {op[1], op[3]}
         self.meta.append(op)
         _apply(self.tree, op)
 
@@ -216,7 +220,11 @@ class CrashFS(mfusepy.Operations):
     def fsyncdir(self, path, datasync, fh):
         with self.mutex:
             self._event("fsync dir", path)
-            self.meta_durable = len(self.meta)
+            ino = self._resolve(path)
+            for i in list(self.unsynced):
+                self.unsynced[i].discard(ino)
+                if not self.unsynced[i]:
+                    del self.unsynced[i]
             self._record()
         return 0
 

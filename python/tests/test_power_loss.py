@@ -72,15 +72,80 @@ def generate(target, seed, *extra):
             "--backend", "uring", *extra]
 
 
-PYTHON_BACKGROUND_SAVE = (
-    "import sys, numpy as np, hbmio\n"
-    "rng = np.random.default_rng(int(sys.argv[2]))\n"
-    "t = {f't{i}': rng.integers(0, 255, 20 << 10, dtype=np.uint8) for i in range(6)}\n"
-    "hbmio.save_file(t, sys.argv[1], blocking=False, backend='uring').result()\n")
+# The Python saves run in one long-lived process (torch is imported once, not per save), which
+# takes "background|dcp TARGET SEED" lines and answers "ok" or "error MESSAGE".
+WORKER = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import numpy as np, hbmio
+try:
+    import torch, torch.distributed.checkpoint as dcp, hbmio.dcp
+except ImportError:
+    torch = None
+for line in sys.stdin:
+    kind, target, seed = line.split()
+    try:
+        if kind == "background":
+            rng = np.random.default_rng(int(seed))
+            t = {f"t{i}": rng.integers(0, 255, 20 << 10, dtype=np.uint8) for i in range(6)}
+            hbmio.save_file(t, target, blocking=False, backend="uring").result()
+        else:
+            g = torch.Generator().manual_seed(int(seed))
+            state = {f"w{i}": torch.randn(5000, generator=g) for i in range(4)}
+            dcp.save(state, storage_writer=hbmio.dcp.StorageWriter(target))
+        print("ok", flush=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        text = str(e) + " " + " ".join(str(f) for f in getattr(e, "failures", {}).values())
+        print("error " + text.replace(chr(10), " | "), flush=True)
+"""
+
+
+class _Worker:
+    def __init__(self):
+        self.process = None
+
+    def run(self, kind, target, seed):
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            text=True)
+        self.process.stdin.write(f"{kind} {target} {seed}\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline().strip()
+        ok = answer == "ok"
+        return subprocess.CompletedProcess(kind, 0 if ok else 1, "", "" if ok else answer or "the worker died")
+
+    def close(self):
+        if self.process is not None:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+
+
+WORKER_PROCESS = _Worker()
 
 
 def python_save(target, seed):
-    return [sys.executable, "-c", PYTHON_BACKGROUND_SAVE, target, str(seed)]
+    return ["py", "background", target, str(seed)]
+
+
+def dcp_save(target, seed):
+    return ["py", "dcp", target, str(seed)]
+
+
+def dcp_view(path: Path):
+    """What torch.distributed.checkpoint loads from `path` ({name: bytes}), None without a checkpoint."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import hbmio.dcp
+    if not (path / ".metadata").exists():
+        return None
+    state = {f"w{i}": torch.zeros(5000) for i in range(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=hbmio.dcp.StorageReader(path, verify=True))
+    return {k: v.numpy().tobytes() for k, v in state.items()}
 
 
 # name: (how the old checkpoint is made, or None; the save; the next save)
@@ -93,12 +158,26 @@ SHAPES = {
     "checksum rewrite": (lambda t: generate(t, 1, "--no-checksums"), lambda t: ["ckpt", "checksum", t],
                          lambda t: generate(t, 3, "--force")),
     "background save (Python)": (lambda t: generate(t, 1), lambda t: python_save(t, 2), lambda t: generate(t, 3, "--force")),
+    "DCP save over one (hbmio.dcp)": (lambda t: dcp_save(t, 1), lambda t: dcp_save(t, 2), lambda t: dcp_save(t, 3)),
+    "DCP save into a new directory": (None, lambda t: dcp_save(t, 2), lambda t: dcp_save(t, 3)),
 }
+# How a shape's checkpoint is read: its files' bytes, or what DCP loads (a DCP directory keeps the
+# previous save's files for a while, by design).
+VIEWS = {"DCP save over one (hbmio.dcp)": dcp_view, "DCP save into a new directory": dcp_view}
+
+
+def view(shape, target):
+    return VIEWS.get(shape, contents)(target)
+
+
+def needs(shape):
+    if shape in VIEWS:
+        pytest.importorskip("torch.distributed.checkpoint", reason="the DCP shape needs torch")
 
 
 def run_step(argv):
-    if argv[0] == sys.executable:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if argv[0] == "py":  # a Python save (background, DCP)
+        return WORKER_PROCESS.run(*argv[1:])
     return cli(*argv, check=False)
 
 
@@ -125,25 +204,28 @@ def mount(tmp_path_factory):
     try:
         yield Path(where), fs
     finally:
+        WORKER_PROCESS.close()
         mounted.__exit__(None, None, None)
 
 
 def prepare(mount, shape):
     where, fs = mount
     fs.load(crashfs.State(0, 0, {1: {}}, {}, {1: "d"}))
-    target = str(where / ("ckpt" if "sharded" in shape else "m.safetensors"))
+    target = str(where / ("ckpt" if "sharded" in shape or "DCP" in shape else "m.safetensors"))
     setup, _, _ = SHAPES[shape]
     if setup is not None:
-        cli(*setup(target))
+        made = run_step(setup(target))
+        assert made.returncode == 0, made.stderr
     fs.make_durable()
     return Path(target), fs.snapshot()
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_power_loss_at_every_step_leaves_the_old_or_the_new_checkpoint(mount, shape, record_property):
+    needs(shape)
     where, fs = mount
     target, initial = prepare(mount, shape)
-    old = contents(target)
+    old = view(shape, target)
     # The old checkpoint is checked the way it can be: by its checksums where it has them (a file
     # about to get its checksums has none), and by its bytes always.
     old_verifies = old is not None and cli("ckpt", "verify", str(target), check=False).returncode == 0
@@ -152,22 +234,29 @@ def test_power_loss_at_every_step_leaves_the_old_or_the_new_checkpoint(mount, sh
     run = run_step(save(str(target)))
     fs.stop()
     assert run.returncode == 0, run.stderr
-    new = contents(target)
+    new = view(shape, target)
     assert new is not None and new != old
     log, states = list(fs.log), list(fs.states)
     assert any(kind == "fsync" or kind == "fdatasync" for kind, _ in log), log
     # What the next save leaves, made independently: from the old checkpoint, no crash.
     fs.load(initial)
     assert run_step(next_save(str(target))).returncode == 0
-    after_next = contents(target)
+    after_next = view(shape, target)
     lost = []
     for state in states:
         fs.load(state)
         what = f"power cut after {state.after} of {len(log)} operations ({log[state.after - 1] if state.after else 'none'}), " \
                f"{state.prefix} directory operations kept{', torn' if state.torn else ''}"
-        now = contents(target)
+        try:
+            now = view(shape, target)
+        except Exception as e:  # noqa: BLE001 - a checkpoint that cannot be read is lost
+            lost.append(f"{what}: unreadable: {e}")
+            continue
         if now not in (old, new):
             lost.append(f"{what}: neither the old nor the new checkpoint")
+            continue
+        if state.after == len(log) and now != new:  # once the save has returned, it must survive
+            lost.append(f"{what}: the save returned, yet a power cut now brings back the old checkpoint")
             continue
         if now is not None and (now == new or old_verifies):
             verify = cli("ckpt", "verify", str(target), check=False)
@@ -178,7 +267,7 @@ def test_power_loss_at_every_step_leaves_the_old_or_the_new_checkpoint(mount, sh
         if again.returncode != 0:
             lost.append(f"{what}: the next save failed: {again.stderr.strip()}")
             continue
-        result = contents(target)
+        result = view(shape, target)
         if result != after_next or temporaries(target.parent) or (target.is_dir() and temporaries(target)):
             lost.append(f"{what}: after the next save: {'temporaries left: ' + str(temporaries(target.parent)) if temporaries(target.parent) else 'not its checkpoint'}")
     fs.load(initial)
@@ -193,9 +282,10 @@ FAULT_KINDS = ("write", "fsync", "fdatasync", "rename", "exchange", "fsync dir")
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_a_disk_error_at_every_step_keeps_the_old_checkpoint(mount, shape):
+    needs(shape)
     where, fs = mount
     target, initial = prepare(mount, shape)
-    old = contents(target)
+    old = view(shape, target)
     _, save, next_save = SHAPES[shape]
     fs.start()
     assert run_step(save(str(target))).returncode == 0
@@ -217,14 +307,15 @@ def test_a_disk_error_at_every_step_keeps_the_old_checkpoint(mount, shape):
             tried += 1
             # Published: a rename (or exchange) onto the checkpoint's own name came before the failure
             # (renames inside a sharded save's temporary directory publish nothing).
-            published = any(kind in ("rename", "exchange") and detail.split(" -> ")[1] == f"/{target.name}"
+            # (a DCP save publishes by renaming its .metadata into place).
+            published = any(kind in ("rename", "exchange") and detail.split(" -> ")[1] in (f"/{target.name}", f"/{target.name}/.metadata")
                             for kind, detail in log[:failed[0]])
             if run.returncode == 0:
                 problems.append(f"{what}: the save reported success")
                 continue
             if os.strerror(err) not in run.stderr:
                 problems.append(f"{what}: the error does not say what failed: {run.stderr.strip()}")
-            now = contents(target)
+            now = view(shape, target)
             if not published and now != old:
                 problems.append(f"{what}: the old checkpoint changed before anything was published")
             if published and "durable" not in run.stderr:
