@@ -678,15 +678,22 @@ SaveInput pack_tensors(Gathered g) {
 
 SaveInput collect_tensors(nb::dict tensors, const std::string& where) { return pack_tensors(gather_tensors(tensors, where)); }
 
-void save(nb::dict tensors, const std::string& path, std::optional<std::map<std::string, std::string>> metadata,
-          bool checksums, const std::string& backend, std::uint64_t max_shard_size, Progress* progress) {
-  SaveInput input = collect_tensors(tensors, path);
-  const std::vector<hbmio::TensorToSave>& list = input.list;
+// The options save_file's keywords give, blocking or not.
+hbmio::SaveOptions save_options(std::optional<std::map<std::string, std::string>> metadata, bool checksums,
+                                const std::string& backend, std::uint64_t max_shard_size) {
   hbmio::SaveOptions options;
   if (metadata) options.metadata = std::move(*metadata);
   options.checksums = checksums;
   options.backend = backend;
   options.max_shard_size = max_shard_size;
+  return options;
+}
+
+void save(nb::dict tensors, const std::string& path, std::optional<std::map<std::string, std::string>> metadata,
+          bool checksums, const std::string& backend, std::uint64_t max_shard_size, Progress* progress) {
+  SaveInput input = collect_tensors(tensors, path);
+  const std::vector<hbmio::TensorToSave>& list = input.list;
+  hbmio::SaveOptions options = save_options(std::move(metadata), checksums, backend, max_shard_size);
   if (progress) options.progress = &progress->done;
   // The save runs on a thread of its own while this one checks for Ctrl-C every 50 ms (Python's
   // handler only sets a flag, which PyErr_CheckSignals turns into KeyboardInterrupt). On one the
@@ -766,11 +773,7 @@ std::unique_ptr<BackgroundSave> save_async(nb::dict tensors, const std::string& 
                                            const std::string& backend, std::uint64_t max_shard_size, const std::string& staging,
                                            std::uint64_t pool_bytes, bool wait_if_busy) {
   SaveInput input = collect_tensors(tensors, path);
-  hbmio::SaveOptions options;
-  if (metadata) options.metadata = std::move(*metadata);
-  options.checksums = checksums;
-  options.backend = backend;
-  options.max_shard_size = max_shard_size;
+  const hbmio::SaveOptions options = save_options(std::move(metadata), checksums, backend, max_shard_size);
   hbmio::AsyncSaveOptions async;
   if (staging == "device") {
     async.staging = hbmio::Staging::device;

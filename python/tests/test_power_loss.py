@@ -118,6 +118,7 @@ class _Worker:
         if self.process is not None:
             self.process.stdin.close()
             self.process.wait(timeout=60)
+            self.process.stdout.close()
 
 
 WORKER_PROCESS = _Worker()

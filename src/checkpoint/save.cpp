@@ -372,18 +372,6 @@ std::vector<std::size_t> file_order(const std::vector<TensorToSave>& tensors) {
 
 namespace {
 
-// The final header, its checksums filled in; it must keep the size of the one with placeholders,
-// which fixed where the data went.
-std::string sealed_header(std::vector<st::TensorInfo>& infos, const std::map<std::string, std::string>& metadata,
-                          std::size_t placeholder_size, const ErrorContext& context) {
-  std::string header = st::serialize_header(infos, metadata);
-  detail::seal_header(header);
-  if (header.size() != placeholder_size)
-    throw Error(errno_code(EPROTO), context,
-                fmt::format("header changed size with its checksums ({} -> {} bytes)", placeholder_size, header.size()));
-  return header;
-}
-
 // Bytes taken from the staging per round: enough to keep every worker of the engine busy, while
 // the snapshot refills the pool behind it.
 constexpr std::uint64_t kStagedRound = std::uint64_t{256} << 20;
@@ -499,15 +487,11 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
   {
     PendingFile pending(target, shown);
     File& file = pending.file();
+    std::vector<std::uint64_t> computed;  // each tensor's checksum, in the order of `tensors`
     if (staged != nullptr) {
       const Clock::time_point phase = Clock::now();
-      const std::vector<std::uint64_t> computed =
-          write_staged(*staged, *engine, file, header.size(), tensors, infos, options, total, hashing, context);
+      computed = write_staged(*staged, *engine, file, header.size(), tensors, infos, options, total, hashing, context);
       data = seconds_since(phase);
-      if (options.checksums) {
-        for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
-        header = sealed_header(infos, metadata, header.size(), context);
-      }
     } else {
       // Hashing runs beside the writes; the future's destructor waits for it on every path, so
       // no hashing thread reads the tensors after a failed save returns.
@@ -535,11 +519,19 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
       data = seconds_since(phase);
       if (options.checksums) {
         phase = Clock::now();
-        const std::vector<std::uint64_t> computed = sums.get();
+        computed = sums.get();
         wait = seconds_since(phase);
-        for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
-        header = sealed_header(infos, metadata, header.size(), context);
       }
+    }
+    if (options.checksums) {
+      for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
+      // The placeholders fixed where the data went: the sealed header must keep their size.
+      std::string final_header = st::serialize_header(infos, metadata);
+      detail::seal_header(final_header);
+      if (final_header.size() != header.size())
+        throw Error(errno_code(EPROTO), context, fmt::format("header changed size with its checksums ({} -> {} bytes)",
+                                                             header.size(), final_header.size()));
+      header = std::move(final_header);
     }
     Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
     std::memcpy(header_buffer.data(), header.data(), header.size());
