@@ -276,6 +276,9 @@ void Event::record(const Stream& stream, const ErrorContext& context) {
   check(cudaEventRecord(static_cast<cudaEvent_t>(handle_), static_cast<cudaStream_t>(stream.handle())), context,
         "cudaEventRecord");
 }
+void Event::record(StreamHandle stream, const ErrorContext& context) {
+  check(cudaEventRecord(static_cast<cudaEvent_t>(handle_), static_cast<cudaStream_t>(stream)), context, "cudaEventRecord");
+}
 bool Event::ready(const ErrorContext& context) {
   const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(handle_));
   if (err == cudaErrorNotReady) return false;
@@ -326,6 +329,7 @@ Event& Event::operator=(Event&& other) noexcept {
   return *this;
 }
 void Event::record(const Stream&, const ErrorContext& context) { no_cuda(context); }
+void Event::record(StreamHandle, const ErrorContext& context) { no_cuda(context); }
 bool Event::ready(const ErrorContext& context) { no_cuda(context); }
 void Event::synchronize(const ErrorContext& context) { no_cuda(context); }
 

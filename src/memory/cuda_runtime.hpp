@@ -85,6 +85,7 @@ class Event {
   Event& operator=(const Event&) = delete;
 
   void record(const Stream& stream, const ErrorContext& context);
+  void record(StreamHandle stream, const ErrorContext& context);  // a caller's stream (nullptr: the legacy one)
   bool ready(const ErrorContext& context);  // cudaEventQuery
   void synchronize(const ErrorContext& context);
 

@@ -1,0 +1,124 @@
+// A stream of training batches: records of tensor shards read from storage into host or GPU
+// memory ahead of the step that uses them.
+//
+// A shard is a file of records: a .npy array (records along its first dimension), a safetensors
+// file (the chosen tensors, records along each one's first dimension: e.g. input_ids and labels
+// side by side) or raw fixed-size records (dtype and record shape given). Every shard of a stream
+// has the same fields (names, dtypes, record shapes); shards may hold any number of records.
+//
+// Each epoch orders the records (shards shuffled, then records shuffled within a window, both
+// from the seed and the epoch: every rank computes the same order), gives each rank its own
+// contiguous part of that order (every record read once per epoch across ranks) and cuts the
+// part into batches. A thread of the stream reads the next `read_ahead` batches through the
+// engine into a fixed ring of batch buffers while the caller works on the current one.
+//
+//   hbmio::BatchStream stream(files, {.device = MemoryLocation::parse("cuda:0"), .batch_records = 4096});
+//   while (auto batch = stream.next()) train_step(batch->fields[0]);   // valid until the next call
+//
+// Errors (a missing file, a shard that is not a whole number of records, a shard whose dtype or
+// record shape differs from the first one's, a read failure) are hbmio::Error naming the file and
+// byte, thrown by the next() that asks for the batch they stop; batches before it are delivered.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "hbmio/engine.hpp"
+#include "hbmio/memory.hpp"
+#include "hbmio/options.hpp"
+#include "hbmio/safetensors.hpp"
+
+namespace hbmio {
+
+enum class ShardFormat { automatic, npy, safetensors, raw };  // automatic: .npy, .safetensors, else raw
+
+struct StreamOptions {
+  ShardFormat format = ShardFormat::automatic;
+  // safetensors: the tensors to read from every shard (default: all of them, in name order).
+  std::vector<std::string> tensors;
+  // raw shards: one record's dtype and shape (required for raw, refused otherwise).
+  std::optional<safetensors::Dtype> raw_dtype;
+  std::vector<std::uint64_t> raw_record_shape;
+
+  MemoryLocation device{};        // where batches land: host, pinned or cuda:N
+  std::uint64_t batch_records = 0;  // records per batch; or
+  std::uint64_t batch_bytes = 0;    // bytes per batch (all fields), rounded down to whole records
+  unsigned read_ahead = 2;          // batches read ahead of the one the caller holds (>= 1)
+  bool drop_last = false;  // drop each rank's last, partial batch, and give every rank as many records
+  std::uint64_t epochs = 1;  // 0: until closed
+  bool shuffle = false;
+  std::uint64_t seed = 0;
+  // Records are shuffled within windows of this many consecutive records of the shuffled shard
+  // order (0: 16 batches). A window is one permutation; memory: 8 bytes per record of it.
+  std::uint64_t shuffle_window = 0;
+  unsigned rank = 0, world = 1;
+
+  std::string backend = "auto";
+  Engine* engine = nullptr;  // the caller's engine (kept for the stream's life); else one is leased
+};
+
+// One array of every batch: a tensor of the safetensors shards, or the .npy/raw array ("").
+struct StreamField {
+  std::string name;
+  safetensors::Dtype dtype = safetensors::Dtype::U8;
+  std::vector<std::uint64_t> record_shape;
+  std::uint64_t record_bytes = 0;
+};
+
+struct Batch {
+  std::uint64_t epoch = 0;
+  std::uint64_t index = 0;    // within this rank's epoch
+  std::uint64_t records = 0;  // <= batch_records (the last batch of an epoch may be short)
+  bool last_of_epoch = false;
+  std::vector<MemorySpan> fields;  // one per StreamField: records x record_bytes, in stream order
+};
+
+struct StreamStats {
+  std::uint64_t epoch = 0;  // epochs completed (with epoch_stats: the epoch described)
+  std::uint64_t batches = 0, records = 0, bytes = 0;
+  double seconds = 0;       // from the first next() to the last batch delivered
+  double read_seconds = 0;  // the stream's thread inside the engine
+  double wait_seconds = 0;  // the caller inside next(), waiting for data: the number to tune
+  double records_per_second() const noexcept { return seconds > 0 ? static_cast<double>(records) / seconds : 0; }
+  double gib_per_second() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / (1u << 30) : 0; }
+};
+
+class BatchStream {
+ public:
+  // Starts the stream's thread, which opens the shards and reads their headers first; their
+  // errors are thrown by next(). Throws Error(EINVAL) here only for options that cannot work
+  // (no files, no batch size, rank >= world, raw without a dtype, ...).
+  BatchStream(std::vector<std::string> files, StreamOptions options);
+  ~BatchStream();  // close()
+  BatchStream(const BatchStream&) = delete;
+  BatchStream& operator=(const BatchStream&) = delete;
+
+  // The next batch, or nullopt after the last epoch. Blocks until it is read. The batch's memory
+  // stays valid until the next call of next() or close(): the buffer then goes back to the ring
+  // and is read into again. For device memory, pass the CUDA stream (cudaStream_t) that uses the
+  // batch: its buffer is reused only after the work queued there by then has finished (without
+  // one, the legacy default stream is waited for).
+  std::optional<Batch> next(void* cuda_stream = nullptr);
+
+  // The shards' fields (waits for the headers; throws their error).
+  const std::vector<StreamField>& fields();
+  // Records this rank gets per epoch (waits for the headers).
+  std::uint64_t records_per_epoch();
+  std::uint64_t batch_records();  // records of a full batch (waits for the headers)
+
+  StreamStats stats() const;                    // the whole stream so far
+  std::vector<StreamStats> epoch_stats() const;  // one per completed epoch
+
+  // Stops the thread (what is in flight completes first) and frees the ring. Idempotent.
+  void close() noexcept;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace hbmio

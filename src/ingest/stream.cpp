@@ -1,0 +1,622 @@
+// BatchStream: one thread per stream plans each batch (which records of which shards, in which
+// order), reads it through the engine into a free buffer of a fixed ring, and queues it for the
+// caller. The engine does the parallel I/O (uring: every worker ring busy over the batch's ranges,
+// bounce buffers copied to the GPU while the next chunks arrive); this thread only keeps it fed.
+//
+//   caller: next() ──gives back the buffer it held──► free ring ──► stream thread: plan, read
+//           ◄──────────────── ready queue ◄──────────────────────────────────────┘
+//
+// A device buffer given back is read into again only after the caller's CUDA stream has finished
+// the work queued on it by then (an event recorded at next(), waited for by the stream thread).
+#include "hbmio/stream.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <list>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "format/npy.hpp"
+#include "hbmio/error.hpp"
+#include "hbmio/file.hpp"
+#include "io/engine_internal.hpp"
+#include "memory/cuda_runtime.hpp"
+
+namespace hbmio {
+namespace {
+
+namespace st = safetensors;
+using Clock = std::chrono::steady_clock;
+
+__extension__ typedef unsigned __int128 u128;  // Lemire's bounded draw needs the high half of a 64x64 product
+
+double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Small batches are read several at a time (one engine batch), so that the engine's queue stays
+// deep when each batch alone would be a few hundred KiB; a batch of this size or more alone keeps
+// every worker ring busy (the uring engine cuts it into chunks for all of them).
+constexpr std::uint64_t kGroupBytes = 32ull << 20;
+// Shard files kept open between batches; more are closed least recently used first.
+constexpr std::size_t kOpenShards = 64;
+constexpr std::size_t kSlotAlignment = 4096;
+
+Error bad_option(const std::string& why) { return Error(errno_code(EINVAL), {.op = "open stream"}, why); }
+
+std::string shape_text(const std::vector<std::uint64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+// A reproducible sequence from (seed, epoch, what): splitmix64 steps. The same on every rank and
+// every platform, which std::shuffle's distributions do not promise.
+class Random {
+ public:
+  Random(std::uint64_t seed, std::uint64_t epoch, std::uint64_t what) : state_(mix(seed ^ mix(epoch ^ mix(what)))) {}
+  std::uint64_t below(std::uint64_t n) {  // uniform in [0, n), Lemire's multiply-shift
+    return static_cast<std::uint64_t>((static_cast<u128>(next()) * n) >> 64);
+  }
+  template <typename T>
+  void shuffle(std::vector<T>& v) {  // Fisher-Yates
+    for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[below(i)]);
+  }
+
+ private:
+  static std::uint64_t mix(std::uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  std::uint64_t next() { return mix(state_++); }
+  std::uint64_t state_;
+};
+
+struct Shard {
+  std::string path;
+  std::uint64_t records = 0;
+  std::vector<std::uint64_t> field_offset;  // file offset of record 0 of each field
+};
+
+// A run of consecutive records of one shard, landing at consecutive positions of the batch.
+struct Run {
+  std::size_t shard = 0;
+  std::uint64_t first = 0, count = 0, at = 0;
+};
+
+struct BatchPlan {
+  std::uint64_t epoch = 0, index = 0, records = 0;
+  bool last_of_epoch = false;
+  std::vector<Run> runs;
+};
+
+ShardFormat format_of(const std::string& path) {
+  const std::string ext = std::filesystem::path(path).extension().string();
+  if (ext == ".npy") return ShardFormat::npy;
+  if (ext == ".safetensors") return ShardFormat::safetensors;
+  return ShardFormat::raw;
+}
+
+const char* format_name(ShardFormat f) {
+  switch (f) {
+    case ShardFormat::npy: return ".npy";
+    case ShardFormat::safetensors: return "safetensors";
+    case ShardFormat::raw: return "raw";
+    case ShardFormat::automatic: break;
+  }
+  return "automatic";
+}
+
+std::uint64_t record_bytes(st::Dtype dtype, const std::vector<std::uint64_t>& record_shape, const ErrorContext& context,
+                           const std::string& name) {
+  const auto bytes = st::tensor_byte_size(dtype, record_shape);
+  if (!bytes)
+    throw Error(errno_code(EINVAL), context,
+                fmt::format("a record of {}{} {} is not a whole number of bytes", name.empty() ? "" : name + ": ",
+                            st::to_string(dtype), shape_text(record_shape)));
+  return *bytes;
+}
+
+}  // namespace
+
+struct BatchStream::State {
+  std::vector<std::string> files;
+  StreamOptions options;
+
+  // Set once by the thread, before `scanned`.
+  std::vector<StreamField> fields;
+  std::vector<Shard> shards;
+  std::uint64_t total_records = 0, records_per_rank = 0, batch_records = 0, batches_per_epoch = 0;
+
+  struct Slot {
+    Buffer buffer;
+    std::vector<std::size_t> field_offset;
+    std::optional<cuda::Event> released;  // recorded on the caller's stream when given back
+    bool event_pending = false;
+  };
+  struct Ready {
+    Batch batch;
+    int slot = -1;
+    double read_seconds = 0;
+  };
+
+  mutable std::mutex mutex;
+  std::condition_variable changed;
+  bool scanned = false, finished = false;
+  std::atomic<bool> stop{false};
+  std::exception_ptr error;
+  std::vector<Slot> slots;
+  std::deque<int> free_slots;
+  std::deque<Ready> ready;
+  int held = -1;
+
+  // Statistics, under the mutex.
+  std::optional<Clock::time_point> first_call, epoch_started;
+  StreamStats total_stats, epoch_stats;
+  std::vector<StreamStats> epochs_done;
+
+  std::thread thread;
+
+  void run() noexcept;
+  void scan();
+  Shard scan_one(const std::string& path, ShardFormat format, std::vector<StreamField>& fields_out) const;
+  void plan_epoch(std::uint64_t number, const std::function<bool(BatchPlan&&)>& emit) const;
+  void read_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine);
+  int take_slot(bool wait);
+  void wait_scanned(std::unique_lock<std::mutex>& lock) const;
+
+  // Open shard files, least recently used last (used by the thread only).
+  std::list<std::pair<std::size_t, File>> open_files;
+  const File& file_of(std::size_t shard);
+};
+
+namespace {
+
+void check_options(const std::vector<std::string>& files, const StreamOptions& o) {
+  if (files.empty()) throw bad_option("no shard files given");
+  if ((o.batch_records == 0) == (o.batch_bytes == 0)) throw bad_option("give a batch size: batch_records or batch_bytes (one of them)");
+  if (o.read_ahead == 0) throw bad_option("read_ahead must be at least 1");
+  if (o.world == 0 || o.rank >= o.world) throw bad_option(fmt::format("rank {} is not in a world of {}", o.rank, o.world));
+  const bool raw_asked = o.raw_dtype.has_value();
+  if (o.format == ShardFormat::raw && !raw_asked) throw bad_option("raw shards need the record's dtype (and shape)");
+  if (o.format != ShardFormat::raw && o.format != ShardFormat::automatic && raw_asked)
+    throw bad_option(fmt::format("a record dtype is for raw shards, not {} ones", format_name(o.format)));
+  if (!o.tensors.empty() && o.format != ShardFormat::safetensors && o.format != ShardFormat::automatic)
+    throw bad_option("tensor names are for safetensors shards");
+}
+
+}  // namespace
+
+BatchStream::BatchStream(std::vector<std::string> files, StreamOptions options) : state_(std::make_shared<State>()) {
+  check_options(files, options);
+  state_->files = std::move(files);
+  state_->options = std::move(options);
+  state_->thread = std::thread([state = state_.get()] { state->run(); });
+}
+
+BatchStream::~BatchStream() { close(); }
+
+void BatchStream::close() noexcept {
+  if (!state_) return;
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stop = true;
+    state_->finished = true;
+  }
+  state_->changed.notify_all();
+  if (state_->thread.joinable()) state_->thread.join();
+  std::lock_guard lock(state_->mutex);
+  state_->ready.clear();
+}
+
+void BatchStream::State::wait_scanned(std::unique_lock<std::mutex>& lock) const {
+  const_cast<std::condition_variable&>(changed).wait(lock, [&] { return scanned || error || stop; });
+  if (!scanned) {
+    if (error) std::rethrow_exception(error);
+    throw Error(errno_code(ECANCELED), {.op = "stream"}, "the stream was closed");
+  }
+}
+
+const std::vector<StreamField>& BatchStream::fields() {
+  std::unique_lock lock(state_->mutex);
+  state_->wait_scanned(lock);
+  return state_->fields;
+}
+
+std::uint64_t BatchStream::records_per_epoch() {
+  std::unique_lock lock(state_->mutex);
+  state_->wait_scanned(lock);
+  return state_->records_per_rank;
+}
+
+std::uint64_t BatchStream::batch_records() {
+  std::unique_lock lock(state_->mutex);
+  state_->wait_scanned(lock);
+  return state_->batch_records;
+}
+
+StreamStats BatchStream::stats() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->total_stats;
+}
+
+std::vector<StreamStats> BatchStream::epoch_stats() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->epochs_done;
+}
+
+std::optional<Batch> BatchStream::next(void* cuda_stream) {
+  State& s = *state_;
+  std::unique_lock lock(s.mutex);
+  const Clock::time_point called = Clock::now();
+  if (!s.first_call) s.first_call = called;
+  if (s.held >= 0) {
+    State::Slot& slot = s.slots[static_cast<std::size_t>(s.held)];
+    if (s.options.device.kind == MemoryKind::device) {
+      // The caller's kernels may still be reading the batch: the thread waits for this event
+      // before reading into the buffer again.
+      const ErrorContext context{.op = "give back a stream batch"};
+      cuda::DeviceGuard guard(s.options.device.device, context);
+      if (!slot.released) slot.released.emplace(context);
+      slot.released->record(cuda_stream, context);
+      slot.event_pending = true;
+    }
+    s.free_slots.push_back(s.held);
+    s.held = -1;
+    s.changed.notify_all();
+  }
+  s.changed.wait(lock, [&] { return !s.ready.empty() || s.error || s.finished; });
+  const Clock::time_point now = Clock::now();
+  const double waited = seconds_between(called, now);
+  s.total_stats.wait_seconds += waited;
+  s.epoch_stats.wait_seconds += waited;
+  if (s.ready.empty()) {
+    if (s.error) std::rethrow_exception(s.error);
+    return std::nullopt;
+  }
+  State::Ready r = std::move(s.ready.front());
+  s.ready.pop_front();
+  s.held = r.slot;
+  std::uint64_t bytes = 0;
+  for (const auto& f : r.batch.fields) bytes += f.size;
+  for (StreamStats* st : {&s.total_stats, &s.epoch_stats}) {
+    ++st->batches;
+    st->records += r.batch.records;
+    st->bytes += bytes;
+    st->read_seconds += r.read_seconds;
+  }
+  if (!s.epoch_started) s.epoch_started = called;
+  s.total_stats.seconds = seconds_between(*s.first_call, now);
+  s.epoch_stats.seconds = seconds_between(*s.epoch_started, now);
+  if (r.batch.last_of_epoch) {
+    s.epoch_started.reset();
+    s.epoch_stats.epoch = r.batch.epoch;
+    s.epochs_done.push_back(s.epoch_stats);
+    s.epoch_stats = {};
+    s.total_stats.epoch = r.batch.epoch + 1;
+  }
+  return std::move(r.batch);
+}
+
+// ---- the stream's thread ----
+
+void BatchStream::State::run() noexcept {
+  try {
+    // This thread is the library's own: the batches' device stays current on it (events).
+    if (options.device.kind == MemoryKind::device) cuda::set_device(options.device.device, {.op = "stream"});
+    scan();
+    const detail::EngineInUse engine(options.engine, options.backend, std::nullopt);
+    std::vector<std::pair<int, BatchPlan>> group;
+    std::uint64_t group_bytes = 0;
+    std::uint64_t record_total = 0;
+    for (const auto& f : fields) record_total += f.record_bytes;
+    const auto flush = [&] {
+      if (!group.empty()) read_group(group, *engine.get());
+      group.clear();
+      group_bytes = 0;
+    };
+    const auto emit = [&](BatchPlan&& plan) {
+      // A buffer for this batch: wait for one only when nothing is gathered yet; otherwise read
+      // what is gathered first, so the caller never waits on a batch held back for company.
+      int slot = take_slot(false);
+      if (slot < 0) {
+        flush();
+        slot = take_slot(true);
+        if (slot < 0) return false;  // stopping
+      }
+      group_bytes += plan.records * record_total;
+      group.emplace_back(slot, std::move(plan));
+      if (group_bytes >= kGroupBytes) flush();
+      return !stop;
+    };
+    for (std::uint64_t e = 0; (options.epochs == 0 || e < options.epochs) && !stop; ++e) {
+      plan_epoch(e, emit);
+      if (batches_per_epoch == 0) break;  // an endless stream of nothing ends at once
+    }
+    if (!stop) flush();
+  } catch (...) {
+    std::lock_guard lock(mutex);
+    if (!stop) error = std::current_exception();
+  }
+  {
+    std::lock_guard lock(mutex);
+    finished = true;
+  }
+  changed.notify_all();
+  open_files.clear();
+}
+
+int BatchStream::State::take_slot(bool wait) {
+  std::unique_lock lock(mutex);
+  if (wait) changed.wait(lock, [&] { return !free_slots.empty() || stop; });
+  if (stop || free_slots.empty()) return -1;
+  const int slot = free_slots.front();
+  free_slots.pop_front();
+  return slot;
+}
+
+const File& BatchStream::State::file_of(std::size_t shard) {
+  for (auto it = open_files.begin(); it != open_files.end(); ++it)
+    if (it->first == shard) {
+      open_files.splice(open_files.begin(), open_files, it);
+      return it->second;
+    }
+  open_files.emplace_front(shard, File::open(shards[shard].path, OpenMode::read));
+  return open_files.front().second;
+}
+
+void BatchStream::State::read_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine) {
+  std::vector<IoRequest> requests;
+  std::vector<Ready> done;
+  for (auto& [slot_index, plan] : group) {
+    Slot& slot = slots[static_cast<std::size_t>(slot_index)];
+    if (slot.event_pending) {
+      slot.released->synchronize({.op = "wait for the caller's use of a stream batch"});
+      slot.event_pending = false;
+    }
+    Ready r{.batch = {.epoch = plan.epoch, .index = plan.index, .records = plan.records, .last_of_epoch = plan.last_of_epoch},
+            .slot = slot_index};
+    for (std::size_t f = 0; f < fields.size(); ++f)
+      r.batch.fields.push_back(slot.buffer.span().subspan(slot.field_offset[f], plan.records * fields[f].record_bytes));
+    for (const Run& run : plan.runs) {
+      const File& file = file_of(run.shard);
+      for (std::size_t f = 0; f < fields.size(); ++f) {
+        const std::uint64_t rb = fields[f].record_bytes;
+        if (rb == 0) continue;
+        requests.push_back({.op = IoOp::read, .file = &file, .offset = shards[run.shard].field_offset[f] + run.first * rb,
+                            .memory = r.batch.fields[f].subspan(run.at * rb, run.count * rb), .cancel = &stop});
+      }
+    }
+    done.push_back(std::move(r));
+  }
+  const Clock::time_point start = Clock::now();
+  try {
+    engine.submit_batch(requests);
+  } catch (const Error& e) {
+    if (stop && e.code().value() == ECANCELED) return;
+    throw;
+  }
+  const double took = seconds_between(start, Clock::now());
+  std::uint64_t total = 0;
+  for (const auto& r : done) total += r.batch.records;
+  {
+    std::lock_guard lock(mutex);
+    for (auto& r : done) {
+      r.read_seconds = total ? took * static_cast<double>(r.batch.records) / static_cast<double>(total) : 0;
+      ready.push_back(std::move(r));
+    }
+  }
+  changed.notify_all();
+  while (open_files.size() > kOpenShards) open_files.pop_back();
+}
+
+Shard BatchStream::State::scan_one(const std::string& path, ShardFormat format, std::vector<StreamField>& out) const {
+  Shard shard{.path = path};
+  const File file = File::open(path, OpenMode::read, false);
+  const std::uint64_t size = file.size_at_open();
+  ErrorContext context{.op = "read shard header", .path = path};
+  if (format == ShardFormat::npy) {
+    std::vector<std::byte> head(std::min<std::uint64_t>(size, format::kNpyPrefixSize));
+    file.read_at(head, 0);
+    const std::uint64_t end = format::npy_header_end(head, path);
+    if (end > size) throw Error(errno_code(EINVAL), context, fmt::format("the file ends at byte {}, inside its .npy header ({} bytes)", size, end));
+    head.resize(end);
+    file.read_at(head, 0);
+    const format::NpyHeader h = format::parse_npy_header(head, path);
+    if (h.shape.empty()) throw Error(errno_code(EINVAL), context, "a 0-d array holds no records (its shape is ())");
+    StreamField field{.dtype = h.dtype, .record_shape = {h.shape.begin() + 1, h.shape.end()}};
+    field.record_bytes = record_bytes(h.dtype, field.record_shape, context, "");
+    shard.records = h.shape[0];
+    const std::uint64_t expected = h.data_offset + shard.records * field.record_bytes;
+    if (size != expected) {
+      context.offset = std::min(size, expected);
+      throw Error(errno_code(EINVAL), context,
+                  size < expected ? fmt::format("the file ends at byte {}, inside record {} of {} ({} bytes each, from byte {}): a partial record",
+                                                size, (size - h.data_offset) / std::max<std::uint64_t>(field.record_bytes, 1),
+                                                shard.records, field.record_bytes, h.data_offset)
+                                  : fmt::format("{} bytes follow the array's end at byte {}", size - expected, expected));
+    }
+    shard.field_offset = {h.data_offset};
+    out = {std::move(field)};
+  } else if (format == ShardFormat::safetensors) {
+    const st::Header h = st::read_header(file.fd(), path);
+    std::vector<std::string> names = options.tensors;
+    if (names.empty()) {
+      for (const auto& t : h.tensors) names.push_back(t.name);
+      std::sort(names.begin(), names.end());
+    }
+    out.clear();
+    for (const std::string& name : names) {
+      const st::TensorInfo* t = h.find(name);
+      if (t == nullptr) throw Error(errno_code(ENOENT), context, fmt::format("the file has no tensor '{}'", name));
+      context.offset = h.data_offset + t->begin;
+      if (t->shape.empty()) throw Error(errno_code(EINVAL), context, fmt::format("tensor '{}' is a scalar: it holds no records", name));
+      StreamField field{.name = name, .dtype = t->dtype, .record_shape = {t->shape.begin() + 1, t->shape.end()}};
+      field.record_bytes = record_bytes(t->dtype, field.record_shape, context, name);
+      if (out.empty()) shard.records = t->shape[0];
+      else if (t->shape[0] != shard.records)
+        throw Error(errno_code(EINVAL), context,
+                    fmt::format("tensor '{}' has {} records (first dimension), tensor '{}' {}: the tensors of a shard must agree",
+                                name, t->shape[0], out.front().name, shard.records));
+      shard.field_offset.push_back(h.data_offset + t->begin);
+      out.push_back(std::move(field));
+    }
+  } else {
+    StreamField field{.dtype = *options.raw_dtype, .record_shape = options.raw_record_shape};
+    field.record_bytes = record_bytes(field.dtype, field.record_shape, context, "");
+    if (field.record_bytes == 0) throw Error(errno_code(EINVAL), context, "raw records of 0 bytes");
+    if (size % field.record_bytes != 0) {
+      context.offset = size - size % field.record_bytes;
+      throw Error(errno_code(EINVAL), context,
+                  fmt::format("{} bytes are not a whole number of {}-byte records ({} {}): a partial record of {} bytes starts at byte {}",
+                              size, field.record_bytes, st::to_string(field.dtype), shape_text(field.record_shape),
+                              size % field.record_bytes, context.offset));
+    }
+    shard.records = size / field.record_bytes;
+    shard.field_offset = {0};
+    out = {std::move(field)};
+  }
+  return shard;
+}
+
+void BatchStream::State::scan() {
+  std::vector<StreamField> first;
+  std::vector<Shard> found;
+  ShardFormat format = options.format == ShardFormat::automatic ? format_of(files.front()) : options.format;
+  if (format == ShardFormat::raw && !options.raw_dtype)
+    throw Error(errno_code(EINVAL), {.op = "open stream", .path = files.front()},
+                "not a .npy or .safetensors file: raw records need their dtype (and shape)");
+  if (format != ShardFormat::raw && options.raw_dtype)
+    throw bad_option(fmt::format("a record dtype is for raw shards; {} is a {} file", files.front(), format_name(format)));
+  for (const std::string& path : files) {
+    if (stop) return;
+    if (options.format == ShardFormat::automatic && format_of(path) != format)
+      throw Error(errno_code(EINVAL), {.op = "open stream", .path = path},
+                  fmt::format("a {} shard among {} shards ({} is the first)", format_name(format_of(path)), format_name(format), files.front()));
+    std::vector<StreamField> these;
+    found.push_back(scan_one(path, format, these));
+    if (found.size() == 1) {
+      first = std::move(these);
+      continue;
+    }
+    for (std::size_t f = 0; f < first.size(); ++f) {
+      const StreamField& a = first[f];
+      const StreamField& b = these[f];
+      if (a.dtype != b.dtype || a.record_shape != b.record_shape)
+        throw Error(errno_code(EINVAL), {.op = "read shard header", .path = path, .offset = found.back().field_offset[f]},
+                    fmt::format("{}records are {} {}; the first shard's ({}) are {} {}", a.name.empty() ? "" : "tensor '" + a.name + "': ",
+                                st::to_string(b.dtype), shape_text(b.record_shape), files.front(), st::to_string(a.dtype),
+                                shape_text(a.record_shape)));
+    }
+  }
+  std::uint64_t total = 0, record_total = 0;
+  for (const Shard& s : found) total += s.records;
+  for (const auto& f : first) record_total += f.record_bytes;
+  std::uint64_t batch = options.batch_records;
+  if (batch == 0) {
+    if (record_total == 0) throw bad_option("batch_bytes cannot size batches of 0-byte records: give batch_records");
+    batch = options.batch_bytes / record_total;
+    if (batch == 0)
+      throw bad_option(fmt::format("batch_bytes {} is less than one record ({} bytes)", options.batch_bytes, record_total));
+  }
+  const std::uint64_t base = total / options.world;
+  const std::uint64_t extra = total % options.world;
+  // drop_last: every rank the same number of whole batches (what DDP needs: as many steps on
+  // every rank); else each rank its share (they differ by one record at most), the last batch short.
+  const std::uint64_t share = options.drop_last ? base : base + (options.rank < extra ? 1 : 0);
+  const std::uint64_t batches = options.drop_last ? share / batch : (share + batch - 1) / batch;
+  const std::uint64_t per_rank = options.drop_last ? batches * batch : share;
+
+  // The ring: the batch the caller holds plus read_ahead being read or waiting.
+  std::vector<Slot> ring(options.read_ahead + 1);
+  std::vector<std::size_t> offsets;
+  std::size_t slot_bytes = 0;
+  for (const auto& f : first) {
+    offsets.push_back(slot_bytes);
+    slot_bytes += (batch * f.record_bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+  }
+  for (Slot& slot : ring) {
+    slot.buffer = Buffer::allocate(options.device, std::max<std::size_t>(slot_bytes, 1));
+    slot.field_offset = offsets;
+  }
+  std::lock_guard lock(mutex);
+  fields = std::move(first);
+  shards = std::move(found);
+  total_records = total;
+  records_per_rank = per_rank;
+  batch_records = batch;
+  batches_per_epoch = batches;
+  slots = std::move(ring);
+  for (std::size_t i = 0; i < slots.size(); ++i) free_slots.push_back(static_cast<int>(i));
+  scanned = true;
+  changed.notify_all();
+}
+
+void BatchStream::State::plan_epoch(std::uint64_t number, const std::function<bool(BatchPlan&&)>& emit) const {
+  // This epoch's shard order and where each shard starts in it.
+  std::vector<std::size_t> order(shards.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  if (options.shuffle) Random(options.seed, number, 1).shuffle(order);
+  std::vector<std::uint64_t> starts;
+  std::uint64_t at = 0;
+  for (std::size_t k : order) {
+    starts.push_back(at);
+    at += shards[k].records;
+  }
+  const std::uint64_t window = options.shuffle_window ? options.shuffle_window : std::max<std::uint64_t>(16 * batch_records, 1);
+  std::uint64_t window_index = UINT64_MAX;
+  std::vector<std::uint64_t> permutation;
+  // Position p of the epoch's order -> index into the shard order (windows shuffled in place).
+  const auto record_at = [&](std::uint64_t p) {
+    if (!options.shuffle) return p;
+    const std::uint64_t w = p / window;
+    if (w != window_index) {
+      window_index = w;
+      permutation.resize(std::min(window, total_records - w * window));
+      for (std::uint64_t i = 0; i < permutation.size(); ++i) permutation[i] = i;
+      Random(options.seed, number, 2 + w).shuffle(permutation);
+    }
+    return w * window + permutation[p - w * window];
+  };
+  const std::uint64_t base = total_records / options.world;
+  const std::uint64_t extra = total_records % options.world;
+  const std::uint64_t first = options.drop_last ? options.rank * base : options.rank * base + std::min<std::uint64_t>(options.rank, extra);
+  for (std::uint64_t b = 0; b < batches_per_epoch; ++b) {
+    BatchPlan plan{.epoch = number, .index = b, .last_of_epoch = b + 1 == batches_per_epoch};
+    const std::uint64_t lo = b * batch_records;
+    plan.records = std::min(batch_records, records_per_rank - lo);
+    if (!options.shuffle) {
+      // In order: the batch is one run per shard it crosses.
+      for (std::uint64_t i = 0; i < plan.records;) {
+        const std::uint64_t q = first + lo + i;
+        const std::size_t k = static_cast<std::size_t>(std::upper_bound(starts.begin(), starts.end(), q) - starts.begin() - 1);
+        const std::uint64_t local = q - starts[k];
+        const std::uint64_t n = std::min(plan.records - i, shards[order[k]].records - local);
+        plan.runs.push_back({.shard = order[k], .first = local, .count = n, .at = i});
+        i += n;
+      }
+      if (!emit(std::move(plan))) return;
+      continue;
+    }
+    for (std::uint64_t i = 0; i < plan.records; ++i) {
+      const std::uint64_t q = record_at(first + lo + i);
+      const std::size_t k = static_cast<std::size_t>(std::upper_bound(starts.begin(), starts.end(), q) - starts.begin() - 1);
+      const std::size_t shard = order[k];
+      const std::uint64_t local = q - starts[k];
+      if (!plan.runs.empty() && plan.runs.back().shard == shard && plan.runs.back().first + plan.runs.back().count == local)
+        ++plan.runs.back().count;
+      else
+        plan.runs.push_back({.shard = shard, .first = local, .count = 1, .at = i});
+    }
+    if (!emit(std::move(plan))) return;
+  }
+}
+
+}  // namespace hbmio
