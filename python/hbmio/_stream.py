@@ -1,0 +1,273 @@
+"""hbmio.stream: training batches read from tensor shards into GPU (or host) memory ahead of the
+step that uses them.
+
+    for batch in hbmio.stream("data/*.npy", device="cuda", batch_size=4096, shuffle=True, seed=0, epochs=10):
+        loss = model(batch)          # batch: a torch tensor on cuda:0, valid until the next batch
+
+A thread of the library reads the next `read_ahead` batches through the engine (io_uring with
+O_DIRECT and pinned bounce buffers, or GDS) into a fixed ring of `read_ahead + 1` batch buffers on
+the device, while the caller computes on the current one; no worker processes, no pageable copies.
+The ring is the stream's memory: nothing grows over an epoch.
+
+A yielded batch is a view of a ring buffer: it stays valid until the next batch is asked for, after
+which its buffer is read into again (once the work queued on the current CUDA stream by then has
+finished, so kernels still reading it are safe). Keep a batch longer with `copy=True` (every
+batch is a fresh tensor) or `batch.clone()`.
+"""
+
+from __future__ import annotations
+
+import atexit as _atexit
+import glob as _glob
+import os as _os
+import sys as _sys
+import weakref as _weakref
+
+from . import _hbmio
+
+# numpy type strings and torch dtypes -> the safetensors dtype names the library speaks.
+_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16", "bfloat16": "BF16",
+    "int32": "I32", "uint32": "U32", "float32": "F32", "complex64": "C64", "float64": "F64", "int64": "I64", "uint64": "U64",
+    "float8_e5m2": "F8_E5M2", "float8_e4m3fn": "F8_E4M3",
+}
+
+
+# Streams not closed yet: closed at exit, before the engines and the CUDA runtime go (atexit runs
+# this before hbmio's _release_engines, registered earlier).
+_live: "_weakref.WeakSet[Stream]" = _weakref.WeakSet()
+
+
+@_atexit.register
+def _close_streams():
+    for s in list(_live):
+        s.close()
+
+
+def _dtype_name(dtype) -> str:
+    if dtype is None:
+        raise ValueError("raw shards need dtype= (a numpy or torch dtype, or a name such as 'float32')")
+    text = str(dtype)
+    if text.startswith("torch."):  # torch.float32
+        text = text[len("torch."):]
+    elif isinstance(dtype, str) and text.upper() in _DTYPES.values():  # "F32", the library's own names
+        return text.upper()
+    elif text not in _DTYPES:  # np.float32, np.dtype("<f4"), "f4"
+        try:
+            import numpy as np
+            text = np.dtype(dtype).name
+        except (TypeError, ImportError):
+            pass
+    if text not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one hbmio streams ({', '.join(sorted(_DTYPES))})")
+    return _DTYPES[text]
+
+
+def _files(files) -> list[str]:
+    if isinstance(files, (str, bytes)) or hasattr(files, "__fspath__"):
+        text = _os.fsdecode(_os.fspath(files))
+        if _os.path.isdir(text):
+            found = sorted(_os.path.join(text, f) for f in _os.listdir(text) if _os.path.isfile(_os.path.join(text, f)))
+        elif _glob.has_magic(text):
+            found = sorted(_glob.glob(text))
+        else:
+            found = [text]
+        if not found:
+            raise FileNotFoundError(f"no shard files match {text!r}")
+        return found
+    out = [_os.fsdecode(_os.fspath(f)) for f in files]
+    if not out:
+        raise ValueError("no shard files given")
+    return out
+
+
+def _rank_world(rank, world, group):
+    if rank is not None or world is not None:
+        if rank is None or world is None:
+            raise ValueError("give rank= and world= together (or group=)")
+        return int(rank), int(world)
+    dist = None
+    if group is not None or "torch.distributed" in _sys.modules:
+        import torch.distributed as dist
+        if group is None and not dist.is_initialized():
+            dist = None
+    if dist is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class Stream:
+    """An iterable of training batches over shard files; see hbmio.stream."""
+
+    def __init__(self, files, device="cpu", batch_size=None, *, batch_bytes=None, shuffle=False, seed=None,
+                 shuffle_window=None, drop_last=False, epochs=1, read_ahead=2, format="auto", tensors=None, dtype=None,
+                 record_shape=None, rank=None, world=None, group=None, framework="auto", copy=False, backend=None,
+                 progress=False):
+        from . import _backend, _device_text, _framework, _parse_size, _require_gpu, _torch
+        if (batch_size is None) == (batch_bytes is None):
+            raise ValueError("give batch_size (records) or batch_bytes, one of them")
+        if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) <= 0):
+            raise ValueError(f"batch_size must be a positive number of records, not {batch_size!r}")
+        if epochs is not None and int(epochs) < 0:
+            raise ValueError("epochs must be 0 or more (None: until closed)")
+        self._files = _files(files)
+        device = _device_text(device)
+        _require_gpu(device)
+        self._framework = _framework(framework)
+        torch = _torch() if self._framework == "torch" else None
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}" if torch is not None else "cuda:0"
+        self._device = device
+        self._torch = torch
+        self._single = isinstance(tensors, str)  # one named tensor: batches are that tensor, not a dict
+        names = [tensors] if self._single else list(tensors or [])
+        fmt = format
+        if fmt == "raw" and dtype is None:
+            _dtype_name(None)  # says what to give
+        self._rank, self._world = _rank_world(rank, world, group)
+        self._stream = _hbmio._Stream(
+            self._files, "pinned" if device == "pinned" else device, int(batch_size or 0),
+            _parse_size(batch_bytes) if batch_bytes is not None else 0, fmt, names,
+            _dtype_name(dtype) if dtype is not None else None, [int(d) for d in (record_shape or ())],
+            int(read_ahead), bool(drop_last), int(epochs or 0), bool(shuffle), int(seed or 0), int(shuffle_window or 0),
+            self._rank, self._world, _backend(backend))
+        self._copy = copy
+        self._progress = progress
+        self._held = False
+        self._closed = False
+        self.epoch = None  # the epoch and index (within the epoch, on this rank) of the last batch
+        self.index = None
+        _live.add(self)
+
+    # ---- what the shards hold ----
+    @property
+    def fields(self) -> list[tuple]:
+        """[(name, dtype, record_shape)] of every batch ("" names the array of .npy/raw shards)."""
+        return [(name, dtype, tuple(shape)) for name, dtype, shape, _ in self._stream.fields()]
+
+    @property
+    def records_per_epoch(self) -> int:
+        """Records this rank reads per epoch."""
+        return self._stream.sizes()[0]
+
+    @property
+    def batches_per_epoch(self) -> int:
+        records, batch = self._stream.sizes()
+        return (records + batch - 1) // batch
+
+    @property
+    def files(self) -> list[str]:
+        return list(self._files)
+
+    # ---- iteration ----
+    def __iter__(self):
+        return self
+
+    def _cuda_stream(self) -> int:
+        if self._torch is None or not self._device.startswith("cuda") or not self._held:
+            return 0
+        return self._torch.cuda.current_stream(self._torch.device(self._device)).cuda_stream
+
+    def _convert(self, arrays):
+        if self._framework == "torch":
+            out = [self._torch.from_dlpack(a) for a in arrays]
+            if self._copy:
+                out = [t.clone() for t in out]
+        elif self._framework == "numpy":
+            import numpy as np
+            out = [np.array(a, copy=True) if self._copy else np.from_dlpack(a) for a in arrays]
+        else:
+            out = list(arrays)
+        return out
+
+    def __next__(self):
+        if self._closed:
+            raise StopIteration
+        got = self._stream.next(self._cuda_stream())
+        if got is None:
+            self._held = False
+            raise StopIteration
+        self._held = True
+        self.epoch, self.index, records, last, arrays = got
+        out = self._convert(arrays)
+        if last and self._progress:
+            self._report(self._stream.epoch_stats()[-1])
+        names = [f[0] for f in self._stream.fields()]
+        if names == [""] or self._single:
+            return out[0]
+        return dict(zip(names, out))
+
+    def _report(self, s: dict) -> None:
+        print(f"hbmio.stream: epoch {s['epoch']}: {s['batches']} batches, {s['records']} records, "
+              f"{s['bytes'] / 2**30:.2f} GiB in {s['seconds']:.2f} s ({s['gib_per_second']:.2f} GiB/s, "
+              f"{s['records_per_second']:.0f} records/s); waited {s['wait_seconds']:.3f} s for data",
+              file=_sys.stderr, flush=True)
+
+    # ---- statistics ----
+    def stats(self) -> dict:
+        """The stream so far: batches, records, bytes, seconds (from the first batch asked for),
+        read_seconds (the library's thread inside the engine), wait_seconds (the caller waiting for
+        data: near 0 when reading keeps up with the steps), records_per_second, gib_per_second, and
+        epoch (epochs completed)."""
+        return self._stream.stats()
+
+    @property
+    def epoch_stats(self) -> list[dict]:
+        """stats() of each completed epoch (its "epoch" is its number)."""
+        return self._stream.epoch_stats()
+
+    # ---- the end ----
+    def close(self) -> None:
+        """Stops reading (what is in flight completes first). Batches already yielded stay readable
+        memory, but the stream yields no more. Idempotent; also at the end of a `with` block."""
+        if not self._closed:
+            self._closed = True
+            self._stream.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    def __repr__(self):
+        return (f"hbmio.Stream({len(self._files)} shard files -> {self._device}, rank {self._rank} of {self._world}"
+                f"{', closed' if self._closed else ''})")
+
+
+def stream(files, device="cpu", batch_size=None, **options) -> Stream:
+    """Batches of the records of tensor shard files, read into `device` ahead of use.
+
+    files: a list of paths, a glob ("data/*.npy", sorted) or a directory (its files, sorted). Every
+        shard has the same fields; records are along the first dimension.
+        .npy: one array per file (C order, a little-endian dtype torch has).
+        .safetensors: the tensors named by tensors= (default: all, in name order) side by side; a
+            batch is a dict {name: tensor}, or one tensor when tensors= is one name.
+        anything else: raw records; give dtype= and record_shape=.
+    device: "cuda", "cuda:N", "cpu" or "pinned".
+    batch_size: records per batch; or batch_bytes= (all fields together, whole records; "64MiB").
+    shuffle, seed, shuffle_window: shards shuffled, then records within windows of shuffle_window
+        consecutive records (default 16 batches), from (seed, epoch): the same order on every run
+        and every rank with the same seed (None: 0), another in every epoch.
+    drop_last: give every rank the same number of whole batches (DDP steps in lockstep); without
+        it each rank's last batch may be short and ranks may differ by one record.
+    epochs: passes over the data (0 or None: until closed). A batch's epoch is in stream.stats().
+    read_ahead: batches read ahead of the one being used (the ring holds read_ahead + 1).
+    rank, world / group: which part of each epoch this process reads (default: torch.distributed's
+        rank and world size when it is initialised, else all of it). Across ranks every record is
+        read once per epoch.
+    copy: yield batches of their own (a copy each) instead of views valid until the next batch.
+    framework: "torch" (default where installed), "numpy" (host memory) or "dlpack".
+    progress: print each epoch's rate and the time waited for data to stderr.
+
+    Errors (a missing file, a shard that is not a whole number of records, a shard whose dtype or
+    record shape differs from the first one's, a read failure) are hbmio.Error naming the file and
+    byte, raised by the next() that asks for the batch they stop.
+    """
+    return Stream(files, device, batch_size, **options)
