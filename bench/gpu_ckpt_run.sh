@@ -21,6 +21,8 @@
 #   pytests  the Python test files named in $PYTESTS only
 #   asave    background saves and DCP async_save: stall and time to durable (bench/peers/async_save_compare.py;
 #            SAVES (20), ROUNDS (3), ASAVE_ONLY: contenders)
+#   stream   hbmio.stream against DataLoader into cuda:0, cold and warm, alone and under a matmul
+#            loop (bench/peers/stream_compare.py; STREAM_GIB (16), ROUNDS (2), STREAM_MODE)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
 #            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
@@ -151,6 +153,15 @@ asave)
   log "background saves: 6 GiB on cuda:0"
   PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/async_save_compare.py --saves "${SAVES:-20}" --rounds "${ROUNDS:-3}" \
     ${ASAVE_ONLY:+--only "$ASAVE_ONLY"} --json "$OUT/asave.jsonl" 2>&1 | tee "$OUT/asave.txt" | grep -v '^{'
+  ;;
+stream)
+  # Training-batch ingestion: .npy shards (STREAM_GIB, default 16) into cuda:0 in 64 MiB batches,
+  # hbmio.stream against DataLoader (8 workers, pinned), beside the storage and page-cache
+  # ceilings, alone and under a matmul loop (bench/peers/stream_compare.py).
+  build_python || continue
+  log "batch ingestion: ${STREAM_GIB:-16} GiB of .npy shards into cuda:0"
+  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/stream_compare.py --dir /var/tmp/stream --gib "${STREAM_GIB:-16}" \
+    --rounds "${ROUNDS:-2}" ${STREAM_MODE:+--mode "$STREAM_MODE"} --json "$OUT/stream.jsonl" 2>&1 | tee "$OUT/stream.txt" | cut -c1-400
   ;;
 pybench)
   install_wheels; build_python
