@@ -2,6 +2,7 @@
 to a plain NumPy read, every record once per epoch across ranks, reproducible shuffles, bad shards
 named, early stops that leak nothing; the same into cuda:0 where there is a GPU."""
 
+import ast
 import errno
 import gc
 import os
@@ -224,3 +225,36 @@ def test_into_cuda(tmp_path, shuffle):
         assert total.item() == pytest.approx(2 * host.astype(np.float64).sum())
     for epoch in seen:
         assert sorted(epoch) == list(range(len(rows)))
+
+
+def _stream_rank(rank, world, init_file, files, out):
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        # No rank= or world=: the initialised process group says them.
+        s = hbmio.stream(files, batch_size=7, shuffle=True, seed=3, epochs=2)
+        got = [[], []]
+        for batch in s:
+            got[s.epoch] += ids(batch)
+        with open(os.path.join(out, f"rank{rank}"), "w") as f:
+            f.write(repr((s._rank, s._world, got)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_distributed_ranks_split_every_epoch(tmp_path):
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp = pytest.importorskip("torch.multiprocessing")
+    paths, rows = npy_shards(tmp_path, [40, 33, 29])
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_stream_rank, args=(2, str(tmp_path / "init"), paths, str(out)), nprocs=2, join=True)
+    results = [ast.literal_eval((out / f"rank{r}").read_text()) for r in range(2)]
+    assert [(r, w) for r, w, _ in results] == [(0, 2), (1, 2)]
+    for epoch in range(2):
+        assert sorted(results[0][2][epoch] + results[1][2][epoch]) == list(range(len(rows)))
