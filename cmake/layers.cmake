@@ -13,7 +13,7 @@ set(HBMIO_LAYER_ROOTS ${PROJECT_BINARY_DIR}/layers)
 # the libraries used in headers (fmt, nlohmann-json, liburing, the CUDA runtime).
 add_library(hbmio_layer_flags INTERFACE)
 target_compile_features(hbmio_layer_flags INTERFACE cxx_std_20)
-target_include_directories(hbmio_layer_flags INTERFACE ${PROJECT_SOURCE_DIR}/include ${LIBURING_INCLUDE_DIRS})
+target_include_directories(hbmio_layer_flags INTERFACE ${PROJECT_SOURCE_DIR}/include ${LIBURING_INCLUDE_DIRS} ${CURL_HEADER_DIR})
 target_compile_options(hbmio_layer_flags INTERFACE -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wno-sign-conversion
                                                    -Wno-missing-field-initializers)  # designated initializers leave fields defaulted on purpose
 target_compile_definitions(hbmio_layer_flags INTERFACE HBMIO_VERSION="${PROJECT_VERSION}" HBMIO_BUILDING)

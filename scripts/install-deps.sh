@@ -12,6 +12,7 @@ debian_packages=(
   libfmt-dev            # formatting (used header-only: no run-time dependency)
   libxxhash-dev         # per-tensor checksums
   libgtest-dev          # tests
+  libcurl4-openssl-dev  # remote URLs (S3, HTTP): curl.h at build time; libcurl.so.4 is loaded at run time
   fio                   # the storage ceiling the benchmarks compare against
   strace                # tests/durability_test.sh: the order of a save's fsyncs and renames
   fuse3                 # python/tests/test_power_loss.py: libfuse3 and fusermount3 for CrashFS

@@ -17,6 +17,7 @@
 #include "hbmio/engine.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
+#include "hbmio/remote.hpp"
 #include "hbmio/safetensors.hpp"
 
 namespace hbmio {
@@ -113,6 +114,9 @@ struct CheckpointFile {
   std::shared_ptr<const File> file;
   FileIdentity identity;
   std::shared_ptr<const CheckpointDirectory> directory;  // null for a file named on its own
+  // For a checkpoint at a URL: the object (its version fixed when the header was read); `file` is
+  // then null, and reads go through read_remote.
+  std::shared_ptr<const RemoteObject> remote;
 };
 
 // Resolves PATH (a .safetensors file, a *.index.json, or a directory holding either) to its files,

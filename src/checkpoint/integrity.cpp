@@ -114,8 +114,13 @@ std::optional<std::string> check_header(const CheckpointFile& file) {
   // bytes: parsing drops what it does not need).
   // Through the descriptor the header was parsed from: a file that took the name since is not it.
   std::string bytes(file.header.data_offset, '\0');
-  const std::shared_ptr<const File> handle = reopen(file);
-  const std::size_t got = detail::read_fully(handle->fd(), std::as_writable_bytes(std::span(bytes)), 0, {.op = "verify", .path = file.path});
+  std::size_t got = bytes.size();
+  if (file.remote) {
+    file.remote->read(0, {reinterpret_cast<std::byte*>(bytes.data()), bytes.size(), {}});
+  } else {
+    const std::shared_ptr<const File> handle = reopen(file);
+    got = detail::read_fully(handle->fd(), std::as_writable_bytes(std::span(bytes)), 0, {.op = "verify", .path = file.path});
+  }
   if (got < bytes.size())
     throw Error(errno_code(EIO), {.op = "verify", .path = file.path, .offset = got, .length = bytes.size() - got},
                 "file ends inside the header");

@@ -187,6 +187,7 @@ std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path);
 }
 
 std::vector<CheckpointFile> open_checkpoint(const std::string& path) {
+  if (is_remote_url(path)) return detail::open_remote_checkpoint(path);
   return detail::errors_as_hbmio({.op = "open checkpoint", .path = path}, [&] { return open_checkpoint_retrying(path); });
 }
 
@@ -207,6 +208,8 @@ std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path) {
 }  // namespace
 
 std::shared_ptr<const File> reopen(const CheckpointFile& file) {
+  if (file.remote)
+    throw Error(errno_code(ENOTSUP), {.op = "open", .path = file.path}, "an object at a URL is read with read_remote, not opened as a file");
   if (file.file) return file.file;
   const int dir_fd = file.directory ? file.directory->fd() : AT_FDCWD;
   const std::string name = file.directory ? fs::path(file.path).filename().string() : file.path;
@@ -350,6 +353,15 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     }
   }
 
+  if (files.front().remote) {
+    // At a URL: every range of every object at once over the remote workers' connections.
+    std::vector<RemoteRead> remote_reads;
+    for (const PlannedRead& read : reads) remote_reads.push_back({files[read.file].remote.get(), read.file_offset, read.memory});
+    result.stats_ = read_remote(remote_reads, RemoteOptions::from_env(), options.progress);
+    result.stats_.note = fmt::format("{} tensors from {} object(s): {}", result.tensors_.size(), files.size(), result.stats_.note);
+    if (options.verify && read_only == nullptr) verify(result, files, options.require_checksums);
+    return result;
+  }
   // Read: one engine for the whole checkpoint, so rings and pinned buffers are set up once.
   const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options);
   Engine* const engine = chosen.get();

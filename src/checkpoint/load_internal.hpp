@@ -19,6 +19,9 @@
 
 namespace hbmio::detail {
 
+// open_checkpoint for an s3:// or http(s):// URL (remote_open.cpp).
+std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url);
+
 // A friend of LoadedCheckpoint.
 struct LoadAccess {
   // Loads `files` (open_checkpoint(path)) per `options`. With `read_only`, the layout holds every

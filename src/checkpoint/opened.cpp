@@ -36,6 +36,7 @@ const std::map<std::string, std::string>& OpenedCheckpoint::metadata() const noe
 
 Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engine, std::atomic<std::uint64_t>* progress) const {
   std::vector<IoRequest> requests;
+  std::vector<RemoteRead> remote_reads;
   requests.reserve(reads.size());
   // Files open_checkpoint did not keep open (past its bound) are opened again for this batch
   // and checked to be the same files (reopen).
@@ -52,6 +53,10 @@ Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engin
                   fmt::format("bytes {}..{} of tensor '{}' ({} bytes) into {} bytes of memory", r.offset, r.offset + r.length,
                               t.info->name, size, r.into.size));
     if (r.length == 0) continue;
+    if (file.remote) {
+      remote_reads.push_back({file.remote.get(), t.file_offset + r.offset, r.into.subspan(0, r.length)});
+      continue;
+    }
     const File* handle = file.file.get();
     if (handle == nullptr) {
       if (!reopened[t.file]) reopened[t.file] = reopen(file);
@@ -60,6 +65,7 @@ Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engin
     requests.push_back({.op = IoOp::read, .file = handle, .offset = t.file_offset + r.offset, .memory = r.into.subspan(0, r.length),
                         .progress = progress});
   }
+  if (!remote_reads.empty()) return read_remote(remote_reads, RemoteOptions::from_env(), progress);
   if (requests.empty()) return {};
   return engine.submit_batch(requests);
 }

@@ -1,0 +1,98 @@
+// Objects on S3 (s3://bucket/key) and HTTP(S) servers (http://, https://: presigned URLs, web
+// servers, Hugging Face "resolve" URLs), read by byte ranges straight into host or GPU memory.
+//
+// HTTP, TLS and S3's SigV4 signatures are libcurl's (loaded at run time: libcurl.so.4, or
+// $HBMIO_CURL_LIBRARY; a machine without it can do everything else). Many ranged GETs run at
+// once, each worker on its own connection kept open between requests; a GET into GPU memory lands
+// in a pinned bounce buffer and is copied to the device while the next one arrives.
+//
+// S3 the way AWS tools find it: credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
+// AWS_SESSION_TOKEN, else the shared credentials file (AWS_SHARED_CREDENTIALS_FILE, default
+// ~/.aws/credentials) under AWS_PROFILE (default "default"); the region from AWS_REGION /
+// AWS_DEFAULT_REGION, else the config file (AWS_CONFIG_FILE, default ~/.aws/config), else
+// us-east-1; AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL for S3-compatible servers (path-style
+// addressing, as those servers expect); no credentials at all: unsigned requests (public buckets).
+//
+// Consistency: every GET after the first asks for the version the first one saw (If-Match with
+// its ETag) and checks the ETag it gets, so an object replaced during a load is an error, never a
+// mix of two versions. Transient failures (5xx, 429, resets, timeouts, short bodies) are retried
+// with bounded exponential backoff and full jitter; 403, 404 and other 4xx are reported at once.
+// Errors name the URL without its query string (where presigned URLs keep their signatures),
+// never credentials.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "hbmio/memory.hpp"
+#include "hbmio/options.hpp"
+
+namespace hbmio {
+
+// True for s3://, http:// and https:// (what every path-taking call accepts as a URL).
+bool is_remote_url(std::string_view path) noexcept;
+
+struct RemoteOptions {
+  unsigned connections = 16;                 // GETs in flight (one connection each)
+  std::size_t part_size = 8ull << 20;        // bytes per ranged GET
+  unsigned max_attempts = 5;                 // per part, the first included
+  double backoff_seconds = 0.2;              // before the first retry; doubles, jittered, up to 10 s
+  double connect_timeout_seconds = 10;
+  double stall_timeout_seconds = 30;         // a transfer below 1 KiB/s this long is retried
+  std::string endpoint;                      // S3: overrides AWS_ENDPOINT_URL(_S3)
+  std::string region;                        // S3: overrides AWS_REGION & co.
+  std::string profile;                       // S3: overrides AWS_PROFILE
+
+  // HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE ("8MiB"), HBMIO_REMOTE_ATTEMPTS.
+  static RemoteOptions from_env();
+};
+
+struct RemoteRead;
+
+// One object, opened (a HEAD, or a one-byte GET where HEAD is refused) so its size and version
+// are known. Thread-safe; reads of one object may run at once.
+class RemoteObject {
+ public:
+  static std::shared_ptr<RemoteObject> open(const std::string& url, const RemoteOptions& options = RemoteOptions::from_env());
+  ~RemoteObject();
+
+  const std::string& url() const noexcept;    // as given
+  const std::string& shown() const noexcept;  // for messages: no query string, no credentials
+  std::uint64_t size() const noexcept;
+  const std::string& etag() const noexcept;   // "" when the server sends none
+
+  // Bytes [offset, offset + into.size) of the object into any memory. Throws Error.
+  void read(std::uint64_t offset, MemorySpan into) const;
+
+  struct State;
+
+ private:
+  friend Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& options,
+                           std::atomic<std::uint64_t>* progress);
+  explicit RemoteObject(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// A read of a range of one object into memory.
+struct RemoteRead {
+  const RemoteObject* object = nullptr;
+  std::uint64_t offset = 0;
+  MemorySpan into{};
+};
+
+// Every read at once, cut into parts of options.part_size over options.connections workers (the
+// ranges of many objects share them). Returns bytes, seconds and CPU time; throws the first
+// failure after the others have stopped.
+Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& options = RemoteOptions::from_env(),
+                  std::atomic<std::uint64_t>* progress = nullptr);
+
+// The URL of `name` beside `url` (a sibling key of an S3 object, or a relative reference on the
+// same server): how a sharded checkpoint's index names its shards.
+std::string remote_sibling(const std::string& url, const std::string& name);
+
+}  // namespace hbmio

@@ -1,0 +1,85 @@
+// Checkpoints at URLs: a safetensors object, an index (*.json) beside its shards, or a prefix
+// ending in '/' (its model.safetensors.index.json, else its model.safetensors). Each header is
+// read with one ranged GET of its first MiB (a second one where the header is longer), then
+// validated as a local file's is.
+#include <algorithm>
+#include <cerrno>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "checkpoint/load_internal.hpp"
+#include "hbmio/checkpoint.hpp"
+#include "hbmio/error.hpp"
+#include "hbmio/remote.hpp"
+
+namespace hbmio::detail {
+namespace {
+
+namespace st = safetensors;
+
+constexpr std::uint64_t kFirstRead = 1ull << 20;
+
+std::string read_text(const RemoteObject& object, std::uint64_t offset, std::uint64_t length) {
+  std::string text(length, '\0');
+  if (length > 0) object.read(offset, {reinterpret_cast<std::byte*>(text.data()), length, {}});
+  return text;
+}
+
+CheckpointFile open_remote_file(const std::string& url) {
+  auto object = RemoteObject::open(url);
+  const std::uint64_t size = object->size();
+  std::string head = read_text(*object, 0, std::min(size, kFirstRead));
+  const std::uint64_t n = st::parse_header_length(reinterpret_cast<const std::byte*>(head.data()), size, object->shown());
+  if (8 + n > head.size()) head += read_text(*object, head.size(), 8 + n - head.size());
+  st::Header header = st::parse_header(std::string_view(head).substr(8, n), size, object->shown());
+  CheckpointFile file;
+  file.path = object->shown();
+  file.header = std::move(header);
+  file.remote = std::move(object);
+  return file;
+}
+
+}  // namespace
+
+std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url) {
+  const std::string base = url.substr(0, url.find_first_of("?#"));
+  if (base.ends_with("/")) {
+    // A prefix: the index where there is one, else a single file.
+    const std::string index = remote_sibling(url, "model.safetensors.index.json");
+    try {
+      RemoteObject::open(index);
+    } catch (const Error& e) {
+      if (e.code() != std::errc::no_such_file_or_directory) throw;
+      return open_remote_checkpoint(remote_sibling(url, "model.safetensors"));
+    }
+    return open_remote_checkpoint(index);
+  }
+  if (!base.ends_with(".json")) return {open_remote_file(url)};
+  const auto index_object = RemoteObject::open(url);
+  if (index_object->size() > st::kMaxIndexSize)
+    throw Error(errno_code(EFBIG), {.op = "open", .path = index_object->shown()},
+                fmt::format("an index of {} bytes (at most {} are read)", index_object->size(), st::kMaxIndexSize));
+  const st::ShardIndex index = st::parse_index(read_text(*index_object, 0, index_object->size()), index_object->shown());
+  if (index.shards.empty())
+    throw Error(errno_code(EINVAL), {.op = "open", .path = index_object->shown()}, "the index names no shard (its weight_map is empty)");
+  std::vector<CheckpointFile> files;
+  for (const std::string& shard : index.shards) {
+    CheckpointFile file = open_remote_file(remote_sibling(url, shard));
+    std::erase_if(file.header.tensors, [&](const st::TensorInfo& t) {
+      const auto it = index.weight_map.find(t.name);
+      return it == index.weight_map.end() || it->second != shard;
+    });
+    files.push_back(std::move(file));
+  }
+  for (const auto& [tensor, shard] : index.weight_map) {
+    const std::size_t k = static_cast<std::size_t>(std::find(index.shards.begin(), index.shards.end(), shard) - index.shards.begin());
+    if (k >= files.size() || files[k].header.find(tensor) == nullptr)
+      throw Error(errno_code(EINVAL), {.op = "open", .path = index_object->shown()},
+                  fmt::format("tensor '{}' is missing from its shard '{}'", tensor, shard));
+  }
+  return files;
+}
+
+}  // namespace hbmio::detail

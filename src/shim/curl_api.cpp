@@ -1,0 +1,80 @@
+#include "shim/curl_api.hpp"
+
+#include <dlfcn.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "hbmio/error.hpp"
+#include "shim/dl.hpp"
+
+namespace hbmio::shim {
+namespace {
+
+template <class Fn>
+Fn symbol(void* handle, const char* name) {
+  auto fn = reinterpret_cast<Fn>(::dlsym(handle, name));  // POSIX: a dlsym() result converts to a function pointer
+  if (fn == nullptr) throw Error(errno_code(ENOSYS), {.op = "load libcurl"}, fmt::format("the library has no {}", name));
+  return fn;
+}
+
+CurlApi load() {
+  void* handle = ::dlopen("libcurl.so.4", RTLD_NOW | RTLD_NOLOAD);
+  std::vector<std::string> failures;
+  if (handle == nullptr) {
+    std::vector<std::string> candidates;
+    if (const char* path = std::getenv("HBMIO_CURL_LIBRARY"); path != nullptr && *path) candidates.push_back(path);
+    candidates.push_back("libcurl.so.4");
+    for (const auto& candidate : candidates) {
+      ::dlerror();
+      handle = ::dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (handle != nullptr) break;
+      failures.push_back(dl_failure(candidate, ::dlerror()));
+    }
+  }
+  if (handle == nullptr)
+    throw Error(errno_code(ENOENT), {.op = "load libcurl"},
+                fmt::format("remote URLs need libcurl ({}); install it (Debian: libcurl4) or set HBMIO_CURL_LIBRARY",
+                            fmt::join(failures, "; ")));
+  CurlApi api;
+  api.global_init = symbol<CurlApi::GlobalInit>(handle, "curl_global_init");
+  api.easy_init = symbol<CurlApi::EasyInit>(handle, "curl_easy_init");
+  api.easy_cleanup = symbol<CurlApi::EasyCleanup>(handle, "curl_easy_cleanup");
+  api.easy_reset = symbol<CurlApi::EasyReset>(handle, "curl_easy_reset");
+  api.easy_setopt = symbol<CurlApi::EasySetopt>(handle, "curl_easy_setopt");
+  api.easy_getinfo = symbol<CurlApi::EasyGetinfo>(handle, "curl_easy_getinfo");
+  api.easy_perform = symbol<CurlApi::EasyPerform>(handle, "curl_easy_perform");
+  api.easy_strerror = symbol<CurlApi::EasyStrerror>(handle, "curl_easy_strerror");
+  api.slist_append = symbol<CurlApi::SlistAppend>(handle, "curl_slist_append");
+  api.slist_free_all = symbol<CurlApi::SlistFreeAll>(handle, "curl_slist_free_all");
+  api.version_info = symbol<CurlApi::VersionInfo>(handle, "curl_version_info");
+  api.library = loaded_file(handle, "libcurl.so.4");
+  const curl_version_info_data* info = api.version_info(CURLVERSION_NOW);
+  api.version = info && info->version ? info->version : "?";
+  if (info == nullptr || info->version_num < 0x074b00)
+    throw Error(errno_code(ENOSYS), {.op = "load libcurl"},
+                fmt::format("{} is libcurl {}; S3 signing needs 7.75 or later", api.library, api.version));
+  // Once per process, before any handle, as libcurl asks (it is not thread-safe in older versions).
+  if (const CURLcode rc = api.global_init(CURL_GLOBAL_DEFAULT); rc != CURLE_OK)
+    throw Error(errno_code(EIO), {.op = "load libcurl"}, fmt::format("curl_global_init: {}", api.easy_strerror(rc)));
+  return api;
+}
+
+}  // namespace
+
+const CurlApi& curl_api() {
+  // A failed load is retried at the next call (and says why again), as for NCCL.
+  static std::mutex mutex;
+  static std::unique_ptr<CurlApi> api;
+  std::lock_guard lock(mutex);
+  if (!api) api = std::make_unique<CurlApi>(load());
+  return *api;
+}
+
+}  // namespace hbmio::shim
