@@ -34,6 +34,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         server = self.server
         server.requests.append((self.path, self.headers.get("Range")))
+        server.headers.append(dict(self.headers))
         faults = server.faults
         burst = faults.get("status_burst")
         if burst and burst[1] > 0:
@@ -107,7 +108,8 @@ class RangeServer(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.root = str(root)
         self.faults = {}
-        self.requests = []
+        self.requests = []  # (path, Range header) of every GET
+        self.headers = []   # every GET's headers
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()
 

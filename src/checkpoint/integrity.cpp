@@ -191,15 +191,17 @@ VerifyResult verify_unguarded(const std::string& path) {
   // Hashes the bytes on disk with plain reads, one tensor at a time, in 16 MiB pieces.
   std::vector<std::byte> piece(std::size_t{16} << 20);
   for (const auto& file : files) {
-    const std::shared_ptr<const File> handle = reopen(file);  // the file whose header was checked
+    // The file whose header was checked (an object at a URL: the version its header came from).
+    const std::shared_ptr<const File> handle = file.remote ? nullptr : reopen(file);
     std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
     for (const auto& t : file.header.tensors) {
       XXH3_64bits_reset(state.get());
       const std::uint64_t start = file.header.data_offset + t.begin;
       for (std::uint64_t at = 0; at < t.size();) {
         const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), t.size() - at));
-        const std::size_t got =
-            detail::read_fully(handle->fd(), {piece.data(), n}, start + at, {.op = "verify", .path = file.path});
+        std::size_t got = n;
+        if (file.remote) file.remote->read(start + at, {piece.data(), n, {}});
+        else got = detail::read_fully(handle->fd(), {piece.data(), n}, start + at, {.op = "verify", .path = file.path});
         if (got < n)
           throw Error(errno_code(EIO), {.op = "verify", .path = file.path, .offset = start + at + got, .length = n - got},
                       fmt::format("file ends inside tensor '{}'", t.name));

@@ -1,0 +1,247 @@
+"""Checkpoints at URLs: the reference fixtures served over HTTP (byte ranges, ETags) by a server this
+test starts on 127.0.0.1, and from an S3 server (moto's server mode) on 127.0.0.1; loaded through
+load_file, open, and the hbmio command, equal to local loads; faults (503 bursts, resets and short
+bodies mid-transfer, an object replaced during a load, a server without ranges, a missing key)
+each give the documented result; secrets in URLs never reach a message."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+import hbmio
+
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rangeserver import RangeServer  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FIXTURES = pathlib.Path(os.environ.get("HBMIO_FIXTURES", REPO.parent / "shared" / "fixtures")) / "safetensors"
+FILES = ["big.safetensors", "dtypes.safetensors", "layers.safetensors", "odd_sizes.safetensors", "scalars_and_empty.safetensors"]
+needs_gpu = pytest.mark.skipif(hbmio.cuda_device_count() == 0, reason=f"no GPU: {hbmio.cuda_unavailable_reason()}")
+
+
+def raw(t):
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def same(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        assert raw(got[name].cpu()) == raw(want[name]), name
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("www")
+    if not FIXTURES.is_dir():
+        pytest.fail(f"fixtures not found at {FIXTURES} (set HBMIO_FIXTURES)")
+    for f in FILES:
+        shutil.copy(FIXTURES / f, root / f)
+    shutil.copytree(FIXTURES / "sharded", root / "sharded")
+    server = RangeServer(root)
+    yield server, root
+    server.stop()
+
+
+@pytest.fixture
+def server(served):
+    s, root = served
+    s.faults.clear()
+    s.requests.clear()
+    return s
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_reference_files_over_http_equal_local_loads(server, name):
+    want = st_torch.load_file(str(FIXTURES / name))
+    same(hbmio.load_file(server.url(name)), want)
+    with hbmio.open(server.url(name), framework="pt") as f:
+        assert sorted(f.keys()) == sorted(want)
+        for k in f.keys():
+            assert raw(f.get_tensor(k)) == raw(want[k])
+
+
+def test_sharded_checkpoint_by_index_and_by_prefix(server):
+    want = {}
+    for p in sorted((FIXTURES / "sharded").glob("*.safetensors")):
+        want.update(st_torch.load_file(str(p)))
+    same(hbmio.load_file(server.url("sharded/model.safetensors.index.json")), want)
+    same(hbmio.load_file(server.url("sharded/")), want)
+
+
+def test_parts_are_ranged_gets_over_a_few_connections(server, monkeypatch):
+    monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "64KiB")
+    monkeypatch.setenv("HBMIO_REMOTE_CONNECTIONS", "4")
+    want = st_torch.load_file(str(FIXTURES / "big.safetensors"))
+    same(hbmio.load_file(server.url("big.safetensors")), want)
+    ranges = [r for _, r in server.requests]
+    assert all(r is not None and r.startswith("bytes=") for r in ranges)
+    size = (FIXTURES / "big.safetensors").stat().st_size
+    assert len(ranges) >= size // (64 << 10)  # the data came in parts
+
+
+def test_transient_failures_are_retried(server):
+    want = st_torch.load_file(str(FIXTURES / "layers.safetensors"))
+    for fault in ({"status_burst": (503, 2)}, {"status_burst": (429, 1)}, {"reset_after": 10}, {"short": 5}):
+        server.faults.clear()
+        server.faults.update(fault)
+        same(hbmio.load_file(server.url("layers.safetensors")), want)
+
+
+def test_permanent_failures_are_reported_at_once(server, monkeypatch):
+    monkeypatch.setenv("HBMIO_REMOTE_ATTEMPTS", "3")
+    with pytest.raises(FileNotFoundError, match=r"GET of http://127\.0\.0\.1:\d+/missing\.safetensors.*HTTP 404"):
+        hbmio.load_file(server.url("missing.safetensors"))
+    assert len(server.requests) == 1  # not retried
+    server.faults["status_burst"] = (403, 1)
+    with pytest.raises(PermissionError, match="HTTP 403"):
+        hbmio.load_file(server.url("layers.safetensors"))
+    server.faults["status_burst"] = (503, 10)
+    with pytest.raises(hbmio.Error, match=r"attempt 3 of 3: HTTP 503.*gave up"):
+        hbmio.load_file(server.url("layers.safetensors"))
+    server.faults.clear()
+    server.faults["ignore_range"] = True
+    with pytest.raises(hbmio.Error, match="cannot serve parts"):
+        hbmio.load_file(server.url("layers.safetensors"))
+
+
+def test_an_object_replaced_during_a_load_is_an_error(served, tmp_path):
+    server, root = served
+    server.faults.clear()
+    target = root / "changing.safetensors"
+    st_torch.save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(target))
+    with hbmio.open(server.url("changing.safetensors"), framework="pt") as f:  # the version is fixed here
+        st_torch.save_file({"w": torch.arange(1000, dtype=torch.float32) * 2}, str(tmp_path / "new"))
+        os.replace(tmp_path / "new", target)
+        with pytest.raises(hbmio.Error, match="changed during the load"):
+            f.get_tensor("w")
+
+
+def test_secrets_stay_out_of_messages(server):
+    for url in (server.url("missing.safetensors?X-Amz-Signature=SECRET123&X-Amz-Credential=AKIDSECRET"),
+                server.url("missing.safetensors").replace("http://", "http://user:SECRET123@")):
+        with pytest.raises(hbmio.Error) as e:
+            hbmio.load_file(url)
+        assert "SECRET" not in str(e.value) and "missing.safetensors" in str(e.value)
+
+
+def _hbmio_command():
+    for d in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable)):
+        p = os.path.join(d, "hbmio")
+        if os.path.exists(p):
+            return p
+    return shutil.which("hbmio") or os.environ.get("HBMIO_CLI")
+
+
+def test_the_command_loads_and_verifies_a_url(server, tmp_path):
+    cli = _hbmio_command()
+    if cli is None:
+        pytest.skip("the hbmio command is not installed beside this interpreter")
+    # A checkpoint with hbmio's checksums, so that verify has something to check.
+    served_dir = pathlib.Path(server.root)
+    hbmio.save_file({"w": torch.randn(256, 256), "b": torch.arange(7)}, str(served_dir / "checked.safetensors"))
+    out = subprocess.run([cli, "ckpt", "load", server.url("checked.safetensors"), "--into", "host", "--verify"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([cli, "ckpt", "verify", server.url("checked.safetensors")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr + out.stdout
+    out = subprocess.run([cli, "ckpt", "load", server.url("missing.safetensors"), "--into", "host"], capture_output=True, text=True)
+    assert out.returncode != 0 and "missing.safetensors" in out.stderr
+
+
+@needs_gpu
+def test_into_cuda(server):
+    want = st_torch.load_file(str(FIXTURES / "big.safetensors"))
+    got = hbmio.load_file(server.url("big.safetensors"), device="cuda:0")
+    assert all(t.is_cuda for t in got.values())
+    same(got, want)
+
+
+# ---- S3 (moto's server mode on 127.0.0.1) ----
+
+@pytest.fixture(scope="module")
+def s3():
+    moto_server = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = dict(AWS_ACCESS_KEY_ID="hbmio-test-key", AWS_SECRET_ACCESS_KEY="hbmio-test-SECRET", AWS_REGION="us-east-1",
+               AWS_ENDPOINT_URL=endpoint)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="hbmio-test")
+    for f in FILES:
+        client.upload_file(str(FIXTURES / f), "hbmio-test", f"models/{f}")
+    for p in (FIXTURES / "sharded").iterdir():
+        client.upload_file(str(p), "hbmio-test", f"sharded/{p.name}")
+    yield client
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_reference_files_from_s3(s3, name):
+    same(hbmio.load_file(f"s3://hbmio-test/models/{name}"), st_torch.load_file(str(FIXTURES / name)))
+
+
+def test_sharded_prefix_from_s3(s3):
+    want = {}
+    for p in sorted((FIXTURES / "sharded").glob("*.safetensors")):
+        want.update(st_torch.load_file(str(p)))
+    same(hbmio.load_file("s3://hbmio-test/sharded/"), want)
+
+
+def test_s3_errors_name_the_key_and_never_the_secret(s3):
+    with pytest.raises(FileNotFoundError, match=r"s3://hbmio-test/models/none\.safetensors.*NoSuchKey") as e:
+        hbmio.load_file("s3://hbmio-test/models/none.safetensors")
+    assert "SECRET" not in str(e.value)
+    with pytest.raises(hbmio.Error, match=r"s3://BUCKET/KEY"):
+        hbmio.load_file("s3://hbmio-test")
+
+
+def test_signing_takes_credentials_from_the_shared_file_and_profile(served, tmp_path, monkeypatch):
+    # The HTTP test server stands in for an S3 endpoint (path-style: /bucket/key), so that the
+    # requests' signatures can be looked at.
+    server, root = served
+    server.faults.clear()
+    (root / "hbmio-test" / "models").mkdir(parents=True, exist_ok=True)
+    shutil.copy(FIXTURES / "layers.safetensors", root / "hbmio-test" / "models" / "layers.safetensors")
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = wrong\naws_secret_access_key = x\n\n"
+                     "[other]\naws_access_key_id = FROMFILE\naws_secret_access_key = file-SECRET\naws_session_token = TOKEN-SECRET\n")
+    config = tmp_path / "config"
+    config.write_text("[profile other]\nregion = eu-west-3\n")
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_PROFILE", "other")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url("").rstrip("/"))
+    server.headers.clear()
+    got = hbmio.load_file("s3://hbmio-test/models/layers.safetensors")
+    same(got, st_torch.load_file(str(FIXTURES / "layers.safetensors")))
+    for h in server.headers:
+        auth = h.get("Authorization", "")
+        assert auth.startswith("AWS4-HMAC-SHA256 Credential=FROMFILE/") and "/eu-west-3/s3/aws4_request" in auth, auth
+        assert h.get("x-amz-content-sha256") == "UNSIGNED-PAYLOAD"
+        assert h.get("x-amz-security-token") == "TOKEN-SECRET"
+        assert "x-amz-security-token" in auth  # signed too
+    # No credentials anywhere: unsigned requests (a public bucket).
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    server.headers.clear()
+    hbmio.load_file("s3://hbmio-test/models/layers.safetensors")
+    assert all("Authorization" not in h for h in server.headers)
