@@ -376,7 +376,9 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                "  hbmio ckpt generate /tmp/w.safetensors --count 48 --tensor-size 128MiB --from cuda:0\n"
                "  hbmio ckpt checksum ~/models/llama/ && hbmio ckpt verify ~/models/llama/");
   ckpt->require_subcommand(1);
-  const std::string path_help = "A .safetensors file, a *.safetensors.index.json, or a directory holding either";
+  const std::string local_help = "A .safetensors file, a *.safetensors.index.json, or a directory holding either";
+  const std::string path_help = local_help + "; or an s3://BUCKET/KEY or http(s):// URL of either (a prefix ending in '/' "
+                                             "for a sharded checkpoint; see docs/remote.md)";
 
   auto* info = ckpt->add_subcommand("info", "List the tensors (name, dtype, shape, bytes) and whether checksums are stored");
   info->add_option("path", flags->path, path_help)->required();
@@ -467,7 +469,7 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
       "Add checksums to an existing checkpoint: a crash-safe rewrite of each file that lacks them, keeping its mode "
       "and owner (a symbolic link, as in the Hugging Face cache, is followed: the file it names is rewritten). "
       "Files whose checksums already match are left alone; files whose checksums do not match are refused");
-  checksum->add_option("path", flags->path, path_help)->required();
+  checksum->add_option("path", flags->path, local_help)->required();
   checksum->add_flag("--force", flags->force,
                      "Recompute the checksums of files whose stored ones do not match (the data is taken as it is now)");
   add_json_option(checksum, flags->json, "Write the outcome {path, files_rewritten, files_already_valid}");
