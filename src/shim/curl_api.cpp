@@ -3,7 +3,6 @@
 #include <dlfcn.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -25,19 +24,8 @@ Fn symbol(void* handle, const char* name) {
 }
 
 CurlApi load() {
-  void* handle = ::dlopen("libcurl.so.4", RTLD_NOW | RTLD_NOLOAD);
   std::vector<std::string> failures;
-  if (handle == nullptr) {
-    std::vector<std::string> candidates;
-    if (const char* path = std::getenv("HBMIO_CURL_LIBRARY"); path != nullptr && *path) candidates.push_back(path);
-    candidates.push_back("libcurl.so.4");
-    for (const auto& candidate : candidates) {
-      ::dlerror();
-      handle = ::dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (handle != nullptr) break;
-      failures.push_back(dl_failure(candidate, ::dlerror()));
-    }
-  }
+  void* handle = open_library("libcurl.so.4", "HBMIO_CURL_LIBRARY", failures);
   if (handle == nullptr)
     throw Error(errno_code(ENOENT), {.op = "load libcurl"},
                 fmt::format("remote URLs need libcurl ({}); install it (Debian: libcurl4) or set HBMIO_CURL_LIBRARY",

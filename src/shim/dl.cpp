@@ -3,6 +3,8 @@
 #include <dlfcn.h>
 #include <link.h>  // struct link_map, for dlinfo(RTLD_DI_LINKMAP)
 
+#include <cstdlib>
+
 namespace hbmio::shim {
 
 std::string loaded_file(void* handle, const std::string& fallback) {
@@ -16,6 +18,20 @@ std::string dl_failure(const std::string& path, const char* error) {
   std::string text = error ? error : "dlopen failed without a message";
   if (text.rfind(path, 0) != 0) text = path + ": " + text;
   return text;
+}
+
+void* open_library(const std::string& soname, const char* env_variable, std::vector<std::string>& failures) {
+  if (void* handle = ::dlopen(soname.c_str(), RTLD_NOW | RTLD_NOLOAD)) return handle;
+  failures.push_back(soname + " is not loaded in this process");
+  std::vector<std::string> candidates;
+  if (const char* path = std::getenv(env_variable); path != nullptr && *path) candidates.push_back(path);
+  candidates.push_back(soname);
+  for (const auto& candidate : candidates) {
+    ::dlerror();
+    if (void* handle = ::dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL)) return handle;
+    failures.push_back(dl_failure(candidate, ::dlerror()));
+  }
+  return nullptr;
 }
 
 }  // namespace hbmio::shim

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace hbmio::shim {
 
@@ -11,5 +12,11 @@ std::string loaded_file(void* handle, const std::string& fallback);
 // dlerror() usually starts with the path it tried; the path is added only when it does not, so
 // each entry of a load error names its candidate exactly once.
 std::string dl_failure(const std::string& path, const char* error);
+
+// The caller's library as NCCL and libcurl are looked up: the copy of `soname` already loaded in
+// the process, else the file named by $`env_variable`, else `soname` on the linker's search path
+// (RTLD_LOCAL: its symbols must not interpose on another copy loaded later). Null when none
+// loads; `failures` then says why for each place tried.
+void* open_library(const std::string& soname, const char* env_variable, std::vector<std::string>& failures);
 
 }  // namespace hbmio::shim

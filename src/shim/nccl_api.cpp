@@ -3,7 +3,6 @@
 #include <dlfcn.h>
 
 #include <cerrno>
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -26,23 +25,9 @@ Fn symbol(void* handle, const char* name) {
 }
 
 NcclApi load() {
-  // 1. The copy the caller's communicator came from, already in the process.
-  void* handle = ::dlopen("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD);
+  // The copy the caller's communicator came from, already in the process, first.
   std::vector<std::string> failures;
-  if (handle == nullptr) {
-    failures.push_back("libnccl.so.2 is not loaded in this process");
-    // 2. An explicit file, 3. the linker's search path.
-    std::vector<std::string> candidates;
-    if (const char* path = std::getenv("HBMIO_NCCL_LIBRARY"); path != nullptr && *path) candidates.push_back(path);
-    candidates.push_back("libnccl.so.2");
-    for (const auto& candidate : candidates) {
-      ::dlerror();
-      // RTLD_LOCAL: its symbols must not interpose on another copy the program may load later.
-      handle = ::dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (handle != nullptr) break;
-      failures.push_back(dl_failure(candidate, ::dlerror()));
-    }
-  }
+  void* handle = open_library("libnccl.so.2", "HBMIO_NCCL_LIBRARY", failures);
   if (handle == nullptr)
     throw Error(errno_code(ENOENT), {.op = "load NCCL"},
                 fmt::format("no NCCL library ({}); set HBMIO_NCCL_LIBRARY to libnccl.so.2", fmt::join(failures, "; ")));
