@@ -21,7 +21,7 @@ multiarch=lib/x86_64-linux-gnu
 mkdir -p .gpu/deps/$multiarch/cmake .gpu/deps/share/cmake
 cp -r /usr/include/liburing.h /usr/include/liburing /usr/include/xxhash.h /usr/include/fmt /usr/include/nlohmann /usr/include/CLI .gpu/deps/include/
 # curl.h only: libcurl itself is loaded at run time where remote URLs are used.
-cp -r /usr/include/$multiarch/curl .gpu/deps/include/
+cp -r /usr/include/x86_64-linux-gnu/curl .gpu/deps/include/
 cp -L /usr/$multiarch/liburing.a /usr/$multiarch/libxxhash.a .gpu/deps/$multiarch/
 # fmt's CMake package checks that its shared library exists, although hbmio uses fmt header-only.
 cp -a /usr/$multiarch/libfmt.so* .gpu/deps/$multiarch/
