@@ -41,6 +41,9 @@ CheckpointFile open_remote_file(const std::string& url) {
   return file;
 }
 
+// An index already opened, and its shards beside it.
+std::vector<CheckpointFile> open_remote_index(const std::string& url, const RemoteObject& index_object);
+
 }  // namespace
 
 std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url) {
@@ -48,16 +51,23 @@ std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url) {
   if (base.ends_with("/")) {
     // A prefix: the index where there is one, else a single file.
     const std::string index = remote_sibling(url, "model.safetensors.index.json");
+    std::shared_ptr<RemoteObject> index_object;
     try {
-      RemoteObject::open(index);
+      index_object = RemoteObject::open(index);
     } catch (const Error& e) {
       if (e.code() != std::errc::no_such_file_or_directory) throw;
-      return open_remote_checkpoint(remote_sibling(url, "model.safetensors"));
+      return {open_remote_file(remote_sibling(url, "model.safetensors"))};
     }
-    return open_remote_checkpoint(index);
+    return open_remote_index(index, *index_object);
   }
   if (!base.ends_with(".json")) return {open_remote_file(url)};
-  const auto index_object = RemoteObject::open(url);
+  return open_remote_index(url, *RemoteObject::open(url));
+}
+
+namespace {
+
+std::vector<CheckpointFile> open_remote_index(const std::string& url, const RemoteObject& index_file) {
+  const RemoteObject* const index_object = &index_file;
   if (index_object->size() > st::kMaxIndexSize)
     throw Error(errno_code(EFBIG), {.op = "open", .path = index_object->shown()},
                 fmt::format("an index of {} bytes (at most {} are read)", index_object->size(), st::kMaxIndexSize));
@@ -82,4 +92,5 @@ std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url) {
   return files;
 }
 
+}  // namespace
 }  // namespace hbmio::detail

@@ -148,7 +148,7 @@ struct BatchStream::State {
   };
 
   mutable std::mutex mutex;
-  std::condition_variable changed;
+  mutable std::condition_variable changed;  // waited on by const readers too (wait_scanned)
   bool scanned = false, finished = false;
   std::atomic<bool> stop{false};
   std::exception_ptr error;
@@ -217,7 +217,7 @@ void BatchStream::close() noexcept {
 }
 
 void BatchStream::State::wait_scanned(std::unique_lock<std::mutex>& lock) const {
-  const_cast<std::condition_variable&>(changed).wait(lock, [&] { return scanned || error || stop; });
+  changed.wait(lock, [&] { return scanned || error || stop; });
   if (!scanned) {
     if (error) std::rethrow_exception(error);
     throw Error(errno_code(ECANCELED), {.op = "stream"}, "the stream was closed");
