@@ -89,7 +89,7 @@ python)
   build_python || continue
   log "Python tests (GPU included)"
   install_wheels
-  (cd /tmp && PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests" 2>&1 | tail -15)
+  (cd /tmp && PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -rfEs -p no:cacheprovider "$OLDPWD/python/tests" > /tmp/pytest.out 2>&1; tail -40 /tmp/pytest.out; cp /tmp/pytest.out "$OUT/pytest.out")
   ;;
 save)
   log "O_DIRECT write ceiling and uring write, 6 GiB from cuda:0"
@@ -114,7 +114,7 @@ load|load-big|load-small)
   [ -f $W2/small.safetensors ] || "$BIN/hbmio" ckpt generate $W2/small.safetensors --force --count 3072 --tensor-size 2MiB --from cuda:0 >/dev/null
   for f in $files; do
     log "load $f.safetensors into cuda:0: interleaved cold rounds, then warm (${MODE:-both})"
-    PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" \
+    PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/ckpt_compare.py $W2/$f.safetensors --hbmio "$BIN/hbmio" \
       --rounds "${ROUNDS:-3}" --warm-runs "${WARM_RUNS:-5}" --mode "${MODE:-both}" --peers safetensors,fastsafetensors,runai,hbmio.load_file "${vargs[@]}" \
       --json "$OUT/load-$f.jsonl" 2>&1 | grep -v '^\s*$' | cut -c1-300
   done
@@ -125,7 +125,7 @@ savecmp)
   variants=()
   IFS=';' read -ra vs <<<"${SAVE_VARIANTS:-}"
   for v in "${vs[@]}"; do variants+=(--variant "$v"); done
-  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/save_compare.py --hbmio "$BIN/hbmio" --dir /var/tmp \
+  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/save_compare.py --hbmio "$BIN/hbmio" --dir /var/tmp \
     --rounds "${ROUNDS:-3}" ${SAVE_ONLY:+--only "$SAVE_ONLY"} "${variants[@]}" --json "$OUT/save-compare.jsonl" 2>&1 |
     grep -v '"round"' | cut -c1-300
   ;;
@@ -143,15 +143,15 @@ pytests)
   # Named Python test files only ($PYTESTS, e.g. "test_async_save.py test_dcp.py"), GPU included.
   build_python || continue
   log "Python tests: ${PYTESTS:-}"
-  (cd /tmp && PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 -m pytest -q -rs -p no:cacheprovider \
-     $(for t in ${PYTESTS:-}; do echo "$OLDPWD/python/tests/$t"; done) 2>&1 | tail -15)
+  (cd /tmp && PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -rfEs -p no:cacheprovider \
+     $(for t in ${PYTESTS:-}; do echo "$OLDPWD/python/tests/$t"; done) > /tmp/pytest.out 2>&1; tail -40 /tmp/pytest.out; cp /tmp/pytest.out "$OUT/pytest.out")
   ;;
 asave)
   # Background saves: stall and time to durable of a 6 GiB state on cuda:0 changed between saves,
   # beside one device-to-pinned copy, a blocking save and dcp.async_save (bench/peers/async_save_compare.py).
   build_python || continue
   log "background saves: 6 GiB on cuda:0"
-  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/async_save_compare.py --saves "${SAVES:-20}" --rounds "${ROUNDS:-3}" \
+  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/async_save_compare.py --saves "${SAVES:-20}" --rounds "${ROUNDS:-3}" \
     ${ASAVE_ONLY:+--only "$ASAVE_ONLY"} --json "$OUT/asave.jsonl" 2>&1 | tee "$OUT/asave.txt" | grep -v '^{'
   ;;
 stream)
@@ -160,7 +160,7 @@ stream)
   # ceilings, alone and under a matmul loop (bench/peers/stream_compare.py).
   build_python || continue
   log "batch ingestion: ${STREAM_GIB:-16} GiB of .npy shards into cuda:0"
-  PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/stream_compare.py --dir /var/tmp/stream --gib "${STREAM_GIB:-16}" \
+  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/stream_compare.py --dir /var/tmp/stream --gib "${STREAM_GIB:-16}" \
     --rounds "${ROUNDS:-2}" ${STREAM_MODE:+--mode "$STREAM_MODE"} --json "$OUT/stream.jsonl" 2>&1 | tee "$OUT/stream.txt" | cut -c1-400
   ;;
 pybench)
@@ -168,7 +168,7 @@ pybench)
   log "Python: hbmio.load_file vs safetensors.torch.load_file"
   for f in ${PYFILES:-big small}; do
     log "Python: $f.safetensors"
-    PYTHONPATH=/tmp/pysite:$PYTHONPATH python3 bench/peers/py_compare.py $W2/$f.safetensors --rounds "${ROUNDS:-3}" --json "$OUT/py-$f.jsonl" 2>&1 | cut -c1-400
+    PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/py_compare.py $W2/$f.safetensors --rounds "${ROUNDS:-3}" --json "$OUT/py-$f.jsonl" 2>&1 | cut -c1-400
   done
   ;;
 multi)
@@ -193,7 +193,7 @@ multi)
   done
   [ "${TORCHRUN:-1}" = 1 ] || continue
   log "torchrun, 2 ranks, NCCL: hbmio.load_file(group=...) vs fastsafetensors"
-  PYTHONPATH=/tmp/pysite:$PYTHONPATH torchrun --nproc-per-node 2 bench/peers/multi_compare.py $M --runs 5 \
+  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} torchrun --nproc-per-node 2 bench/peers/multi_compare.py $M --runs 5 \
     --json "$OUT/multi-torchrun.jsonl" 2>&1 | grep -v '^W\|^\s*$' | cut -c1-400 | tail -20
   ;;
 *) echo "unknown stage $stage" ;;

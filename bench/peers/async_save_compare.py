@@ -165,8 +165,17 @@ def main():
         return one(args)
     lines = []
     for contender in args.only.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", contender] + [
-            a for a in sys.argv[1:] if not a.startswith("--only") and not a.startswith("--json")]
+        # The caller's arguments less --only and --json (and their values, given as "--json=F"
+        # or as "--json F").
+        passed, skip = [], False
+        for a in sys.argv[1:]:
+            if skip:
+                skip = False
+            elif a in ("--only", "--json"):
+                skip = True
+            elif not a.startswith(("--only=", "--json=")):
+                passed.append(a)
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", contender] + passed
         started = time.perf_counter()
         run = subprocess.run(cmd, capture_output=True, text=True)
         got = [json.loads(l) for l in run.stdout.splitlines() if l.startswith("{")]
