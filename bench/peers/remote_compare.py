@@ -9,6 +9,9 @@ Contenders (each reads the whole object once per round):
               /dev/null: what the server sends when nothing is done with the bytes (the ceiling)
   boto3       boto3's TransferManager (download_fileobj into a null sink, max_concurrency
               --connections, multipart_chunksize 8 MiB): the AWS SDK's parallel download
+  runai       Run:ai Model Streamer's S3 path (runai-model-streamer-s3), as vLLM uses it and its docs
+              configure an S3-compatible server: SafetensorsStreamer.stream_file, every tensor moved
+              to --device as it arrives, RUNAI_STREAMER_CONCURRENCY --connections (where installed)
 Reported per contender: median seconds, GiB/s, CPU seconds per GiB (this process and its children).
 One JSON line per measurement on stdout and in --json.
 """
@@ -49,7 +52,7 @@ def start_seaweed(workdir):
     ports = {p: free_port() for p in ("master", "volume", "filer", "s3")}
     proc = subprocess.Popen([weed, "server", "-master.telemetry=false", f"-dir={workdir}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                              f"-master.port={ports['master']}", f"-volume.port={ports['volume']}",
-                             f"-filer.port={ports['filer']}", "-s3", f"-s3.port={ports['s3']}", f"-s3.config={config}"],
+                             f"-filer.port={ports['filer']}", "-s3", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.port={ports['s3']}", f"-s3.config={config}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, f"http://127.0.0.1:{ports['s3']}"
 
@@ -66,7 +69,7 @@ def main():
     import torch
     import hbmio
     from boto3.s3.transfer import TransferConfig
-    from safetensors.torch import load_file as st_load, save_file as st_save
+    from safetensors.torch import load as st_load_bytes, load_file as st_load, save_file as st_save
 
     work = tempfile.mkdtemp(prefix="hbmio-remote-")
     proc, endpoint = start_seaweed(work)
@@ -119,7 +122,30 @@ def main():
             s3.download_fileobj("bench", "model.safetensors", Null(),
                                 Config=TransferConfig(max_concurrency=a.connections, multipart_chunksize=8 << 20))
 
+        def run_runai(check):
+            from runai_model_streamer import SafetensorsStreamer
+            device = "cpu" if a.device in ("host", "pinned") else a.device
+            got = {}
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_file("s3://bench/model.safetensors")
+                for name, tensor in streamer.get_tensors():
+                    got[name] = tensor.to(device, non_blocking=False) if device != "cpu" else tensor.clone()
+            if check:
+                bad = [k for k in ref if not torch.equal(got[k].cpu(), ref[k])]
+                return "ok" if not bad else f"MISMATCH {bad[:3]}"
+            return None
+
         contenders = {"curl": run_curl, "hbmio": run_hbmio, "boto3": run_boto3}
+        if shutil.which("curl") is None:
+            del contenders["curl"]
+            emit(dict(contender="curl", skipped="no curl command here"))
+        try:
+            import runai_model_streamer  # noqa: F401
+            os.environ.update(RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0", AWS_EC2_METADATA_DISABLED="true",
+                              RUNAI_STREAMER_CONCURRENCY=str(a.connections))
+            contenders["runai"] = run_runai
+        except ImportError as e:
+            emit(dict(contender="runai", skipped=f"not installed: {e}"))
         for c, fn in contenders.items():  # first use outside the rounds (connections, imports, engines)
             fn(False)
         times = {c: [] for c in contenders}
@@ -138,6 +164,36 @@ def main():
                     rec["check"] = check
                 emit(rec)
         for c, t in times.items():
+            med = statistics.median(t)
+            emit(dict(contender=c, summary=True, median_s=round(med, 3), gib_per_s=round(size / GIB / med, 3)))
+
+        # Saves of the same tensors (from --device memory) as a new object: hbmio.save_file's
+        # multipart upload against boto3's upload_file of the same bytes from a local file.
+        src = {k: v.to(a.device) if a.device.startswith("cuda") else v for k, v in ref.items()}
+
+        def save_hbmio():
+            hbmio.save_file(src, "s3://bench/saved-hbmio.safetensors")
+
+        def save_boto3():
+            s3.upload_file(local, "bench", "saved-boto3.safetensors",
+                           Config=TransferConfig(max_concurrency=a.connections, multipart_chunksize=8 << 20))
+
+        saves = {"hbmio save": save_hbmio, "boto3 save": save_boto3}
+        save_times = {c: [] for c in saves}
+        for r in range(a.rounds):
+            names = list(saves)
+            for c in names[r % 2:] + names[:r % 2]:
+                cpu0 = cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN)
+                t0 = time.perf_counter()
+                saves[c]()
+                s = time.perf_counter() - t0
+                cpu = cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0
+                save_times[c].append(s)
+                emit(dict(contender=c, round=r, seconds=round(s, 3), gib_per_s=round(size / GIB / s, 3),
+                          cpu_s_per_gib=round(cpu / (size / GIB), 3)))
+        saved = st_load_bytes(s3.get_object(Bucket="bench", Key="saved-hbmio.safetensors")["Body"].read())
+        emit(dict(contender="hbmio save", check="ok" if all(torch.equal(saved[k], ref[k]) for k in ref) else "MISMATCH"))
+        for c, t in save_times.items():
             med = statistics.median(t)
             emit(dict(contender=c, summary=True, median_s=round(med, 3), gib_per_s=round(size / GIB / med, 3)))
     finally:

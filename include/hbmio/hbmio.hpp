@@ -5,4 +5,5 @@
 #include "hbmio/file.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
+#include "hbmio/remote.hpp"
 #include "hbmio/version.hpp"

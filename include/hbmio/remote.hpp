@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -47,6 +48,9 @@ struct RemoteOptions {
   std::string endpoint;                      // S3: overrides AWS_ENDPOINT_URL(_S3)
   std::string region;                        // S3: overrides AWS_REGION & co.
   std::string profile;                       // S3: overrides AWS_PROFILE
+  // Benchmark support: reads receive every byte and drop it (the destination is not written):
+  // what the connections deliver when nothing is done with the data.
+  bool discard = false;
 
   // HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE ("8MiB"), HBMIO_REMOTE_ATTEMPTS.
   static RemoteOptions from_env();
@@ -90,6 +94,28 @@ struct RemoteRead {
 // failure after the others have stopped.
 Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& options = RemoteOptions::from_env(),
                   std::atomic<std::uint64_t>* progress = nullptr);
+
+// Puts the bytes [offset, offset + into.size()) of an object being written into `into` (host
+// memory). Called from several threads at once.
+using FillFunction = std::function<void(std::uint64_t offset, std::span<std::byte> into)>;
+
+struct UploadOptions {
+  bool pinned = false;                        // page-locked part buffers (fills that copy from a GPU)
+  std::atomic<std::uint64_t>* progress = nullptr;  // object bytes stored so far
+  const std::atomic<bool>* cancel = nullptr;  // once true: stop, abort the upload, throw ECANCELED
+};
+
+// Writes an object of `size` bytes at an s3:// URL (HTTP servers take no uploads here: ENOTSUP),
+// published whole or not at all. Up to one part (options.part_size; more where an object would
+// need over 10,000 parts): one PUT. Larger: a multipart upload whose parts go up on
+// options.connections connections at once, each filled by `fill` just before it is sent, and
+// retried as reads are; the object appears only when every part is stored
+// (CompleteMultipartUpload), and on any failure or stop the upload is aborted, so the key keeps
+// its previous object. The part holding offset 0 is filled last (after every other part has been
+// taken): a header that depends on the data, such as its checksums, can be computed meanwhile.
+// Returns bytes, seconds and CPU time; throws Error naming the URL, the part's range and the attempt.
+Stats write_remote(const std::string& url, std::uint64_t size, const FillFunction& fill, const UploadOptions& upload = {},
+                   const RemoteOptions& options = RemoteOptions::from_env());
 
 // The URL of `name` beside `url` (a sibling key of an S3 object, or a relative reference on the
 // same server): how a sharded checkpoint's index names its shards.

@@ -286,7 +286,7 @@ def seaweed(tmp_path_factory):
         with open(log, "w") as out:
             proc = subprocess.Popen([weed, "server", "-master.telemetry=false", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                                      f"-master.port={ports[0]}", f"-volume.port={ports[1]}", f"-filer.port={ports[2]}",
-                                     "-s3", f"-s3.port={ports[3]}", f"-s3.config={work}/s3.json"], stdout=out, stderr=out)
+                                     "-s3", f"-s3.port={ports[3]}", "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={work}/s3.json"], stdout=out, stderr=out)
         endpoint = f"http://127.0.0.1:{ports[3]}"
         client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="swkey", aws_secret_access_key="sw-SECRET",
                               region_name="us-east-1",
@@ -322,4 +322,169 @@ def test_signatures_are_checked_by_a_real_s3_server(seaweed, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-SECRET")
     with pytest.raises(PermissionError, match=r"s3://signed/dir/dtypes\.safetensors.*HTTP 403 SignatureDoesNotMatch") as e:
         hbmio.load_file("s3://signed/dir/dtypes.safetensors")
+    assert "SECRET" not in str(e.value)
+
+
+# ---- saves to S3 (moto, behind a proxy that can fail chosen requests) ----
+class FaultProxy:
+    """Forwards every request to `target` (moto) unchanged, Host header included, so signatures
+    still match; `fail` maps a predicate on (method, path) to a list of statuses to answer instead,
+    one per matching request (an empty list: forwarded again)."""
+
+    def __init__(self, target):
+        import http.client
+        import http.server
+        import threading
+        import urllib.parse
+        proxy = self
+        self.fail = []  # [(predicate, [status, ...])]
+        self.seen = []  # (method, path)
+        upstream = urllib.parse.urlsplit(target)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _any(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+                proxy.seen.append((self.command, self.path))
+                for predicate, statuses in proxy.fail:
+                    if statuses and predicate(self.command, self.path):
+                        status = statuses.pop(0)
+                        text = (f"<Error><Code>Injected{status}</Code><Message>injected by the test</Message></Error>").encode()
+                        self.send_response(status)
+                        self.send_header("Content-Length", str(len(text)))
+                        self.end_headers()
+                        self.wfile.write(text)
+                        return
+                conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "expect")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                r = conn.getresponse()
+                data = r.read()
+                self.send_response(r.status)
+                for k, v in r.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.httpd.shutdown()
+
+
+@pytest.fixture
+def s3_proxy(s3, monkeypatch):
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    # Small parts: a few MiB of tensors make a multipart upload (S3's smallest part is 5 MiB).
+    monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "5MiB")
+    monkeypatch.setenv("HBMIO_REMOTE_CONNECTIONS", "4")
+    yield proxy
+    proxy.stop()
+
+
+def _tensors(seed, mib):
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(mib * 1024 * 1024 // 2, generator=g).to(torch.bfloat16).reshape(-1, 256),
+            "b.bias": torch.arange(7, dtype=torch.int64), "c.scalar": torch.tensor(3.5)}
+
+
+def _object(s3, key):
+    return s3.get_object(Bucket="hbmio-test", Key=key)["Body"].read()
+
+
+def test_save_to_s3_one_put_and_multipart_read_back_by_boto3(s3_proxy, s3):
+    for mib, key in ((1, "saved/small.safetensors"), (12, "saved/large.safetensors")):
+        tensors = _tensors(mib, mib)
+        hbmio.save_file(tensors, f"s3://hbmio-test/{key}", metadata={"format": "pt"})
+        # The object, fetched by boto3 and parsed by the reference reader.
+        same(st_torch.load(_object(s3, key)), tensors)
+        same(hbmio.load_file(f"s3://hbmio-test/{key}"), tensors)
+    parts = [p for m, p in s3_proxy.seen if m == "PUT" and "partNumber=" in p and "large" in p]
+    assert len(parts) == 3, parts  # 12 MiB and a header in parts of 5 MiB
+    assert any(m == "POST" and "uploads" in p for m, p in s3_proxy.seen)
+    assert not any("small" in p and ("uploads" in p or "partNumber" in p) for m, p in s3_proxy.seen)  # one PUT
+    assert s3.list_multipart_uploads(Bucket="hbmio-test").get("Uploads", []) == []
+
+
+def test_a_failed_part_aborts_the_upload_and_keeps_the_old_object(s3_proxy, s3):
+    key = "saved/keep.safetensors"
+    old = _tensors(1, 12)
+    hbmio.save_file(old, f"s3://hbmio-test/{key}")
+    before = _object(s3, key)
+    # Part 2 refused (403): reported at once, naming the key, the part and its range; the upload
+    # is aborted and the key still holds the old object.
+    s3_proxy.fail = [(lambda m, p: m == "PUT" and "partNumber=2&" in p, [403])]
+    with pytest.raises(PermissionError, match=r"upload part 2 of 3 of s3://hbmio-test/saved/keep\.safetensors \[offset \d+, length \d+\].*Injected403"):
+        hbmio.save_file(_tensors(2, 12), f"s3://hbmio-test/{key}")
+    assert _object(s3, key) == before
+    assert any(m == "DELETE" and "uploadId=" in p for m, p in s3_proxy.seen)
+    assert s3.list_multipart_uploads(Bucket="hbmio-test").get("Uploads", []) == []
+    # 503 bursts on a part and on the completion are retried, and the save publishes.
+    s3_proxy.fail = [(lambda m, p: m == "PUT" and "partNumber=3&" in p, [503, 503]),
+                     (lambda m, p: m == "POST" and "uploadId=" in p, [500])]
+    new = _tensors(3, 12)
+    hbmio.save_file(new, f"s3://hbmio-test/{key}")
+    same(st_torch.load(_object(s3, key)), new)
+
+
+def test_sharded_save_to_an_s3_prefix_writes_the_index_last(s3_proxy, s3):
+    tensors = {f"layer.{i}": torch.full((1024, 256), float(i)) for i in range(4)}  # 1 MiB each
+    hbmio.save_file(tensors, "s3://hbmio-test/sharded-save/", max_shard_size="2MiB")
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="hbmio-test", Prefix="sharded-save/")["Contents"])
+    assert keys == ["sharded-save/model-00001-of-00002.safetensors", "sharded-save/model-00002-of-00002.safetensors",
+                    "sharded-save/model.safetensors.index.json"]
+    writes = [p for m, p in s3_proxy.seen if m in ("PUT", "POST")]
+    assert "index.json" in writes[-1]
+    same(hbmio.load_file("s3://hbmio-test/sharded-save/"), tensors)
+
+
+def test_saves_to_urls_that_take_no_uploads_are_refused(s3, server):
+    with pytest.raises(hbmio.Error, match=r"s3:// only"):
+        hbmio.save_file({"x": torch.ones(3)}, server.url("x.safetensors"))
+    with pytest.raises(hbmio.Error, match=r"background saves write local paths"):
+        hbmio.save_file({"x": torch.ones(3)}, "s3://hbmio-test/bg.safetensors", blocking=False).result()
+
+
+def test_the_command_saves_to_s3_and_refuses_to_replace_without_force(s3, tmp_path):
+    cli = _hbmio_command()
+    if cli is None:
+        pytest.skip("the hbmio command is not installed beside this interpreter")
+    env, cmd = dict(os.environ), [cli]
+    url = "s3://hbmio-test/cli/gen.safetensors"
+    r = subprocess.run(cmd + ["ckpt", "generate", url, "--count", "3", "--tensor-size", "1MiB"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(cmd + ["ckpt", "verify", url], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "3 tensors verified" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(cmd + ["ckpt", "generate", url, "--count", "1", "--tensor-size", "1MiB"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "--force" in r.stderr
+    assert len(st_torch.load(_object(s3, "cli/gen.safetensors"))) == 3
+
+
+def test_saves_are_signed_as_a_real_s3_server_checks(seaweed, monkeypatch):
+    # SeaweedFS checks every signature: the multipart upload's query strings (?uploads=,
+    # ?partNumber=&uploadId=) and bodies are signed as S3 expects.
+    boto3 = pytest.importorskip("boto3")
+    for k, v in dict(AWS_ENDPOINT_URL=seaweed, AWS_ACCESS_KEY_ID="swkey", AWS_SECRET_ACCESS_KEY="sw-SECRET", AWS_REGION="us-east-1",
+                     HBMIO_REMOTE_PART_SIZE="5MiB").items():
+        monkeypatch.setenv(k, v)
+    tensors = _tensors(7, 12)
+    hbmio.save_file(tensors, "s3://signed/saved/large.safetensors")
+    client = boto3.client("s3", endpoint_url=seaweed, aws_access_key_id="swkey", aws_secret_access_key="sw-SECRET", region_name="us-east-1")
+    same(st_torch.load(client.get_object(Bucket="signed", Key="saved/large.safetensors")["Body"].read()), tensors)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-SECRET")
+    with pytest.raises(PermissionError, match=r"multipart upload of s3://signed/saved/other\.safetensors.*SignatureDoesNotMatch") as e:
+        hbmio.save_file(tensors, "s3://signed/saved/other.safetensors")
     assert "SECRET" not in str(e.value)

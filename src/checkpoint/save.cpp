@@ -222,6 +222,10 @@ class ReplacedFile {
   int fd_;
 };
 
+}  // namespace
+
+namespace detail {
+
 std::uint64_t expected_size(const TensorToSave& t) {
   std::uint64_t elements = 1;
   for (std::uint64_t d : t.shape)
@@ -247,6 +251,12 @@ void check_tensors(const std::vector<TensorToSave>& tensors, const ErrorContext&
                               st::to_string(t.dtype), fmt::join(t.shape, "x"), expected_size(t)));
   }
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::check_tensors;
 
 // Waits for, then holds, the lock of the file now at `target` (if any): add_checksums holds it
 // while it rewrites that file, and a save that published meanwhile would be overwritten by the
@@ -331,6 +341,7 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
 
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   return detail::errors_as_hbmio({.op = "save", .path = path}, [&] {
+    if (is_remote_url(path)) return detail::save_remote(path, tensors, options);
     // A background save of the same path still in flight goes first: otherwise the older state
     // could publish after this newer one.
     detail::wait_for_background_save(final_target(path, options.max_shard_size > 0, {.op = "save", .path = path}).string());
@@ -350,11 +361,53 @@ Stats save_now(const std::string& path, const std::vector<TensorToSave>& tensors
 std::string check_save(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   return errors_as_hbmio({.op = "save", .path = path}, [&] {
     const ErrorContext context{.op = "save", .path = path};
+    if (is_remote_url(path))
+      throw Error(errno_code(ENOTSUP), context,
+                  "background saves write local paths; save to a URL with a blocking save (save_checkpoint, "
+                  "save_file(..., blocking=True)), or save locally in the background and upload the result");
     check_tensors(tensors, context);
     const fs::path target = final_target(path, options.max_shard_size > 0, context);
     check_directory_of(target, context);
     return target.string();
   });
+}
+
+std::map<std::string, std::string> metadata_to_save(const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  std::map<std::string, std::string> metadata = options.metadata;
+  for (auto it = metadata.begin(); it != metadata.end();)  // stale checksums would lie
+    it = it->first.starts_with(kChecksumPrefix) || it->first == kChecksumAlgorithmKey || it->first == kHeaderChecksumKey
+             ? metadata.erase(it)
+             : std::next(it);
+  if (options.checksums) {
+    metadata[kChecksumAlgorithmKey] = kChecksumAlgorithm;
+    metadata[kHeaderChecksumKey] = to_hex(0);  // sealed once the tensors' are in
+    for (const auto& t : tensors) metadata[kChecksumPrefix + t.name] = to_hex(0);
+  }
+  return metadata;
+}
+
+ShardPlan plan_shards(const std::vector<TensorToSave>& tensors, std::uint64_t max_shard_size) {
+  // Greedy shards in the reference writer's tensor order.
+  std::vector<st::TensorInfo> order;
+  for (const auto& t : tensors) order.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
+  st::order_like_reference(order);
+  std::map<std::string_view, const TensorToSave*> by_name;
+  for (const auto& t : tensors) by_name.emplace(t.name, &t);
+  ShardPlan plan;
+  plan.shards.resize(1);
+  std::uint64_t shard_bytes = 0;
+  for (const auto& info : order) {
+    if (shard_bytes > 0 && shard_bytes + info.size() > max_shard_size) {
+      plan.shards.emplace_back();
+      shard_bytes = 0;
+    }
+    plan.shards.back().push_back(*by_name.at(info.name));
+    shard_bytes += info.size();
+    plan.total_bytes += info.size();
+  }
+  for (std::size_t k = 0; k < plan.shards.size(); ++k)
+    plan.names.push_back(fmt::format("model-{:05}-of-{:05}.safetensors", k + 1, plan.shards.size()));
+  return plan;
 }
 
 std::vector<std::size_t> file_order(const std::vector<TensorToSave>& tensors) {
@@ -453,23 +506,12 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
   for (const auto& t : tensors) infos.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
   st::order_like_reference(infos);
 
-  std::map<std::string, std::string> metadata = options.metadata;
-  for (auto it = metadata.begin(); it != metadata.end();)  // stale checksums would lie
-    it = it->first.starts_with(kChecksumPrefix) || it->first == detail::kChecksumAlgorithmKey || it->first == detail::kHeaderChecksumKey
-             ? metadata.erase(it)
-             : std::next(it);
   // Checksums are computed while the tensors are written (both only read the tensors' memory),
-  // and the header, which holds them, is written last. Checksums have a fixed width, so a header
-  // with placeholders has the final header's size and fixes where the data goes.
+  // and the header, which holds them, is written last.
+  std::map<std::string, std::string> metadata = detail::metadata_to_save(tensors, options);
   std::vector<MemorySpan> spans;
-  if (options.checksums) {
-    metadata[detail::kChecksumAlgorithmKey] = detail::kChecksumAlgorithm;
-    metadata[detail::kHeaderChecksumKey] = detail::to_hex(0);  // sealed once the tensors' are in
-    for (const auto& t : tensors) {
-      metadata[kChecksumPrefix + t.name] = detail::to_hex(0);
-      spans.push_back(t.data);
-    }
-  }
+  if (options.checksums)
+    for (const auto& t : tensors) spans.push_back(t.data);
   std::string header = st::serialize_header(infos, metadata);
 
   check_directory_of(target, context);
@@ -590,26 +632,7 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
   const ErrorContext context{.op = "save sharded checkpoint", .path = path};
   const fs::path target = final_target(path, true, context);
 
-  // Greedy shards in the reference writer's tensor order.
-  std::vector<st::TensorInfo> order;
-  for (const auto& t : tensors) order.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
-  st::order_like_reference(order);
-  std::map<std::string_view, const TensorToSave*> by_name;
-  for (const auto& t : tensors) by_name.emplace(t.name, &t);
-  std::vector<std::vector<TensorToSave>> shards(1);
-  std::uint64_t shard_bytes = 0, total_bytes = 0;
-  for (const auto& info : order) {
-    if (shard_bytes > 0 && shard_bytes + info.size() > options.max_shard_size) {
-      shards.emplace_back();
-      shard_bytes = 0;
-    }
-    shards.back().push_back(*by_name.at(info.name));
-    shard_bytes += info.size();
-    total_bytes += info.size();
-  }
-  std::vector<std::string> shard_names;
-  for (std::size_t k = 0; k < shards.size(); ++k)
-    shard_names.push_back(fmt::format("model-{:05}-of-{:05}.safetensors", k + 1, shards.size()));
+  const auto [shards, shard_names, total_bytes] = detail::plan_shards(tensors, options.max_shard_size);
 
   check_directory_of(target, context);
   remove_stale_temporaries(target);  // directories too: fs::remove_all below

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -15,6 +16,8 @@
 #include <vector>
 
 #include "hbmio/async_save.hpp"
+#include "hbmio/checkpoint.hpp"
+#include "hbmio/error.hpp"
 #include "hbmio/memory.hpp"
 
 namespace hbmio::detail {
@@ -100,6 +103,23 @@ std::string check_save(const std::string& path, const std::vector<TensorToSave>&
 // The indices of `tensors` in the order the save writes them (the reference writer's order; a
 // sharded save's shards are consecutive runs of it).
 std::vector<std::size_t> file_order(const std::vector<TensorToSave>& tensors);
+// A sharded save's shards: greedy runs of the reference writer's order, each at most
+// max_shard_size tensor bytes (a larger tensor alone), named model-0000K-of-0000N.safetensors.
+struct ShardPlan {
+  std::vector<std::vector<TensorToSave>> shards;
+  std::vector<std::string> names;
+  std::uint64_t total_bytes = 0;
+};
+ShardPlan plan_shards(const std::vector<TensorToSave>& tensors, std::uint64_t max_shard_size);
+// The caller's metadata without stale checksum entries and, with options.checksums, with
+// fixed-width placeholders for the new ones: a header serialized with them has the final
+// header's size, and so fixes where the data goes before the checksums are known.
+std::map<std::string, std::string> metadata_to_save(const std::vector<TensorToSave>& tensors, const SaveOptions& options);
+// Names (none empty, none "__metadata__", none twice) and sizes (each span the size its dtype and
+// shape call for): what every save checks before it writes anything.
+void check_tensors(const std::vector<TensorToSave>& tensors, const ErrorContext& context);
+// save_checkpoint to an s3:// URL (remote_save.cpp).
+Stats save_remote(const std::string& url, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
 
 template <class GiveUp>
 std::shared_ptr<Buffer> StagingPool::acquire(GiveUp give_up) {

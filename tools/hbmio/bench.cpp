@@ -46,7 +46,7 @@ namespace {
 // Flags
 
 struct BenchFlags {
-  std::string file, size, dir, backends = "posix,uring,cufile,auto", into, json, chart;
+  std::string file, size, dir, backends = "posix,uring,cufile,auto", into, json, chart, url;
   bool write = false, cold = false, warm = false, both = false;
   unsigned runs = 5;
   TuningFlags tuning;
@@ -182,7 +182,56 @@ Engines make_engines(const std::vector<std::string>& names, const Options& optio
   return e;
 }
 
+// Step 4 of both flows: the table, --json and --chart; exit status 1 when a row failed.
+int report_and_status(const Report& report, const BenchFlags& flags) {
+  if (flags.json != "-") fmt::print("{}", render_table(report));
+  if (!flags.json.empty()) write_json(to_json(report), flags.json);
+  if (!flags.chart.empty()) write_text(render_svg(report), flags.chart);
+  int status = 0;
+  for (const Row& row : report.rows)
+    if (row.status == "failed") {
+      fmt::print(stderr, "hbmio: bench: {} {} {} FAILED: {}\n", row.op, row.mode, row.name, row.reason);
+      status = 1;
+    }
+  return status;
+}
+
+// --url: one object at a URL read whole, N times, into --into, beside the ceiling of the same
+// GETs with the bytes dropped on arrival (and, into a GPU, the pinned host-to-device copy).
+// Connections and part size: HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE.
+int run_bench_url(const BenchFlags& flags, const std::atomic<bool>& stop) {
+  if (!flags.file.empty() || !flags.size.empty() || flags.write || flags.cold || flags.warm || flags.both || !flags.dir.empty())
+    throw Error(errno_code(EINVAL), {.op = "bench --url"}, "--url reads one object: --file, --size, --dir, --write, --cold, --warm and --both do not apply");
+  if (flags.runs < 1) throw Error(errno_code(EINVAL), {.op = "bench --runs"}, "at least 1 run is needed");
+  const bool gpu = cuda_device_count() > 0;
+  const MemoryLocation into = MemoryLocation::parse(flags.into.empty() ? (gpu ? "cuda:0" : "pinned") : flags.into);
+  const RemoteOptions options = RemoteOptions::from_env();
+  const auto object = RemoteObject::open(flags.url, options);
+  const std::uint64_t size = object->size();
+  if (size == 0) throw Error(errno_code(EINVAL), {.op = "bench --url", .path = object->shown()}, "the object is empty");
+  Buffer destination = Buffer::allocate(into, size);
+  fill_memory(destination.span(), std::byte{0});  // page faults out of the timed runs
+  Report report{.machine = describe_machine(".", into), .date = iso8601_now(), .command = command_line(),
+                .file_path = object->shown(), .into = into.to_string(), .generated = false, .size = size,
+                .runs = flags.runs, .options = flags.tuning.resolve()};
+  if (!gpu && flags.json == "-") fmt::print(stderr, "hbmio: no GPU: measuring the URL into host memory ({})\n", into.to_string());
+  const unsigned cpus = report.machine.cpus;
+  RemoteOptions dropped = options;
+  dropped.discard = true;
+  report.rows.push_back(measure_remote({.name = kRemoteRead, .ceiling = true, .op = "read", .mode = "remote"}, *object,
+                                       destination.span(), dropped, flags.runs, false, cpus, &stop));
+  report.rows.push_back(measure_remote({.name = "remote", .op = "read", .mode = "remote"}, *object, destination.span(), options,
+                                       flags.runs, true, cpus, &stop));
+  if (into.kind == MemoryKind::device) {
+    Buffer pinned = Buffer::allocate({MemoryKind::pinned}, size);
+    report.rows.push_back(measure_host_to_device(destination.span(), pinned.span(), flags.runs, cpus, &stop));
+  }
+  attach_bounds(report.rows, into.kind == MemoryKind::device);
+  return report_and_status(report, flags);
+}
+
 int run_bench(const BenchFlags& flags, const std::atomic<bool>& stop) {
+  if (!flags.url.empty()) return run_bench_url(flags, stop);
   // 1. Flags.
   const Options options = flags.tuning.resolve();
   const auto backends = split_backends(flags.backends);
@@ -287,17 +336,7 @@ int run_bench(const BenchFlags& flags, const std::atomic<bool>& stop) {
   attach_bounds(report.rows, into.kind == MemoryKind::device);
 
   // 4. Output.
-  if (flags.json != "-") fmt::print("{}", render_table(report));
-  if (!flags.json.empty()) write_json(to_json(report), flags.json);
-  if (!flags.chart.empty()) write_text(render_svg(report), flags.chart);
-
-  int status = 0;
-  for (const Row& row : report.rows)
-    if (row.status == "failed") {
-      fmt::print(stderr, "hbmio: bench: {} {} {} FAILED: {}\n", row.op, row.mode, row.name, row.reason);
-      status = 1;
-    }
-  return status;
+  return report_and_status(report, flags);
 }
 
 }  // namespace
@@ -313,6 +352,11 @@ void add_bench_command(CLI::App& app, int& exit_status) {
   bench->add_option("--dir", flags->dir,
                     "Directory (and so file system) for the sample file and the write target; removed afterwards\n"
                     "(default: the directory of --file, else the current directory)");
+  bench->add_option("--url", flags->url,
+                    "Measure reads of one object at a URL instead (s3://BUCKET/KEY, http(s)://...): the whole object\n"
+                    "into --into, --runs times, beside the same GETs with the bytes dropped (the server's and the\n"
+                    "network's ceiling); HBMIO_REMOTE_CONNECTIONS and HBMIO_REMOTE_PART_SIZE set the parallelism")
+      ->type_name("URL");
   bench->add_option("--backends", flags->backends, "Comma-separated backends to measure: posix, uring, cufile, auto")
       ->capture_default_str();
   bench->add_option("--into", flags->into, "Destination memory: cuda:N, pinned or host (default: cuda:0 with a GPU, else pinned)");

@@ -173,6 +173,48 @@ Row measure_host_to_device(MemorySpan device, MemorySpan pinned, unsigned runs, 
   return row;
 }
 
+Row measure_remote(Row row, const RemoteObject& object, MemorySpan memory, const RemoteOptions& options, unsigned runs, bool verify,
+                   unsigned cpus, const std::atomic<bool>* cancel) {
+  try {
+    if (verify) fill_memory(memory, std::byte{0xA5});
+    for (unsigned i = 1; i <= runs; ++i) {
+      throw_if_stopped(cancel);
+      const RemoteRead read{&object, 0, memory};
+      const Stats s = read_remote({&read, 1}, options);
+      const std::string label = fmt::format("{} run {}/{}", row.name, i, runs);
+      if (::isatty(STDERR_FILENO) == 1) fmt::print(stderr, "{}: {:.3f} s, {:.2f} GiB/s\n", label, s.seconds, s.gib_per_second());
+      row.runs.push_back({.seconds = s.seconds, .cpu_seconds = s.cpu_seconds, .bytes = s.bytes, .backend = "remote", .note = s.note});
+      row.note = s.note;
+      if (i == 1 && verify) {
+        // The reference: parts one after another on one connection, into host memory.
+        RemoteOptions sequential = options;
+        sequential.connections = 1;
+        sequential.discard = false;
+        Buffer reference = Buffer::allocate({MemoryKind::host}, memory.size);
+        const RemoteRead again{&object, 0, reference.span()};
+        read_remote({&again, 1}, sequential);
+        Buffer got = Buffer::allocate({MemoryKind::host}, memory.size);
+        copy_memory(got.span(), memory);
+        const auto* a = got.data();
+        const auto* b = reference.data();
+        const auto at = std::mismatch(a, a + memory.size, b).first - a;
+        row.verified = static_cast<std::uint64_t>(at) == memory.size;
+        if (!*row.verified) {
+          row.status = "failed";
+          row.reason = fmt::format("data differs from a sequential read of the object at byte {}", at);
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    if (cancel != nullptr && cancel->load()) throw;
+    row.status = row.runs.empty() ? "unavailable" : "failed";
+    row.reason = e.what();
+  }
+  row.backend_used = "remote";
+  summarize(row, cpus);
+  return row;
+}
+
 void attach_bounds(std::vector<Row>& rows, bool device_target) {
   auto rate_of = [&](const char* name) -> const Row* {
     for (const Row& r : rows)
@@ -183,7 +225,7 @@ void attach_bounds(std::vector<Row>& rows, bool device_target) {
     if (row.ceiling || !row.ok()) continue;
     std::vector<const Row*> limits;
     if (row.op == "write") limits = {rate_of(kStorageWrite)};
-    else limits = {rate_of(row.mode == "cold" ? kStorageRead : kPageCacheRead)};
+    else limits = {rate_of(row.mode == "cold" ? kStorageRead : row.mode == "remote" ? kRemoteRead : kPageCacheRead)};
     if (row.op == "read" && device_target) limits.push_back(rate_of(kHostToDevice));
     const Row* bound = nullptr;
     for (const Row* limit : limits)

@@ -21,6 +21,7 @@ inline constexpr const char* kStorageRead = "ceiling: storage read (O_DIRECT)";
 inline constexpr const char* kPageCacheRead = "ceiling: page-cache read";
 inline constexpr const char* kHostToDevice = "ceiling: pinned host->device copy";
 inline constexpr const char* kStorageWrite = "ceiling: storage write (O_DIRECT)";
+inline constexpr const char* kRemoteRead = "ceiling: the same GETs, bytes dropped";
 
 struct Run {
   double seconds = 0, cpu_seconds = 0;
@@ -81,6 +82,13 @@ Row measure_uring_ceiling(const char* name, const std::string& op, const std::st
 // cudaMemcpy from pinned host memory into the device buffer, the whole file size at once: the
 // rate at which any path that stages in host memory can feed the GPU.
 Row measure_host_to_device(MemorySpan device, MemorySpan pinned, unsigned runs, unsigned cpus, const std::atomic<bool>* cancel);
+
+// A remote object read whole (`hbmio bench --url`), `runs` times, with `options` (connections,
+// part size): into `memory`, or with options.discard, received and dropped (the ceiling: what the
+// server and the connections deliver when nothing is done with the bytes). verify: the first
+// run's bytes are compared with a second, sequential read of the object (one GET at a time).
+Row measure_remote(Row row, const RemoteObject& object, MemorySpan memory, const RemoteOptions& options, unsigned runs, bool verify,
+                   unsigned cpus, const std::atomic<bool>* cancel);
 
 // Sets each backend row's bound: the slowest ceiling its data must pass. Cold reads pass the
 // storage (and, into a GPU, the host-to-device link unless GDS bypasses it: the min is still the

@@ -36,6 +36,7 @@ std::vector<Group> groups_of(const Report& report) {
   add("read", "cold", "read, cold: page cache emptied before each run");
   add("read", "warm", "read, warm: file in the page cache (one untimed read first)");
   add("write", "durable", "write, durable: memory -> new file, fsync counted");
+  add("read", "remote", "read from a URL: the whole object, ranged GETs on parallel connections");
   return groups;
 }
 
@@ -218,16 +219,25 @@ std::string render_table(const Report& r) {
   };
 
   out += fmt::format("hbmio bench {}  {}\n", version(), r.date);
-  if (!m.gpu) out += fmt::format("no GPU: measuring storage into host memory ({})\n", r.into);
+  const bool url = is_remote_url(r.file_path);
+  if (!m.gpu) out += fmt::format("no GPU: measuring {} into host memory ({})\n", url ? "the URL" : "storage", r.into);
   field("machine", fmt::format("{}, {} cores, {} memory, {}", m.cpu_model, m.cpus, format_size(m.memory_bytes), m.kernel));
   field("GPU", gpu_line(r));
-  field("file", fmt::format("{}, {}{}, {} on {}{}", r.file_path, format_size(r.size),
-                            r.generated ? " of random data (generated, removed afterwards)" : "", m.file_system, m.device,
-                            m.device_model.empty() ? "" : " (" + m.device_model + ")"));
-  field("into", fmt::format("{}; {} timed runs per row", r.into, r.runs));
-  field("tuning", fmt::format("chunk {}, bounce buffers {} x {}, queue depth {}, {} workers, direct_io {}",
-                              format_size(r.options.chunk_size), r.options.bounce_buffers, format_size(r.options.bounce_buffer_size),
-                              r.options.queue_depth, r.options.resolved_workers(), to_string(r.options.direct_io)));
+  if (url) {
+    const RemoteOptions remote = RemoteOptions::from_env();
+    field("object", fmt::format("{}, {}", r.file_path, format_size(r.size)));
+    field("into", fmt::format("{}; {} timed runs per row", r.into, r.runs));
+    field("remote", fmt::format("{} connections, parts of {} (HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE)", remote.connections,
+                                format_size(remote.part_size)));
+  } else {
+    field("file", fmt::format("{}, {}{}, {} on {}{}", r.file_path, format_size(r.size),
+                              r.generated ? " of random data (generated, removed afterwards)" : "", m.file_system, m.device,
+                              m.device_model.empty() ? "" : " (" + m.device_model + ")"));
+    field("into", fmt::format("{}; {} timed runs per row", r.into, r.runs));
+    field("tuning", fmt::format("chunk {}, bounce buffers {} x {}, queue depth {}, {} workers, direct_io {}",
+                                format_size(r.options.chunk_size), r.options.bounce_buffers, format_size(r.options.bounce_buffer_size),
+                                r.options.queue_depth, r.options.resolved_workers(), to_string(r.options.direct_io)));
+  }
   paragraph(fmt::format("CPU % is of all {} cores; GiB/s is from the median latency; 'of bound' is the share of the slowest "
                         "ceiling the data passes (above 100%: the path beat the ceiling's own run, e.g. through readahead or "
                         "a virtual disk's cache).",

@@ -277,6 +277,18 @@ CLI::Validator one_of(std::vector<std::string> choices) {
 // one of other files is filled).
 void refuse_to_replace(const CkptFlags& f) {
   if (f.force) return;
+  if (is_remote_url(f.path)) {
+    // An object already at the URL (or the index of a prefix) is a checkpoint.
+    const std::string base = f.path.ends_with("/") ? f.path + "model.safetensors.index.json" : f.path;
+    try {
+      RemoteObject::open(base);
+    } catch (const Error& e) {
+      if (e.code() == std::errc::no_such_file_or_directory) return;
+      throw;
+    }
+    throw Error(errno_code(EEXIST), {.op = "ckpt generate", .path = f.path},
+                "an object is there already, and ckpt generate would replace it with random tensors: add --force to do that");
+  }
   struct stat st {};
   if (::stat(f.path.c_str(), &st) != 0) return;
   bool checkpoint = !S_ISDIR(st.st_mode);
@@ -430,7 +442,10 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   auto* save = ckpt->add_subcommand(
       "generate", "Save generated random tensors as a checkpoint (for tests and benchmarks), crash-safe; an existing "
                   "checkpoint at PATH is replaced only with --force");
-  save->add_option("path", flags->path, "The .safetensors file to write (a directory with --max-shard-size)")->required();
+  save->add_option("path", flags->path,
+                   "The .safetensors file to write (a directory with --max-shard-size), or an s3://BUCKET/KEY URL (a\n"
+                   "prefix with --max-shard-size): a multipart upload that publishes the whole object or nothing")
+      ->required();
   save->add_option("--max-shard-size", flags->max_shard_size,
                    "Write a sharded checkpoint into the directory PATH: shards of at most this many tensor bytes "
                    "(e.g. 2GiB; headers not counted, as in Hugging Face's max_shard_size; a larger tensor gets a shard "

@@ -121,6 +121,7 @@ std::string fit(const std::string& text, std::size_t width) {
 
 std::string summary_line(const Stats& s, bool verbose) {
   std::string direct = s.bytes == 0                 ? "-"
+                       : s.backend == "remote"      ? "network"
                        : s.bytes_direct == s.bytes  ? "O_DIRECT"
                        : s.bytes_direct == 0        ? "page cache"
                                                     : fmt::format("{:.0f}% O_DIRECT", 100.0 * static_cast<double>(s.bytes_direct) / static_cast<double>(s.bytes));

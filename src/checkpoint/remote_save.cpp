@@ -1,0 +1,157 @@
+// Checkpoints saved to s3:// URLs: the file a local save would write, uploaded as one object
+// (write_remote: one PUT, or a multipart upload completed only when every part is stored), so a
+// reader sees the old object or the whole new one. The bytes go from the tensors' memory (host or
+// GPU) into each part's buffer just before the part is sent; checksums are computed beside the
+// upload, and the header that holds them is in the first part, which is sent last.
+// Sharded: each shard an object under the prefix, then the index, written last: a loader that
+// starts from the index never sees a shard of this save missing. Shards of another count that an
+// earlier save left under the prefix stay (object stores have no directory to swap); the index
+// does not name them.
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/integrity.hpp"
+#include "checkpoint/staging.hpp"
+#include "hbmio/checkpoint.hpp"
+#include "hbmio/error.hpp"
+#include "hbmio/remote.hpp"
+#include "io/engine_internal.hpp"
+#include "memory/cuda_runtime.hpp"
+
+namespace hbmio::detail {
+namespace {
+
+namespace st = safetensors;
+
+// Copies `length` bytes of `from` at `offset` into host memory.
+void copy_out(const MemorySpan& from, std::uint64_t offset, std::byte* into, std::uint64_t length, const ErrorContext& context) {
+  if (from.kind() == MemoryKind::device) {
+    cuda::DeviceGuard guard(from.location.device, context);
+    cuda::memcpy_sync(into, from.data + offset, length, context);
+  } else {
+    std::memcpy(into, from.data + offset, length);
+  }
+}
+
+Stats save_remote_file(const std::string& url, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  const ErrorContext context{.op = "save", .path = url};
+  check_tensors(tensors, context);
+  std::vector<st::TensorInfo> infos;
+  for (const auto& t : tensors) infos.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
+  st::order_like_reference(infos);
+  const std::map<std::string, std::string> metadata = metadata_to_save(tensors, options);
+  std::vector<MemorySpan> spans;
+  if (options.checksums)
+    for (const auto& t : tensors) spans.push_back(t.data);
+  const std::string placeholder = st::serialize_header(infos, metadata);
+  const std::uint64_t data_start = placeholder.size();
+  std::uint64_t size = data_start;
+  for (const auto& info : infos) size = std::max(size, data_start + info.end);
+
+  // Each tensor's place in the object, in file order.
+  struct Piece {
+    std::uint64_t begin, end;  // in the object
+    MemorySpan from;
+  };
+  std::vector<Piece> pieces;
+  {
+    std::map<std::string_view, MemorySpan> data_of;
+    for (const auto& t : tensors) data_of.emplace(t.name, t.data);
+    for (const auto& info : infos) pieces.push_back({data_start + info.begin, data_start + info.end, data_of.at(info.name)});
+  }
+
+  // Checksums beside the upload; the header is sealed once, by the first fill that needs it.
+  std::future<std::vector<std::uint64_t>> sums;
+  if (options.checksums)
+    sums = std::async(std::launch::async, [&spans] { return xxh3_of_each(spans, std::max(1u, std::thread::hardware_concurrency() / 4)); });
+  std::once_flag sealed;
+  std::string header = placeholder;
+  const auto final_header = [&]() -> const std::string& {
+    std::call_once(sealed, [&] {
+      if (!options.checksums) return;
+      const std::vector<std::uint64_t> computed = sums.get();
+      std::map<std::string, std::string> with_sums = metadata;
+      for (std::size_t i = 0; i < tensors.size(); ++i) with_sums[kChecksumPrefix + tensors[i].name] = to_hex(computed[i]);
+      std::string h = st::serialize_header(infos, with_sums);
+      seal_header(h);
+      if (h.size() != placeholder.size())
+        throw Error(errno_code(EPROTO), context, fmt::format("header changed size with its checksums ({} -> {} bytes)", placeholder.size(), h.size()));
+      header = std::move(h);
+    });
+    return header;
+  };
+
+  const auto fill = [&](std::uint64_t offset, std::span<std::byte> into) {
+    const std::uint64_t end = offset + into.size();
+    if (offset < data_start) {
+      const std::string& h = final_header();
+      const std::uint64_t n = std::min(end, data_start) - offset;
+      std::memcpy(into.data(), h.data() + offset, n);
+    }
+    // The tensors overlapping [offset, end): pieces are sorted and do not overlap.
+    auto it = std::upper_bound(pieces.begin(), pieces.end(), offset, [](std::uint64_t at, const Piece& p) { return at < p.end; });
+    for (; it != pieces.end() && it->begin < end; ++it) {
+      const std::uint64_t a = std::max(offset, it->begin), b = std::min(end, it->end);
+      if (a >= b) continue;
+      copy_out(it->from, a - it->begin, into.data() + (a - offset), b - a, {.op = "save", .path = url, .offset = a, .length = b - a});
+      // Counted as the part is filled, one part per connection ahead of what is stored.
+      if (options.progress != nullptr) *options.progress += b - a;
+    }
+  };
+  bool on_device = false;
+  for (const auto& t : tensors) on_device |= t.data.kind() == MemoryKind::device;
+  const UploadOptions upload{.pinned = on_device, .progress = nullptr, .cancel = options.cancel};
+  Stats stats;
+  try {
+    stats = write_remote(url, size, fill, upload);
+  } catch (...) {
+    if (sums.valid()) sums.wait();  // no hashing of the caller's tensors after the save returns
+    throw;
+  }
+  if (sums.valid()) sums.wait();
+  stats.note = fmt::format("{} tensors{}, {}", tensors.size(), options.checksums ? " with XXH3-64 checksums" : "", stats.note);
+  return stats;
+}
+
+}  // namespace
+
+Stats save_remote(const std::string& url, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  TransferTimer timer;
+  if (!url.starts_with("s3://"))
+    throw Error(errno_code(ENOTSUP), {.op = "save", .path = url}, "saves to URLs go to s3:// only (an HTTP server takes no uploads here)");
+  if (options.max_shard_size == 0) {
+    Stats stats = save_remote_file(url, tensors, options);
+    timer.finish(stats);
+    return stats;
+  }
+  // Sharded: URL is a prefix ("s3://bucket/model/", the '/' added where missing).
+  const std::string prefix = url.ends_with("/") ? url : url + "/";
+  const auto [shards, names, total_bytes] = plan_shards(tensors, options.max_shard_size);
+  SaveOptions single = options;
+  single.max_shard_size = 0;
+  Stats total;
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (std::size_t k = 0; k < shards.size(); ++k) {
+    total.add_part(save_remote_file(prefix + names[k], shards[k], single));
+    for (const auto& t : shards[k]) weight_map[t.name] = names[k];
+  }
+  const std::string index = nlohmann::json({{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}}).dump(2) + "\n";
+  write_remote(prefix + "model.safetensors.index.json", index.size(), [&](std::uint64_t offset, std::span<std::byte> into) {
+    std::memcpy(into.data(), index.data() + offset, into.size());
+  }, {.cancel = options.cancel});
+  total.backend = "remote";
+  total.note = fmt::format("{} tensors in {} shard object(s), then the index", tensors.size(), shards.size());
+  timer.finish(total);
+  return total;
+}
+
+}  // namespace hbmio::detail

@@ -1,0 +1,197 @@
+#include "remote/http.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "hbmio/error.hpp"
+
+namespace hbmio::remote {
+namespace {
+
+// Idle easy handles, reused (with their connections) by later requests.
+class HandlePool {
+ public:
+  CURL* take() {
+    {
+      std::lock_guard lock(mutex_);
+      if (!idle_.empty()) {
+        CURL* h = idle_.back();
+        idle_.pop_back();
+        return h;
+      }
+    }
+    CURL* h = shim::curl_api().easy_init();
+    if (h == nullptr) throw Error(errno_code(ENOMEM), {.op = "HTTP request"}, "curl_easy_init failed");
+    return h;
+  }
+  void give_back(CURL* h) {
+    std::lock_guard lock(mutex_);
+    if (idle_.size() < 64) idle_.push_back(h);
+    else shim::curl_api().easy_cleanup(h);
+  }
+  static HandlePool& shared() {
+    static HandlePool* pool = new HandlePool();  // never destroyed: handles may outlive static destructors' order
+    return *pool;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<CURL*> idle_;
+};
+
+}  // namespace
+
+Handle::Handle() : h_(HandlePool::shared().take()) {}
+Handle::~Handle() { HandlePool::shared().give_back(h_); }
+
+std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* user) {
+  auto* sink = static_cast<Sink*>(user);
+  const std::size_t bytes = size * n;
+  Response& r = *sink->response;
+  if (r.status < 200 || r.status >= 300 || (sink->data == nullptr && !sink->discard)) {
+    const std::size_t limit = r.status >= 200 && r.status < 300 ? sink->keep : 4096;
+    if (r.body.size() < limit) r.body.append(ptr, std::min<std::size_t>(bytes, limit - r.body.size()));
+    return bytes;
+  }
+  if (r.received + bytes > sink->capacity) {
+    r.overflow = true;
+    return 0;  // aborts the transfer: the server sent more than the range
+  }
+  if (sink->data != nullptr) std::memcpy(sink->data + r.received, ptr, bytes);
+  r.received += bytes;
+  return bytes;
+}
+
+std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* user) {
+  auto* r = static_cast<Response*>(user);
+  const std::size_t bytes = size * n;
+  std::string_view line(ptr, bytes);
+  while (!line.empty() && (line.back() == '\r' || line.back() == '\n')) line.remove_suffix(1);
+  if (line.starts_with("HTTP/")) {  // a new response (after a redirect or 100-continue): start over
+    *r = {};
+    const std::size_t sp = line.find(' ');
+    if (sp != std::string_view::npos) r->status = std::strtol(std::string(line.substr(sp + 1, 3)).c_str(), nullptr, 10);
+    return bytes;
+  }
+  const std::size_t colon = line.find(':');
+  if (colon == std::string_view::npos) return bytes;
+  std::string name(line.substr(0, colon));
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  std::string_view value = line.substr(colon + 1);
+  while (!value.empty() && value.front() == ' ') value.remove_prefix(1);
+  if (name == "etag") r->etag = value;
+  else if (name == "content-range") r->content_range = value;
+  return bytes;
+}
+
+int on_progress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+  const auto* stop = static_cast<const std::atomic<bool>*>(user);
+  return stop != nullptr && stop->load(std::memory_order_relaxed) ? 1 : 0;
+}
+
+void prepare(CURL* h, const Target& target, const RemoteOptions& options, Sink& sink, curl_slist*& headers, std::string& userpwd,
+             std::string& sigv4) {
+  const auto& curl = shim::curl_api();
+  if (target.s3 && target.credentials) {
+    // The payload hash S3 requires; curl signs this header and uses its value as the hash.
+    headers = curl.slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+    if (!target.credentials->session_token.empty())
+      headers = curl.slist_append(headers, ("x-amz-security-token: " + target.credentials->session_token).c_str());
+    userpwd = target.credentials->access_key + ":" + target.credentials->secret_key;
+    sigv4 = "aws:amz:" + target.region + ":s3";
+    curl.easy_setopt(h, CURLOPT_USERPWD, userpwd.c_str());
+    curl.easy_setopt(h, CURLOPT_AWS_SIGV4, sigv4.c_str());
+  } else {
+    curl.easy_setopt(h, CURLOPT_FOLLOWLOCATION, 1L);  // Hugging Face's resolve URLs redirect to a CDN
+    curl.easy_setopt(h, CURLOPT_MAXREDIRS, 10L);
+  }
+  curl.easy_setopt(h, CURLOPT_WRITEFUNCTION, &on_body);
+  curl.easy_setopt(h, CURLOPT_WRITEDATA, &sink);
+  curl.easy_setopt(h, CURLOPT_HEADERFUNCTION, &on_header);
+  curl.easy_setopt(h, CURLOPT_HEADERDATA, sink.response);
+  curl.easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+  // Bigger receive buffers: fewer callbacks and copies per part (libcurl's default is 16 KiB).
+  curl.easy_setopt(h, CURLOPT_BUFFERSIZE, 512L * 1024);
+  curl.easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options.connect_timeout_seconds * 1000));
+  curl.easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1024L);
+  curl.easy_setopt(h, CURLOPT_LOW_SPEED_TIME, static_cast<long>(std::max(1.0, options.stall_timeout_seconds)));
+  curl.easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+  curl.easy_setopt(h, CURLOPT_XFERINFOFUNCTION, &on_progress);
+  curl.easy_setopt(h, CURLOPT_XFERINFODATA, sink.stop);
+  curl.easy_setopt(h, CURLOPT_ACCEPT_ENCODING, nullptr);  // bytes as stored: a range of a compressed body is another range
+}
+
+// Keeps Code and Message of an S3 error body, and drops the rest.
+void keep_error_fields(Response& r) {
+  r.error_code = xml_field(r.body, "Code");
+  r.error_message = xml_field(r.body, "Message");
+  if (r.status < 200 || r.status >= 300) r.body.clear();
+}
+
+CURLcode perform(CURL* h, curl_slist* headers, Response& response) {
+  const auto& curl = shim::curl_api();
+  const CURLcode result = curl.easy_perform(h);
+  if (response.status == 0) {
+    long code = 0;
+    curl.easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+    response.status = code;
+  }
+  curl.slist_free_all(headers);
+  keep_error_fields(response);
+  return result;
+}
+
+std::string xml_field(const std::string& body, const std::string& tag) {
+  const std::size_t a = body.find("<" + tag + ">");
+  if (a == std::string::npos) return {};
+  const std::size_t start = a + tag.size() + 2;
+  const std::size_t b = body.find("</" + tag + ">", start);
+  return b == std::string::npos ? std::string() : body.substr(start, std::min<std::size_t>(b - start, 200));
+}
+
+
+bool transient(CURLcode c) {
+  switch (c) {
+    case CURLE_COULDNT_CONNECT: case CURLE_OPERATION_TIMEDOUT: case CURLE_RECV_ERROR: case CURLE_SEND_ERROR:
+    case CURLE_PARTIAL_FILE: case CURLE_GOT_NOTHING: case CURLE_SSL_CONNECT_ERROR: case CURLE_COULDNT_RESOLVE_HOST:
+    case CURLE_HTTP2: case CURLE_HTTP2_STREAM:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool transient_status(long status) { return status >= 500 || status == 429 || status == 408; }
+
+int errno_of_status(long status) {
+  if (status == 404) return ENOENT;
+  if (status == 401 || status == 403) return EACCES;
+  if (status == 412) return ESTALE;
+  if (status == 408 || status == 504) return ETIMEDOUT;
+  return EIO;
+}
+
+std::string describe(CURLcode c, const Response& r) {
+  std::string s = c != CURLE_OK && c != CURLE_WRITE_ERROR ? shim::curl_api().easy_strerror(c) : fmt::format("HTTP {}", r.status);
+  if (!r.error_code.empty()) s += " " + r.error_code;
+  if (!r.error_message.empty()) s += ": " + r.error_message;
+  return s;
+}
+
+void backoff(unsigned attempt, const RemoteOptions& options) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  const double bound = std::min(10.0, options.backoff_seconds * static_cast<double>(1u << std::min(attempt - 1, 16u)));
+  std::uniform_real_distribution<double> wait(0, bound);
+  std::this_thread::sleep_for(std::chrono::duration<double>(wait(rng)));
+}
+
+}  // namespace hbmio::remote

@@ -1,0 +1,78 @@
+// What the remote reads and uploads share: pooled libcurl handles, response parsing (status,
+// ETag, Content-Range, S3's error Code and Message), request signing, and the retry policy's
+// classification and backoff.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "hbmio/remote.hpp"
+#include "remote/s3_config.hpp"
+#include "shim/curl_api.hpp"
+
+namespace hbmio::remote {
+
+// An easy handle from a process-wide pool, returned to it (with its open connection) when done:
+// later requests, of this transfer or the next, reuse the connections.
+class Handle {
+ public:
+  Handle();
+  ~Handle();
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  CURL* get() const noexcept { return h_; }
+
+ private:
+  CURL* h_;
+};
+
+// What a response said.
+struct Response {
+  long status = 0;
+  std::string etag, content_range, error_code, error_message;
+  std::uint64_t received = 0;  // body bytes delivered
+  bool overflow = false;       // more body than the caller could take
+  std::string body;            // a non-2xx body's start (S3's XML error), or a kept 2xx body (see Sink)
+};
+
+// Where a response's body goes: `data` (capacity bytes) for a GET's payload, else kept in
+// Response::body up to `keep` bytes (an S3 XML answer).
+struct Sink {
+  std::byte* data = nullptr;
+  std::uint64_t capacity = 0;
+  std::size_t keep = 0;
+  bool discard = false;  // a GET's payload counted and dropped (RemoteOptions::discard)
+  Response* response = nullptr;
+  const std::atomic<bool>* stop = nullptr;
+};
+
+// libcurl callbacks: body into a Sink, headers into a Response, a stop flag as progress abort.
+std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* sink);
+std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* response);
+int on_progress(void* stop, curl_off_t, curl_off_t, curl_off_t, curl_off_t);
+
+// The options every request sets: callbacks, timeouts, buffers, and the signing (S3 with
+// credentials: SigV4 with an unsigned payload and the session token) or redirects (HTTP).
+// Appends the headers it needs to `headers`; `userpwd` and `sigv4` must outlive the request.
+void prepare(CURL* h, const Target& target, const RemoteOptions& options, Sink& sink, curl_slist*& headers, std::string& userpwd,
+             std::string& sigv4);
+
+// Runs the request set up on `h`, frees `headers`, and completes the response: its status where
+// no status line was seen, S3's error Code and Message of a non-2xx body.
+CURLcode perform(CURL* h, curl_slist* headers, Response& response);
+
+// S3's error XML: the text of <Tag> (only Code and Message are kept: other elements, such as a
+// signature mismatch's canonical request, may carry secrets).
+std::string xml_field(const std::string& body, const std::string& tag);
+
+bool transient(CURLcode c);
+bool transient_status(long status);  // 5xx, 429, 408
+int errno_of_status(long status);
+std::string describe(CURLcode c, const Response& r);
+
+// Sleeps before retry `attempt` + 1: exponential backoff with full jitter (a random wait up to
+// the bound), so that many workers retrying after one server hiccup do not return in step.
+void backoff(unsigned attempt, const RemoteOptions& options);
+
+}  // namespace hbmio::remote
