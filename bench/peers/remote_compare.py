@@ -64,6 +64,7 @@ def main():
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--device", default="pinned")
     p.add_argument("--json")
+    p.add_argument("--hbmio-bench", metavar="HBMIO", help="also run `HBMIO bench --url` on the object (into --device)")
     a = p.parse_args()
     import boto3
     import torch
@@ -166,6 +167,12 @@ def main():
         for c, t in times.items():
             med = statistics.median(t)
             emit(dict(contender=c, summary=True, median_s=round(med, 3), gib_per_s=round(size / GIB / med, 3)))
+
+        if a.hbmio_bench:
+            into = "pinned" if a.device in ("host", "pinned") else a.device
+            out = subprocess.run([a.hbmio_bench, "bench", "--url", "s3://bench/model.safetensors", "--into", into, "--runs", "3"],
+                                 capture_output=True, text=True)
+            print(out.stdout + out.stderr[-2000:], flush=True)
 
         # Saves of the same tensors (from --device memory) as a new object: hbmio.save_file's
         # multipart upload against boto3's upload_file of the same bytes from a local file.

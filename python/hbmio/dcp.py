@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import os
 import pickle
 import re
@@ -278,7 +279,11 @@ class StorageReader(_StorageReader):
             with open(where, "rb") as f:
                 metadata = pickle.load(f)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{where}: no DCP metadata (not a checkpoint hbmio.dcp.StorageWriter finished)") from None
+            message = f"{where}: no DCP metadata (not a checkpoint hbmio.dcp.StorageWriter finished)"
+            # Some torch versions (2.11) catch this error, try a rank-local metadata file, and then
+            # report only "metadata is None": the reason goes to the log as well.
+            logging.getLogger("hbmio.dcp").error(message)
+            raise FileNotFoundError(message) from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         return metadata
