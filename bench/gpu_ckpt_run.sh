@@ -212,7 +212,7 @@ remote)
   [ -x /tmp/weedbin/weed ] || { mkdir -p /tmp/weedbin && xz -dc "$BIN/weed.xz" > /tmp/weedbin/weed && chmod +x /tmp/weedbin/weed; }
   log "remote: ${REMOTE_GIB:-6} GiB from SeaweedFS on 127.0.0.1 into cuda:0"
   PATH=/tmp/weedbin:/tmp/pysite/bin:$PATH PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/remote_compare.py \
-    --gib "${REMOTE_GIB:-6}" --rounds "${ROUNDS:-2}" --device cuda:0 --hbmio-bench "$(built_cli)" \
+    --gib "${REMOTE_GIB:-6}" --rounds "${ROUNDS:-2}" --device cuda:0 ${REMOTE_PARTS:+--hbmio-parts "$REMOTE_PARTS"} --hbmio-bench "$(built_cli)" \
     --json "$OUT/remote.jsonl" 2>&1 | tee "$OUT/remote.txt" | cut -c1-300
   ;;
 *) echo "unknown stage $stage" ;;

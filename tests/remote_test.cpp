@@ -94,3 +94,20 @@ TEST(Remote, S3UrlsResolveAsTheAwsToolsDo) {
   for (const char* bad : {"s3://", "s3://bucket", "s3://bucket/", "ftp://h/x", "https://host-only"})
     EXPECT_THROW(remote::resolve(bad, {}), Error) << bad;
 }
+
+TEST(Remote, PartSizesAreTwoPerConnectionWithin8And64MiB) {
+  constexpr std::uint64_t MiB = 1u << 20;
+  RemoteOptions o;  // 16 connections, part size chosen per transfer
+  EXPECT_EQ(o.part_size_for(100 * MiB), 8 * MiB);        // small: never below 8 MiB
+  EXPECT_EQ(o.part_size_for(1024 * MiB), 32 * MiB);      // 1 GiB / (2 x 16)
+  EXPECT_EQ(o.part_size_for(1000 * MiB + 1), 32 * MiB);  // rounded up to whole MiB
+  EXPECT_EQ(o.part_size_for(6144 * MiB), 64 * MiB);      // large: never above 64 MiB
+  o.connections = 4;
+  EXPECT_EQ(o.part_size_for(256 * MiB), 32 * MiB);
+  o.part_size = 5 * MiB;  // given: taken as it is
+  EXPECT_EQ(o.part_size_for(6144 * MiB), 5 * MiB);
+  const Env env{{"HBMIO_REMOTE_PART_SIZE", "4KiB"}, {"HBMIO_REMOTE_CONNECTIONS", nullptr}};
+  EXPECT_EQ(RemoteOptions::from_env().part_size, 4096u);
+  const Env bad{{"HBMIO_REMOTE_PART_SIZE", "100"}};
+  EXPECT_THROW(RemoteOptions::from_env(), Error);
+}

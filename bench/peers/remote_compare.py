@@ -64,6 +64,7 @@ def main():
     p.add_argument("--connections", type=int, default=16)
     p.add_argument("--device", default="pinned")
     p.add_argument("--json")
+    p.add_argument("--hbmio-parts", default="", help="further hbmio contenders with these part sizes, e.g. 32MiB,64MiB")
     p.add_argument("--hbmio-bench", metavar="HBMIO", help="also run `HBMIO bench --url` on the object (into --device)")
     a = p.parse_args()
     import boto3
@@ -96,14 +97,20 @@ def main():
         ref = st_load(local)
         emit = json_lines(a.json, bytes=size, connections=a.connections, device=a.device, server="seaweedfs " + endpoint)
 
-        def run_hbmio(check):
-            got = hbmio.load_file("s3://bench/model.safetensors", device=a.device)
-            if check:
-                bad = [k for k in ref if not torch.equal(got[k].cpu(), ref[k])]
-                return "ok" if not bad else f"MISMATCH {bad[:3]}"
-            return None
+        # Each contender returns what it loaded (or None); the check runs after the timing.
+        def check(got):
+            bad = [k for k in ref if not torch.equal(got[k].cpu(), ref[k])]
+            return "ok" if not bad else f"MISMATCH {bad[:3]}"
 
-        def run_curl(check):
+        def run_hbmio(part=None):
+            if part:
+                os.environ["HBMIO_REMOTE_PART_SIZE"] = part
+            try:
+                return hbmio.load_file("s3://bench/model.safetensors", device=a.device)
+            finally:
+                os.environ.pop("HBMIO_REMOTE_PART_SIZE", None)
+
+        def run_curl():
             share = -(-size // a.connections)
             procs = [subprocess.Popen(["curl", "-sS", "-f", "--aws-sigv4", "aws:amz:us-east-1:s3", "--user", f"{KEY}:{SECRET}",
                                        "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", "-r", f"{lo}-{min(lo + share, size) - 1}",
@@ -111,6 +118,7 @@ def main():
                      for lo in range(0, size, share)]
             if any(p.wait() != 0 for p in procs):
                 raise RuntimeError("a curl failed")
+            return None
 
         class Null(io.RawIOBase):
             def writable(self):
@@ -119,11 +127,12 @@ def main():
             def write(self, b):
                 return len(b)
 
-        def run_boto3(check):
+        def run_boto3():
             s3.download_fileobj("bench", "model.safetensors", Null(),
                                 Config=TransferConfig(max_concurrency=a.connections, multipart_chunksize=8 << 20))
+            return None
 
-        def run_runai(check):
+        def run_runai():
             from runai_model_streamer import SafetensorsStreamer
             device = "cpu" if a.device in ("host", "pinned") else a.device
             got = {}
@@ -131,12 +140,13 @@ def main():
                 streamer.stream_file("s3://bench/model.safetensors")
                 for name, tensor in streamer.get_tensors():
                     got[name] = tensor.to(device, non_blocking=False) if device != "cpu" else tensor.clone()
-            if check:
-                bad = [k for k in ref if not torch.equal(got[k].cpu(), ref[k])]
-                return "ok" if not bad else f"MISMATCH {bad[:3]}"
-            return None
+            if device != "cpu":
+                torch.cuda.synchronize()
+            return got
 
         contenders = {"curl": run_curl, "hbmio": run_hbmio, "boto3": run_boto3}
+        for part in a.hbmio_parts.split(",") if a.hbmio_parts else []:
+            contenders[f"hbmio parts {part}"] = lambda part=part: run_hbmio(part)
         if shutil.which("curl") is None:
             del contenders["curl"]
             emit(dict(contender="curl", skipped="no curl command here"))
@@ -148,21 +158,24 @@ def main():
         except ImportError as e:
             emit(dict(contender="runai", skipped=f"not installed: {e}"))
         for c, fn in contenders.items():  # first use outside the rounds (connections, imports, engines)
-            fn(False)
+            fn()
         times = {c: [] for c in contenders}
         for r in range(a.rounds):
             names = list(contenders)
             for c in names[r % len(names):] + names[:r % len(names)]:
                 cpu0 = cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN)
                 t0 = time.perf_counter()
-                check = contenders[c](r == 0)
+                got = contenders[c]()
+                if a.device.startswith("cuda"):
+                    torch.cuda.synchronize()
                 s = time.perf_counter() - t0
                 cpu = cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0
                 times[c].append(s)
                 rec = dict(contender=c, round=r, seconds=round(s, 3), gib_per_s=round(size / GIB / s, 3),
                            cpu_s_per_gib=round(cpu / (size / GIB), 3))
-                if check:
-                    rec["check"] = check
+                if got is not None and r == 0:
+                    rec["check"] = check(got)  # untimed
+                del got
                 emit(rec)
         for c, t in times.items():
             med = statistics.median(t)

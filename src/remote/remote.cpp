@@ -116,8 +116,15 @@ RemoteOptions RemoteOptions::from_env() {
   if (const char* v = std::getenv("HBMIO_REMOTE_PART_SIZE"); v && *v) o.part_size = parse_size(v);
   if (const char* v = std::getenv("HBMIO_REMOTE_ATTEMPTS"); v && *v) o.max_attempts = static_cast<unsigned>(parse_size(v));
   if (o.connections == 0 || o.connections > 1024) throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_CONNECTIONS: 1..1024");
-  if (o.part_size < 4096) throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_PART_SIZE: at least 4 KiB");
+  if (o.part_size != 0 && o.part_size < 4096) throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_PART_SIZE: at least 4 KiB");
   return o;
+}
+
+std::uint64_t RemoteOptions::part_size_for(std::uint64_t bytes) const noexcept {
+  if (part_size != 0) return part_size;
+  constexpr std::uint64_t kMiB = 1u << 20;
+  const std::uint64_t two_per_connection = bytes / (2 * std::max(1u, connections));
+  return std::clamp<std::uint64_t>((two_per_connection + kMiB - 1) / kMiB * kMiB, 8 * kMiB, 64 * kMiB);
 }
 
 struct RemoteObject::State {
@@ -167,13 +174,16 @@ Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& option
     const RemoteRead* read;
     std::uint64_t at, length;  // within the read
   };
+  std::uint64_t total = 0;
+  for (const RemoteRead& r : reads) total += r.into.size;
+  const std::uint64_t part_size = options.part_size_for(total);
   std::vector<Part> parts;
   for (const RemoteRead& r : reads) {
     if (r.offset + r.into.size > r.object->size())
       throw Error(errno_code(EINVAL), {.op = "GET", .path = r.object->shown(), .offset = r.offset, .length = r.into.size},
                   fmt::format("the range passes the object's end ({} bytes)", r.object->size()));
-    for (std::uint64_t at = 0; at < r.into.size; at += options.part_size)
-      parts.push_back({&r, at, std::min<std::uint64_t>(options.part_size, r.into.size - at)});
+    for (std::uint64_t at = 0; at < r.into.size; at += part_size)
+      parts.push_back({&r, at, std::min<std::uint64_t>(part_size, r.into.size - at)});
   }
   Stats stats;
   stats.backend = "remote";
@@ -195,7 +205,7 @@ Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& option
         std::byte* dest = options.discard ? nullptr : r.into.data + p.at;
         const bool device = r.into.kind() == MemoryKind::device && !options.discard;
         if (device) {
-          if (bounce.size() < p.length) bounce = Buffer::allocate({MemoryKind::pinned}, options.part_size);
+          if (bounce.size() < p.length) bounce = Buffer::allocate({MemoryKind::pinned}, part_size);
           dest = bounce.data();
         }
         get(state.state_->target, options, r.offset + p.at, p.length, state.etag(), dest, &failed);
@@ -223,7 +233,7 @@ Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& option
   stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   stats.cpu_seconds = process_cpu_seconds() - cpu_start;
   stats.workers = workers;
-  stats.note = fmt::format("{} ranged GETs of up to {} over {} connections", parts.size(), format_size(options.part_size), workers);
+  stats.note = fmt::format("{} ranged GETs of up to {} over {} connections", parts.size(), format_size(part_size), workers);
   return stats;
 }
 

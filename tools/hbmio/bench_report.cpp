@@ -228,7 +228,7 @@ std::string render_table(const Report& r) {
     field("object", fmt::format("{}, {}", r.file_path, format_size(r.size)));
     field("into", fmt::format("{}; {} timed runs per row", r.into, r.runs));
     field("remote", fmt::format("{} connections, parts of {} (HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE)", remote.connections,
-                                format_size(remote.part_size)));
+                                format_size(remote.part_size_for(r.size))));
   } else {
     field("file", fmt::format("{}, {}{}, {} on {}{}", r.file_path, format_size(r.size),
                               r.generated ? " of random data (generated, removed afterwards)" : "", m.file_system, m.device,
