@@ -154,6 +154,10 @@ def test_the_command_loads_and_verifies_a_url(server, tmp_path):
     assert out.returncode == 0, out.stderr + out.stdout
     out = subprocess.run([cli, "ckpt", "load", server.url("missing.safetensors"), "--into", "host"], capture_output=True, text=True)
     assert out.returncode != 0 and "missing.safetensors" in out.stderr
+    # `hbmio read URL`: a byte range by ranged GETs, compared with a sequential read of the object.
+    out = subprocess.run([cli, "read", server.url("checked.safetensors"), "--offset", "100", "--length", "4KiB", "--verify"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "4096 bytes identical" in out.stdout, out.stdout + out.stderr
 
 
 @needs_gpu

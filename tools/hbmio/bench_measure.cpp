@@ -186,22 +186,11 @@ Row measure_remote(Row row, const RemoteObject& object, MemorySpan memory, const
       row.runs.push_back({.seconds = s.seconds, .cpu_seconds = s.cpu_seconds, .bytes = s.bytes, .backend = "remote", .note = s.note});
       row.note = s.note;
       if (i == 1 && verify) {
-        // The reference: parts one after another on one connection, into host memory.
-        RemoteOptions sequential = options;
-        sequential.connections = 1;
-        sequential.discard = false;
-        Buffer reference = Buffer::allocate({MemoryKind::host}, memory.size);
-        const RemoteRead again{&object, 0, reference.span()};
-        read_remote({&again, 1}, sequential);
-        Buffer got = Buffer::allocate({MemoryKind::host}, memory.size);
-        copy_memory(got.span(), memory);
-        const auto* a = got.data();
-        const auto* b = reference.data();
-        const auto at = std::mismatch(a, a + memory.size, b).first - a;
-        row.verified = static_cast<std::uint64_t>(at) == memory.size;
-        if (!*row.verified) {
+        const auto mismatch = first_difference(memory, object.url());
+        row.verified = !mismatch;
+        if (mismatch) {
           row.status = "failed";
-          row.reason = fmt::format("data differs from a sequential read of the object at byte {}", at);
+          row.reason = fmt::format("data differs from a sequential read of the object at byte {}", *mismatch);
         }
       }
     }

@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <memory>
+#include <optional>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -81,14 +83,26 @@ void fill_random(std::byte* data, std::size_t size, std::uint64_t seed) {
 }
 
 std::optional<std::uint64_t> first_difference(MemorySpan memory, const std::string& path, std::uint64_t offset) {
-  File file = File::open(path, OpenMode::read, /*with_direct_io=*/false);
+  // The reference: a plain read of the file, or of a URL one ranged GET at a time on one connection.
+  std::optional<File> file;
+  std::shared_ptr<RemoteObject> object;
+  if (is_remote_url(path)) {
+    RemoteOptions sequential = RemoteOptions::from_env();
+    sequential.connections = 1;
+    object = RemoteObject::open(path, sequential);
+  } else {
+    file.emplace(File::open(path, OpenMode::read, /*with_direct_io=*/false));
+  }
   const std::size_t piece = std::min<std::size_t>(memory.size, std::size_t{64} << 20);
   std::vector<std::byte> expected(piece), actual(piece);
   for (std::size_t at = 0; at < memory.size; at += piece) {
     const std::size_t length = std::min(piece, memory.size - at);
-    if (const std::size_t got = file.read_at({expected.data(), length}, offset + at); got < length)
-      throw Error(errno_code(EIO), {.op = "verify read", .path = path, .offset = offset + at + got},
+    const std::uint64_t have = object ? (object->size() > offset + at ? std::min<std::uint64_t>(length, object->size() - offset - at) : 0)
+                                      : file->read_at({expected.data(), length}, offset + at);
+    if (have < length)
+      throw Error(errno_code(EIO), {.op = "verify read", .path = path, .offset = offset + at + have},
                   "the file ends before the range in memory");
+    if (object) object->read(offset + at, {expected.data(), length, {}});
     copy_memory({actual.data(), length, {}}, memory.subspan(at, length));
     const auto end = actual.begin() + static_cast<std::ptrdiff_t>(length);
     const auto [a, e] = std::mismatch(actual.begin(), end, expected.begin());

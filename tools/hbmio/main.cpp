@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -26,9 +27,13 @@ int run_read(const std::string& path, const std::string& into, const std::string
              const std::string& length_text, bool verify, const std::string& json, bool verbose, const TuningFlags& tuning) {
   const Options options = tuning.resolve();
   const MemoryLocation where = MemoryLocation::parse(into);
-  File file = File::open(path, OpenMode::read);
+  // A URL is read by ranged GETs (docs/remote.md); a file by the engine of --backend.
+  std::shared_ptr<RemoteObject> object;
+  std::optional<File> file;
+  if (is_remote_url(path)) object = RemoteObject::open(path);
+  else file.emplace(File::open(path, OpenMode::read));
   const std::uint64_t offset = offset_text.empty() ? 0 : parse_size(offset_text);
-  const std::uint64_t size = file.size();
+  const std::uint64_t size = object ? object->size() : file->size();
   if (offset > size)
     throw Error(errno_code(EINVAL), {.op = "read", .path = path, .offset = offset},
                 fmt::format("offset is past the end of the file ({} bytes)", size));
@@ -38,11 +43,17 @@ int run_read(const std::string& path, const std::string& into, const std::string
   if (length > size - offset)  // before the memory is allocated: a typo should not ask for a TiB
     throw Error(errno_code(EINVAL), {.op = "read", .path = path, .offset = offset, .length = length},
                 fmt::format("the range ends past the end of the file ({} bytes)", size));
-  auto engine = make_engine(backend, options);
   Buffer buffer = Buffer::allocate(where, length);
-  Progress progress(fmt::format("read {} -> {}", path, where.to_string()), length);
-  IoRequest request{.op = IoOp::read, .file = &file, .offset = offset, .memory = buffer.span(), .progress = progress.counter()};
-  Stats stats = engine->submit(request);
+  Progress progress(fmt::format("read {} -> {}", object ? object->shown() : path, where.to_string()), length);
+  Stats stats;
+  if (object) {
+    const RemoteRead read{object.get(), offset, buffer.span()};
+    stats = read_remote({&read, 1}, RemoteOptions::from_env(), progress.counter());
+  } else {
+    auto engine = make_engine(backend, options);
+    IoRequest request{.op = IoOp::read, .file = &*file, .offset = offset, .memory = buffer.span(), .progress = progress.counter()};
+    stats = engine->submit(request);
+  }
   std::optional<std::uint64_t> mismatch;
   if (verify) mismatch = first_difference(buffer.span(), path, offset);
   if (!json.empty()) {
@@ -214,7 +225,7 @@ int main(int argc, char** argv) {
   TuningFlags tuning;
 
   auto* read = app.add_subcommand("read", "Read a file range into host, pinned or GPU memory and report the throughput");
-  read->add_option("file", path, "File to read")->required();
+  read->add_option("file", path, "File to read, or a URL (s3://BUCKET/KEY, http(s)://...) read by parallel ranged GETs (docs/remote.md)")->required();
   read->add_option("--into", into, "Destination memory: host (or cpu), pinned, cuda or cuda:N")->capture_default_str();
   read->add_option("--backend,-b", backend, "posix, uring, cufile or auto")->capture_default_str();
   read->add_option("--offset", offset, "First byte to read (default 0)")->check(hbmio::cli::size_value());
