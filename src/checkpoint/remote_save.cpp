@@ -13,7 +13,6 @@
 #include <future>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -25,22 +24,11 @@
 #include "hbmio/error.hpp"
 #include "hbmio/remote.hpp"
 #include "io/engine_internal.hpp"
-#include "memory/cuda_runtime.hpp"
 
 namespace hbmio::detail {
 namespace {
 
 namespace st = safetensors;
-
-// Copies `length` bytes of `from` at `offset` into host memory.
-void copy_out(const MemorySpan& from, std::uint64_t offset, std::byte* into, std::uint64_t length, const ErrorContext& context) {
-  if (from.kind() == MemoryKind::device) {
-    cuda::DeviceGuard guard(from.location.device, context);
-    cuda::memcpy_sync(into, from.data + offset, length, context);
-  } else {
-    std::memcpy(into, from.data + offset, length);
-  }
-}
 
 Stats save_remote_file(const std::string& url, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   const ErrorContext context{.op = "save", .path = url};
@@ -77,15 +65,7 @@ Stats save_remote_file(const std::string& url, const std::vector<TensorToSave>& 
   std::string header = placeholder;
   const auto final_header = [&]() -> const std::string& {
     std::call_once(sealed, [&] {
-      if (!options.checksums) return;
-      const std::vector<std::uint64_t> computed = sums.get();
-      std::map<std::string, std::string> with_sums = metadata;
-      for (std::size_t i = 0; i < tensors.size(); ++i) with_sums[kChecksumPrefix + tensors[i].name] = to_hex(computed[i]);
-      std::string h = st::serialize_header(infos, with_sums);
-      seal_header(h);
-      if (h.size() != placeholder.size())
-        throw Error(errno_code(EPROTO), context, fmt::format("header changed size with its checksums ({} -> {} bytes)", placeholder.size(), h.size()));
-      header = std::move(h);
+      if (options.checksums) header = sealed_header(infos, metadata, tensors, sums.get(), placeholder.size(), context);
     });
     return header;
   };
@@ -102,7 +82,7 @@ Stats save_remote_file(const std::string& url, const std::vector<TensorToSave>& 
     for (; it != pieces.end() && it->begin < end; ++it) {
       const std::uint64_t a = std::max(offset, it->begin), b = std::min(end, it->end);
       if (a >= b) continue;
-      copy_out(it->from, a - it->begin, into.data() + (a - offset), b - a, {.op = "save", .path = url, .offset = a, .length = b - a});
+      copy_memory({into.data() + (a - offset), b - a, {}}, it->from.subspan(a - it->begin, b - a));
       // Counted as the part is filled, one part per connection ahead of what is stored.
       if (options.progress != nullptr) *options.progress += b - a;
     }

@@ -386,6 +386,19 @@ std::map<std::string, std::string> metadata_to_save(const std::vector<TensorToSa
   return metadata;
 }
 
+std::string sealed_header(std::vector<st::TensorInfo> infos, std::map<std::string, std::string> metadata,
+                          const std::vector<TensorToSave>& tensors, const std::vector<std::uint64_t>& checksums,
+                          std::uint64_t placeholder_size, const ErrorContext& context) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = to_hex(checksums[i]);
+  std::string header = st::serialize_header(infos, metadata);
+  seal_header(header);
+  // The placeholders fixed where the data went: the sealed header must keep their size.
+  if (header.size() != placeholder_size)
+    throw Error(errno_code(EPROTO), context,
+                fmt::format("header changed size with its checksums ({} -> {} bytes)", placeholder_size, header.size()));
+  return header;
+}
+
 ShardPlan plan_shards(const std::vector<TensorToSave>& tensors, std::uint64_t max_shard_size) {
   // Greedy shards in the reference writer's tensor order.
   std::vector<st::TensorInfo> order;
@@ -565,16 +578,7 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
         wait = seconds_since(phase);
       }
     }
-    if (options.checksums) {
-      for (std::size_t i = 0; i < tensors.size(); ++i) metadata[kChecksumPrefix + tensors[i].name] = detail::to_hex(computed[i]);
-      // The placeholders fixed where the data went: the sealed header must keep their size.
-      std::string final_header = st::serialize_header(infos, metadata);
-      detail::seal_header(final_header);
-      if (final_header.size() != header.size())
-        throw Error(errno_code(EPROTO), context, fmt::format("header changed size with its checksums ({} -> {} bytes)",
-                                                             header.size(), final_header.size()));
-      header = std::move(final_header);
-    }
+    if (options.checksums) header = detail::sealed_header(infos, metadata, tensors, computed, header.size(), context);
     Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
     std::memcpy(header_buffer.data(), header.data(), header.size());
     const IoRequest header_request{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()};

@@ -115,6 +115,11 @@ ShardPlan plan_shards(const std::vector<TensorToSave>& tensors, std::uint64_t ma
 // fixed-width placeholders for the new ones: a header serialized with them has the final
 // header's size, and so fixes where the data goes before the checksums are known.
 std::map<std::string, std::string> metadata_to_save(const std::vector<TensorToSave>& tensors, const SaveOptions& options);
+// The final header: `metadata` (from metadata_to_save) with each tensor's checksum (in the order
+// of `tensors`), sealed; throws EPROTO if its size differs from the placeholder header's.
+std::string sealed_header(std::vector<safetensors::TensorInfo> infos, std::map<std::string, std::string> metadata,
+                          const std::vector<TensorToSave>& tensors, const std::vector<std::uint64_t>& checksums,
+                          std::uint64_t placeholder_size, const ErrorContext& context);
 // Names (none empty, none "__metadata__", none twice) and sizes (each span the size its dtype and
 // shape call for): what every save checks before it writes anything.
 void check_tensors(const std::vector<TensorToSave>& tensors, const ErrorContext& context);

@@ -97,11 +97,10 @@ std::optional<std::uint64_t> first_difference(MemorySpan memory, const std::stri
   std::vector<std::byte> expected(piece), actual(piece);
   for (std::size_t at = 0; at < memory.size; at += piece) {
     const std::size_t length = std::min(piece, memory.size - at);
-    const std::uint64_t have = object ? (object->size() > offset + at ? std::min<std::uint64_t>(length, object->size() - offset - at) : 0)
-                                      : file->read_at({expected.data(), length}, offset + at);
-    if (have < length)
-      throw Error(errno_code(EIO), {.op = "verify read", .path = path, .offset = offset + at + have},
-                  "the file ends before the range in memory");
+    // Where the reference ends (the object's size, or where the file's read stopped).
+    const std::uint64_t stop = object ? object->size() : offset + at + file->read_at({expected.data(), length}, offset + at);
+    if (stop < offset + at + length)
+      throw Error(errno_code(EIO), {.op = "verify read", .path = path, .offset = stop}, "the file ends before the range in memory");
     if (object) object->read(offset + at, {expected.data(), length, {}});
     copy_memory({actual.data(), length, {}}, memory.subspan(at, length));
     const auto end = actual.begin() + static_cast<std::ptrdiff_t>(length);
