@@ -95,13 +95,15 @@ TEST(Remote, S3UrlsResolveAsTheAwsToolsDo) {
     EXPECT_THROW(remote::resolve(bad, {}), Error) << bad;
 }
 
-TEST(Remote, PartSizesAreTwoPerConnectionWithin8And64MiB) {
+TEST(Remote, PartSizesAreTwoPerConnectionWithinBounds) {
   constexpr std::uint64_t MiB = 1u << 20;
   RemoteOptions o;  // 16 connections, part size chosen per transfer
   EXPECT_EQ(o.part_size_for(100 * MiB), 8 * MiB);        // small: never below 8 MiB
   EXPECT_EQ(o.part_size_for(1024 * MiB), 32 * MiB);      // 1 GiB / (2 x 16)
   EXPECT_EQ(o.part_size_for(1000 * MiB + 1), 32 * MiB);  // rounded up to whole MiB
-  EXPECT_EQ(o.part_size_for(6144 * MiB), 64 * MiB);      // large: never above 64 MiB
+  EXPECT_EQ(o.part_size_for(6144 * MiB), 192 * MiB);     // 6 GiB / (2 x 16)
+  EXPECT_EQ(o.part_size_for(65536 * MiB), 256 * MiB);    // large reads: never above 256 MiB
+  EXPECT_EQ(o.part_size_for(6144 * MiB, RemoteOptions::kLargestUploadPart), 64 * MiB);  // uploads: 64 MiB
   o.connections = 4;
   EXPECT_EQ(o.part_size_for(256 * MiB), 32 * MiB);
   o.part_size = 5 * MiB;  // given: taken as it is

@@ -181,11 +181,13 @@ def main():
             med = statistics.median(t)
             emit(dict(contender=c, summary=True, median_s=round(med, 3), gib_per_s=round(size / GIB / med, 3)))
 
-        if a.hbmio_bench:
+        if a.hbmio_bench:  # with the default part size, then each of --hbmio-parts
             into = "pinned" if a.device in ("host", "pinned") else a.device
-            out = subprocess.run([a.hbmio_bench, "bench", "--url", "s3://bench/model.safetensors", "--into", into, "--runs", "3"],
-                                 capture_output=True, text=True)
-            print(out.stdout + out.stderr[-2000:], flush=True)
+            for part in [None] + (a.hbmio_parts.split(",") if a.hbmio_parts else []):
+                env = dict(os.environ, **({"HBMIO_REMOTE_PART_SIZE": part} if part else {}))
+                out = subprocess.run([a.hbmio_bench, "bench", "--url", "s3://bench/model.safetensors", "--into", into, "--runs", "3"],
+                                     capture_output=True, text=True, env=env)
+                print(out.stdout + out.stderr[-2000:], flush=True)
 
         # Saves of the same tensors (from --device memory) as a new object: hbmio.save_file's
         # multipart upload against boto3's upload_file of the same bytes from a local file.

@@ -4,7 +4,7 @@
 // HTTP, TLS and S3's SigV4 signatures are libcurl's (loaded at run time: libcurl.so.4, or
 // $HBMIO_CURL_LIBRARY; a machine without it can do everything else). Many ranged GETs run at
 // once, each worker on its own connection kept open between requests; a GET into GPU memory lands
-// in a pinned bounce buffer and is copied to the device while the next one arrives.
+// in a few pinned chunks per connection, each copied to the device while the next ones arrive.
 //
 // S3 the way AWS tools find it: credentials from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
 // AWS_SESSION_TOKEN, else the shared credentials file (AWS_SHARED_CREDENTIALS_FILE, default
@@ -41,9 +41,10 @@ bool is_remote_url(std::string_view path) noexcept;
 struct RemoteOptions {
   unsigned connections = 16;                 // GETs in flight (one connection each)
   // Bytes per ranged GET (or uploaded part). 0: chosen per transfer, two parts per connection
-  // within 8..64 MiB: large parts cost fewer requests (6 GiB into an H200 from a local S3 server:
-  // 4.7 GiB/s with 8 MiB parts, 5.9 with 64 MiB; bench/RESULTS.md), small ones keep every
-  // connection busy on a small checkpoint.
+  // from 8 MiB up to 256 MiB for reads (large parts cost fewer requests: 6 GiB into an H200 from
+  // a local S3 server, 4.7 GiB/s with 8 MiB parts, 5.9 with 64; bench/RESULTS.md; a read's
+  // pinned memory does not grow with its parts) and up to 64 MiB for uploads (each part in flight
+  // is a buffer of that size); small parts keep every connection busy on a small checkpoint.
   std::size_t part_size = 0;
   unsigned max_attempts = 5;                 // per part, the first included
   double backoff_seconds = 0.2;              // before the first retry; doubles, jittered, up to 10 s
@@ -58,11 +59,16 @@ struct RemoteOptions {
 
   // HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE ("8MiB"), HBMIO_REMOTE_ATTEMPTS.
   static RemoteOptions from_env();
-  // The part size for a transfer of `bytes` in all: part_size, or where that is 0 the rule above.
-  std::uint64_t part_size_for(std::uint64_t bytes) const noexcept;
+  static constexpr std::uint64_t kLargestReadPart = std::uint64_t{256} << 20;
+  static constexpr std::uint64_t kLargestUploadPart = std::uint64_t{64} << 20;
+  // The part size for a transfer of `bytes` in all: part_size, or where that is 0 the rule above
+  // with `largest` as its bound.
+  std::uint64_t part_size_for(std::uint64_t bytes, std::uint64_t largest = kLargestReadPart) const noexcept;
 };
 
 struct RemoteRead;
+// Told that bytes [at, at + length) of read `read` are in place (see read_remote).
+using LandedFunction = std::function<void(std::size_t read, std::uint64_t at, std::uint64_t length)>;
 
 // One object, opened (a HEAD, or a one-byte GET where HEAD is refused) so its size and version
 // are known. Thread-safe; reads of one object may run at once.
@@ -83,7 +89,7 @@ class RemoteObject {
 
  private:
   friend Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& options,
-                           std::atomic<std::uint64_t>* progress);
+                           std::atomic<std::uint64_t>* progress, const LandedFunction& landed);
   explicit RemoteObject(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
 };
@@ -96,10 +102,13 @@ struct RemoteRead {
 };
 
 // Every read at once, cut into parts of options.part_size over options.connections workers (the
-// ranges of many objects share them). Returns bytes, seconds and CPU time; throws the first
-// failure after the others have stopped.
+// ranges of many objects share them). `landed`, where given, is called as each part is in place
+// (GPU copies done) with its read's index and its range within the read, on the worker that
+// fetched it while the others go on: a check of the data (hbmio's checksums) runs as it streams
+// in, and a throw from it fails the whole call. Returns bytes, seconds and CPU time; throws the
+// first failure after the others have stopped.
 Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& options = RemoteOptions::from_env(),
-                  std::atomic<std::uint64_t>* progress = nullptr);
+                  std::atomic<std::uint64_t>* progress = nullptr, const LandedFunction& landed = {});
 
 // Puts the bytes [offset, offset + into.size()) of an object being written into `into` (host
 // memory). Called from several threads at once.

@@ -5,6 +5,7 @@ Faults (RangeServer.faults, a dict, changed by a test between requests):
   "status_burst": (code, n)   the next n GETs answer `code` (503, 429, 404, 403, ...)
   "reset_after": n            the next GET with a body sends n bytes of it, then closes the connection
   "short": n                  the next GET with a body sends n bytes fewer than its Content-Length says
+  "reset_big": (size, n)      the next GET of more than `size` bytes sends n bytes, then closes
   "slow_s": s                 every body write waits s seconds first
   "ignore_range": True        every GET answers 200 with the whole file
 """
@@ -84,6 +85,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             data = f.read(length)
         if faults.get("slow_s"):
             time.sleep(faults["slow_s"])
+        big = faults.get("reset_big")
+        if big is not None and length > big[0]:
+            faults["reset_after"] = faults.pop("reset_big")[1]
         if faults.get("reset_after") is not None:
             n = faults.pop("reset_after")
             self.wfile.write(data[:n])

@@ -4,6 +4,7 @@ load_file, open, and the hbmio command, equal to local loads; faults (503 bursts
 bodies mid-transfer, an object replaced during a load, a server without ranges, a missing key)
 each give the documented result; secrets in URLs never reach a message."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -28,6 +29,17 @@ needs_gpu = pytest.mark.skipif(hbmio.cuda_device_count() == 0, reason=f"no GPU: 
 
 def raw(t):
     return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def damaged_copy(src, dst, tensor, at):
+    """Copies a safetensors file with one bit of `tensor`'s data flipped at byte `at` (the header,
+    with its checksums, unchanged); returns the header's length."""
+    blob = bytearray(src.read_bytes())
+    header_len = int.from_bytes(blob[:8], "little")
+    begin = json.loads(blob[8:8 + header_len])[tensor]["data_offsets"][0]
+    blob[8 + header_len + begin + at] ^= 0x40
+    dst.write_bytes(bytes(blob))
+    return header_len
 
 
 def same(got, want):
@@ -93,6 +105,40 @@ def test_transient_failures_are_retried(server):
         server.faults.clear()
         server.faults.update(fault)
         same(hbmio.load_file(server.url("layers.safetensors")), want)
+
+
+def test_a_body_that_breaks_off_is_resumed_where_it_stopped(server, monkeypatch):
+    # One part for the whole data: the retry after a reset asks for the rest, not the part again.
+    monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "64MiB")
+    monkeypatch.setenv("HBMIO_REMOTE_CONNECTIONS", "1")
+    want = st_torch.load_file(str(FIXTURES / "big.safetensors"))
+    server.faults["reset_big"] = (2 << 20, 300_000)  # the data GET (4 MiB), not the header's (1 MiB)
+    same(hbmio.load_file(server.url("big.safetensors")), want)
+    starts = [int(r.split("=")[1].split("-")[0]) for _, r in server.requests]
+    data = [s for s in starts if s > 0]  # the header's GETs start at 0
+    assert len(data) == 2 and data[1] == data[0] + 300_000, server.requests
+
+
+def test_verify_checks_each_tensor_as_it_arrives(server, monkeypatch):
+    root = pathlib.Path(server.root)
+    tensors = {f"t{i}": torch.full((64, 1024), float(i)) for i in range(8)}
+    hbmio.save_file(tensors, str(root / "sums.safetensors"))
+    monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "64KiB")  # tensors of 256 KiB in several parts each
+    same(hbmio.load_file(server.url("sums.safetensors"), verify=True), tensors)
+    # One flipped byte in t5's data (the header, with its checksums, unchanged): the load fails naming t5.
+    header_len = damaged_copy(root / "sums.safetensors", root / "bad.safetensors", "t5", 1234)
+    with pytest.raises(hbmio.VerifyError, match="t5"):
+        hbmio.load_file(server.url("bad.safetensors"), verify=True)
+    assert hbmio.load_file(server.url("bad.safetensors"))["t5"].flatten()[0] == 5  # unchecked loads still load
+    # Checked as it streams in: on one connection, parts arrive in file order, and the load stops
+    # at t5's last part instead of fetching t6 and t7 first.
+    monkeypatch.setenv("HBMIO_REMOTE_CONNECTIONS", "1")
+    server.requests.clear()
+    with pytest.raises(hbmio.VerifyError, match="t5"):
+        hbmio.load_file(server.url("bad.safetensors"), verify=True)
+    starts = [int(r.split("=")[1].split("-")[0]) for _, r in server.requests]
+    data_gets = [s for s in starts if s >= 8 + header_len and (s - 8 - header_len) % (64 << 10) == 0]  # not the header's
+    assert len(data_gets) == 6 * 4, server.requests  # t0..t5, in 64 KiB parts
 
 
 def test_permanent_failures_are_reported_at_once(server, monkeypatch):
@@ -161,11 +207,30 @@ def test_the_command_loads_and_verifies_a_url(server, tmp_path):
 
 
 @needs_gpu
-def test_into_cuda(server):
+def test_into_cuda(server, monkeypatch):
     want = st_torch.load_file(str(FIXTURES / "big.safetensors"))
     got = hbmio.load_file(server.url("big.safetensors"), device="cuda:0")
     assert all(t.is_cuda for t in got.values())
     same(got, want)
+    # One part of 4.3 MiB through the 4 MiB pinned chunks, its body broken off at an odd offset
+    # and resumed there (mid-chunk).
+    monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "16MiB")
+    monkeypatch.setenv("HBMIO_REMOTE_CONNECTIONS", "1")
+    server.faults["reset_big"] = (2 << 20, 300_001)
+    same(hbmio.load_file(server.url("big.safetensors"), device="cuda:0"), want)
+    assert "reset_big" not in server.faults  # the fault did happen
+
+
+@needs_gpu
+def test_verify_into_cuda_checks_device_memory(server, monkeypatch):
+    root = pathlib.Path(server.root)
+    tensors = {f"t{i}": torch.full((256, 1024), float(i)) for i in range(4)}
+    hbmio.save_file(tensors, str(root / "gpu-sums.safetensors"))
+    monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "256KiB")
+    same(hbmio.load_file(server.url("gpu-sums.safetensors"), device="cuda:0", verify=True), tensors)
+    damaged_copy(root / "gpu-sums.safetensors", root / "gpu-bad.safetensors", "t2", 777)
+    with pytest.raises(hbmio.VerifyError, match="t2"):
+        hbmio.load_file(server.url("gpu-bad.safetensors"), device="cuda:0", verify=True)
 
 
 # ---- S3 (moto's server mode on 127.0.0.1) ----

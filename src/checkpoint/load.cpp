@@ -174,6 +174,7 @@ struct PlannedRead {
   std::size_t file = 0;
   std::uint64_t file_offset = 0;
   MemorySpan memory;
+  std::size_t first_tensor = 0, tensors = 0;  // the LoadedCheckpoint tensors it fills
 };
 
 }  // namespace
@@ -323,10 +324,12 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
       if (last.file == pick.file && last.file_offset + last.memory.size == file_offset &&
           last.memory.data + last.memory.size == memory.data && memory.size > 0) {
         last.memory.size += memory.size;
+        ++last.tensors;
         return;
       }
     }
-    if (memory.size > 0) reads.push_back({pick.file, file_offset, memory});
+    // add_tensor appends the tensor after this: it gets the next index.
+    if (memory.size > 0) reads.push_back({pick.file, file_offset, memory, result.tensors_.size(), 1});
   };
   auto add_tensor = [&](const Pick& pick, MemorySpan memory) {
     if (read_only == nullptr || read_only->contains(pick.info->name)) plan_read(pick, memory);
@@ -357,9 +360,37 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     // At a URL: every range of every object at once over the remote workers' connections.
     std::vector<RemoteRead> remote_reads;
     for (const PlannedRead& read : reads) remote_reads.push_back({files[read.file].remote.get(), read.file_offset, read.memory});
-    result.stats_ = read_remote(remote_reads, RemoteOptions::from_env(), options.progress);
-    result.stats_.note = fmt::format("{} tensors from {} object(s): {}", result.tensors_.size(), files.size(), result.stats_.note);
-    if (options.verify && read_only == nullptr) verify(result, files, options.require_checksums);
+    // With verify, each tensor is checked as soon as its last byte is in, by the worker that
+    // fetched that byte while the others go on: checking runs beside the GETs, not in a second
+    // pass over everything once it is loaded.
+    const bool check = options.verify && read_only == nullptr;
+    if (check && options.require_checksums) require_checksums(files);
+    std::vector<char> checked(result.tensors_.size(), 0);
+    std::vector<std::atomic<std::uint64_t>> missing(result.tensors_.size());  // bytes not yet in place
+    for (std::size_t t = 0; t < result.tensors_.size(); ++t) missing[t] = result.tensors_[t].data.size;
+    const auto landed = [&](std::size_t i, std::uint64_t at, std::uint64_t length) {
+      const PlannedRead& read = reads[i];
+      const CheckpointFile& file = files[read.file];
+      if (!has_checksums(file.header.metadata)) return;
+      // The read's tensors lie back to back in it, in order.
+      for (std::size_t t = read.first_tensor; t < read.first_tensor + read.tensors; ++t) {
+        const LoadedTensor& tensor = result.tensors_[t];
+        const std::uint64_t begin = static_cast<std::uint64_t>(tensor.data.data - read.memory.data), end = begin + tensor.data.size;
+        if (end <= at) continue;
+        if (begin >= at + length) break;
+        const std::uint64_t overlap = std::min(end, at + length) - std::max(begin, at);
+        if (missing[t].fetch_sub(overlap) != overlap) continue;  // more of it still to come
+        const std::uint64_t sum = detail::xxh3_of_each({tensor.data}, 1).front();
+        if (auto bad = detail::check_tensor(file.header.metadata, tensor.name, tensor.file, tensor.file_offset, sum))
+          throw Error(make_error_code(Errc::verify_failed),
+                      {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size}, *bad);
+        checked[t] = 1;
+      }
+    };
+    result.stats_ = read_remote(remote_reads, RemoteOptions::from_env(), options.progress, check ? LandedFunction(landed) : nullptr);
+    result.stats_.note = fmt::format("{} tensors from {} object(s){}: {}", result.tensors_.size(), files.size(),
+                                     check ? ", each checked as it arrived" : "", result.stats_.note);
+    if (check) verify(result, files, options.require_checksums, &checked);
     return result;
   }
   // Read: one engine for the whole checkpoint, so rings and pinned buffers are set up once.
@@ -414,7 +445,8 @@ void detail::require_checksums(const std::vector<CheckpointFile>& files) {
                   "the file holds no hbmio checksums; add them with `hbmio ckpt checksum`");
 }
 
-void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files, bool strict) {
+void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files, bool strict,
+                                const std::vector<char>* already) {
   if (strict) require_checksums(files);
   // Files without checksums (every file another tool wrote) load unchecked and are named, so
   // that --verify works on any checkpoint and says what it could not check.
@@ -434,7 +466,7 @@ void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<Chec
   std::vector<MemorySpan> spans;
   std::vector<std::size_t> checked;  // indices of the tensors whose file has checksums
   for (std::size_t i = 0; i < result.tensors_.size(); ++i)
-    if (unchecked.count(result.tensors_[i].file) == 0) {
+    if (unchecked.count(result.tensors_[i].file) == 0 && (already == nullptr || !(*already)[i])) {
       spans.push_back(result.tensors_[i].data);
       checked.push_back(i);
     }

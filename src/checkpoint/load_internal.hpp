@@ -31,7 +31,9 @@ struct LoadAccess {
                                const std::set<std::string>* read_only);
   // strict: a file without checksums is an Error(Errc::no_checksums); else it is named in
   // result.unverified_files() and its tensors are left unchecked.
-  static void verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files, bool strict);
+  // `already`: per tensor, nonzero where its checksum was checked already (as it streamed in).
+  static void verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files, bool strict,
+                     const std::vector<char>* already = nullptr);
   static void adopt(LoadedCheckpoint& result, Buffer buffer) { result.buffers_.push_back(std::move(buffer)); }
   static Stats& stats(LoadedCheckpoint& result) { return result.stats_; }
 };

@@ -57,7 +57,7 @@ std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* user) {
   auto* sink = static_cast<Sink*>(user);
   const std::size_t bytes = size * n;
   Response& r = *sink->response;
-  if (r.status < 200 || r.status >= 300 || (sink->data == nullptr && !sink->discard)) {
+  if (r.status < 200 || r.status >= 300 || (sink->data == nullptr && !sink->deliver && !sink->discard)) {
     const std::size_t limit = r.status >= 200 && r.status < 300 ? sink->keep : 4096;
     if (r.body.size() < limit) r.body.append(ptr, std::min<std::size_t>(bytes, limit - r.body.size()));
     return bytes;
@@ -66,7 +66,16 @@ std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* user) {
     r.overflow = true;
     return 0;  // aborts the transfer: the server sent more than the range
   }
-  if (sink->data != nullptr) std::memcpy(sink->data + r.received, ptr, bytes);
+  if (sink->deliver) {
+    try {
+      sink->deliver(r.received, reinterpret_cast<const std::byte*>(ptr), bytes);
+    } catch (...) {  // no exception may cross libcurl's C frames
+      sink->error = std::current_exception();
+      return 0;
+    }
+  } else if (sink->data != nullptr) {
+    std::memcpy(sink->data + r.received, ptr, bytes);
+  }
   r.received += bytes;
   return bytes;
 }

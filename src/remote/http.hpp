@@ -5,6 +5,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <string>
 
 #include "hbmio/remote.hpp"
@@ -36,10 +38,15 @@ struct Response {
   std::string body;            // a non-2xx body's start (S3's XML error), or a kept 2xx body (see Sink)
 };
 
-// Where a response's body goes: `data` (capacity bytes) for a GET's payload, else kept in
-// Response::body up to `keep` bytes (an S3 XML answer).
+// Where a response's body goes: `data` (capacity bytes) or `deliver` for a GET's payload, else
+// kept in Response::body up to `keep` bytes (an S3 XML answer).
 struct Sink {
   std::byte* data = nullptr;
+  // Instead of `data`: called with each piece of the payload and its offset in the body (memory
+  // that is not a plain pointer, such as GPU memory reached through bounce buffers). A throw
+  // aborts the transfer and is kept in `error`.
+  std::function<void(std::uint64_t at, const std::byte* bytes, std::size_t size)> deliver;
+  std::exception_ptr error;
   std::uint64_t capacity = 0;
   std::size_t keep = 0;
   bool discard = false;  // a GET's payload counted and dropped (RemoteOptions::discard)

@@ -5,10 +5,12 @@
 #include "hbmio/remote.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -33,15 +35,29 @@ struct Attempt {
   Response response;
 };
 
-// One GET of bytes [offset, offset + length) (length 0: the first byte, to learn the size).
+// Where a GET's payload goes: a plain pointer (host memory), or a function given each piece with
+// its offset in the range (GPU memory, through a DeviceLanding); neither: dropped (discard) or,
+// for a size probe, nowhere.
+struct Destination {
+  std::byte* data = nullptr;
+  std::function<void(std::uint64_t at, const std::byte* bytes, std::size_t size)> deliver;
+};
+
+// One GET of bytes [offset, offset + length) (length 0: the first byte, to learn the size), its
+// payload put at `at` onwards of `to`.
 Attempt get_once(const Target& target, const RemoteOptions& options, std::uint64_t offset, std::uint64_t length, const std::string& if_match,
-                 std::byte* into, const std::atomic<bool>* stop) {
+                 const Destination& to, std::uint64_t at, const std::atomic<bool>* stop) {
   const auto& curl = shim::curl_api();
   Handle handle;
   CURL* h = handle.get();
   curl.easy_reset(h);  // keeps the connection, forgets the last request's options
   Attempt a;
-  Sink sink{.data = into, .capacity = length == 0 ? 1 : length, .discard = options.discard && length > 0, .response = &a.response, .stop = stop};
+  Sink sink{.data = to.data == nullptr ? nullptr : to.data + at,
+            .capacity = length == 0 ? 1 : length,
+            .discard = options.discard && length > 0,
+            .response = &a.response,
+            .stop = stop};
+  if (to.deliver) sink.deliver = [&](std::uint64_t received, const std::byte* bytes, std::size_t size) { to.deliver(at + received, bytes, size); };
   const std::string range = fmt::format("{}-{}", offset, offset + std::max<std::uint64_t>(length, 1) - 1);
   curl_slist* headers = nullptr;
   std::string userpwd, sigv4;
@@ -51,6 +67,7 @@ Attempt get_once(const Target& target, const RemoteOptions& options, std::uint64
   curl.easy_setopt(h, CURLOPT_RANGE, range.c_str());
   curl.easy_setopt(h, CURLOPT_HTTPHEADER, headers);
   a.curl = remote::perform(h, headers, a.response);
+  if (sink.error) std::rethrow_exception(sink.error);  // the destination failed (a CUDA copy)
   return a;
 }
 
@@ -61,32 +78,37 @@ std::optional<std::uint64_t> total_of(const std::string& content_range) {
   return std::strtoull(content_range.c_str() + slash + 1, nullptr, 10);
 }
 
-// A GET with the retry policy. `expect_etag`: the version every later GET must see.
+// A GET with the retry policy. `expect_etag`: the version every later GET must see. A retry
+// after a body that broke off asks only for the bytes still missing: a reset late in a large part
+// costs its rest, not the whole part again.
 Response get(const Target& target, const RemoteOptions& options, std::uint64_t offset, std::uint64_t length,
-             const std::string& expect_etag, std::byte* into, const std::atomic<bool>* stop) {
+             const std::string& expect_etag, const Destination& to, const std::atomic<bool>* stop) {
   const ErrorContext context{.op = "GET", .path = target.shown, .offset = offset, .length = length};
   const unsigned attempts = std::max(1u, options.max_attempts);
+  std::uint64_t done = 0;  // bytes of the range in place from earlier attempts
   for (unsigned attempt = 1;; ++attempt) {
     // If-Match compares strongly: a weak ETag (W/"...") never matches, so it is only compared.
     const bool strong = !expect_etag.empty() && !expect_etag.starts_with("W/");
-    Attempt a = get_once(target, options, offset, length, strong ? expect_etag : std::string(), into, stop);
+    Attempt a = get_once(target, options, offset + done, length - done, strong ? expect_etag : std::string(), to, done, stop);
     const Response& r = a.response;
     if (stop != nullptr && stop->load()) throw Error(errno_code(ECANCELED), context, "stopped: another part failed");
+    if (r.status == 206 && !expect_etag.empty() && !r.etag.empty() && r.etag != expect_etag)
+      throw Error(errno_code(ESTALE), context, fmt::format("the object changed during the load (ETag {} then {})", expect_etag, r.etag));
     std::string retry_why;
     const bool answered = a.curl == CURLE_OK || (a.curl == CURLE_WRITE_ERROR && r.overflow);
     if (answered) {
       if (r.status == 412)
         throw Error(errno_code(ESTALE), context,
                     fmt::format("the object changed during the load (its ETag is no longer {}): nothing of the new version was used", expect_etag));
-      const bool whole = r.status == 200 && length != 0 && offset == 0 && !r.overflow && r.received == length;
+      const bool whole = r.status == 200 && length != 0 && offset + done == 0 && !r.overflow && r.received == length;
       if (r.status == 200 && !whole)
         throw Error(errno_code(ENOTSUP), context, "the server ignored the byte range (HTTP 200 with the whole object): it cannot serve parts of it");
       if (whole || r.status == 206 || (r.status == 416 && length == 0)) {
         if (r.overflow) throw Error(errno_code(EPROTO), context, "the server sent more bytes than the range asked for");
         if (!expect_etag.empty() && !r.etag.empty() && r.etag != expect_etag)
           throw Error(errno_code(ESTALE), context, fmt::format("the object changed during the load (ETag {} then {})", expect_etag, r.etag));
-        if (length == 0 || r.received == length) return r;
-        retry_why = fmt::format("short body: {} of {} bytes", r.received, length);
+        if (length == 0 || done + r.received == length) return r;
+        retry_why = fmt::format("short body: {} of {} bytes", done + r.received, length);
       } else if (remote::transient_status(r.status)) {
         retry_why = remote::describe(a.curl, a.response);
       } else {
@@ -97,12 +119,84 @@ Response get(const Target& target, const RemoteOptions& options, std::uint64_t o
     } else {
       throw Error(errno_code(EIO), context, fmt::format("attempt {} of {}: {}", attempt, attempts, remote::describe(a.curl, a.response)));
     }
+    // Bytes of a ranged answer of the expected version are kept; the next attempt resumes after them.
+    if (r.status == 206 && length != 0) done += r.received;
     if (attempt >= attempts)
       throw Error(errno_code(r.status == 0 ? ETIMEDOUT : remote::errno_of_status(r.status)), context,
                   fmt::format("attempt {} of {}: {} (gave up)", attempt, attempts, retry_why));
     remote::backoff(attempt, options);
   }
 }
+
+// A worker's way into GPU memory. The part's bytes land in a ring of pinned chunks, and each full
+// chunk is copied to the device on the worker's stream at once, so the copy runs while the rest of
+// the part is still arriving; a chunk is written again only once its copy is done (events that
+// sleep rather than spin: the cores are the network's). A few chunks, not a part-sized buffer,
+// per connection: the part size is the network's choice, not a pinned-memory cost.
+class DeviceLanding {
+ public:
+  static constexpr std::size_t kChunk = std::size_t{4} << 20;
+  static constexpr std::size_t kChunks = 4;
+
+  DeviceLanding(int device, const ErrorContext& context)
+      : ring_(Buffer::allocate({MemoryKind::pinned}, kChunk * kChunks)), stream_(device, context) {
+    for (auto& e : events_) e = cuda::Event(context);
+  }
+  int device() const noexcept { return stream_.device(); }
+
+  // A part going to `dest` (device memory) starts.
+  void start(std::byte* dest, const ErrorContext& context) {
+    dest_ = dest;
+    begin_ = filled_ = 0;
+    context_ = context;
+  }
+  // Bytes at offset `at` of the part. A new attempt resuming elsewhere sends what the chunk holds
+  // (valid bytes of the part) and starts a new chunk there.
+  void write(std::uint64_t at, const std::byte* bytes, std::size_t size) {
+    if (at != begin_ + filled_) {
+      send();
+      begin_ = at;
+    }
+    while (size > 0) {
+      const std::size_t n = std::min(size, kChunk - filled_);
+      std::memcpy(ring_.data() + current_ * kChunk + filled_, bytes, n);
+      filled_ += n;
+      bytes += n;
+      size -= n;
+      if (filled_ == kChunk) send();
+    }
+  }
+  // Sends the last chunk and waits until every byte of the part is in device memory.
+  void finish() {
+    send();
+    if (pending_) events_[last_].synchronize(context_);  // the stream is in order: the last copy done means all are
+    pending_ = false;
+  }
+
+ private:
+  void send() {
+    if (filled_ == 0) return;
+    stream_.copy_to_device_async(dest_ + begin_, ring_.data() + current_ * kChunk, filled_, context_);
+    events_[current_].record(stream_, context_);
+    used_[current_] = pending_ = true;
+    last_ = current_;
+    current_ = (current_ + 1) % kChunks;
+    begin_ += filled_;
+    filled_ = 0;
+    if (used_[current_]) events_[current_].synchronize(context_);  // its previous copy must be done before it is refilled
+  }
+
+  Buffer ring_;
+  cuda::Stream stream_;
+  std::array<cuda::Event, kChunks> events_;
+  std::array<bool, kChunks> used_{};
+  std::size_t current_ = 0, last_ = 0;
+  std::byte* dest_ = nullptr;
+  std::uint64_t begin_ = 0;  // the part offset of the current chunk's first byte
+  std::size_t filled_ = 0;
+  bool pending_ = false;
+  ErrorContext context_;
+};
 
 }  // namespace
 
@@ -120,11 +214,11 @@ RemoteOptions RemoteOptions::from_env() {
   return o;
 }
 
-std::uint64_t RemoteOptions::part_size_for(std::uint64_t bytes) const noexcept {
+std::uint64_t RemoteOptions::part_size_for(std::uint64_t bytes, std::uint64_t largest) const noexcept {
   if (part_size != 0) return part_size;
   constexpr std::uint64_t kMiB = 1u << 20;
   const std::uint64_t two_per_connection = bytes / (2 * std::max(1u, connections));
-  return std::clamp<std::uint64_t>((two_per_connection + kMiB - 1) / kMiB * kMiB, 8 * kMiB, 64 * kMiB);
+  return std::clamp<std::uint64_t>((two_per_connection + kMiB - 1) / kMiB * kMiB, 8 * kMiB, std::max(8 * kMiB, largest));
 }
 
 struct RemoteObject::State {
@@ -144,7 +238,7 @@ std::shared_ptr<RemoteObject> RemoteObject::open(const std::string& url, const R
   state->options = options;
   state->target = remote::resolve(url, options);
   // A GET of the first byte rather than a HEAD: presigned URLs are signed for one method.
-  const Response r = get(state->target, options, 0, 0, "", nullptr, nullptr);
+  const Response r = get(state->target, options, 0, 0, "", {}, nullptr);
   if (r.status == 206 || r.status == 416) {
     const auto total = total_of(r.content_range);
     if (!total)
@@ -169,21 +263,23 @@ void RemoteObject::read(std::uint64_t offset, MemorySpan into) const {
   read_remote({&r, 1}, state_->options);
 }
 
-Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& options, std::atomic<std::uint64_t>* progress) {
+Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& options, std::atomic<std::uint64_t>* progress,
+                  const LandedFunction& landed) {
   struct Part {
-    const RemoteRead* read;
+    std::size_t read;
     std::uint64_t at, length;  // within the read
   };
   std::uint64_t total = 0;
   for (const RemoteRead& r : reads) total += r.into.size;
   const std::uint64_t part_size = options.part_size_for(total);
   std::vector<Part> parts;
-  for (const RemoteRead& r : reads) {
+  for (std::size_t i = 0; i < reads.size(); ++i) {
+    const RemoteRead& r = reads[i];
     if (r.offset + r.into.size > r.object->size())
       throw Error(errno_code(EINVAL), {.op = "GET", .path = r.object->shown(), .offset = r.offset, .length = r.into.size},
                   fmt::format("the range passes the object's end ({} bytes)", r.object->size()));
     for (std::uint64_t at = 0; at < r.into.size; at += part_size)
-      parts.push_back({&r, at, std::min<std::uint64_t>(part_size, r.into.size - at)});
+      parts.push_back({i, at, std::min<std::uint64_t>(part_size, r.into.size - at)});
   }
   Stats stats;
   stats.backend = "remote";
@@ -196,25 +292,26 @@ Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& option
   const unsigned workers = static_cast<unsigned>(std::min<std::size_t>(std::max(1u, options.connections), parts.size()));
   const auto work = [&] {
     try {
-      // GPU destinations land in a pinned buffer first, copied to the device when the part is in.
-      Buffer bounce;
+      std::vector<DeviceLanding> landings;  // one per GPU this worker has written to
       for (std::size_t i = next++; i < parts.size() && !failed; i = next++) {
         const Part& p = parts[i];
-        const RemoteRead& r = *p.read;
+        const RemoteRead& r = reads[p.read];
         const auto& state = *r.object;
-        std::byte* dest = options.discard ? nullptr : r.into.data + p.at;
-        const bool device = r.into.kind() == MemoryKind::device && !options.discard;
-        if (device) {
-          if (bounce.size() < p.length) bounce = Buffer::allocate({MemoryKind::pinned}, part_size);
-          dest = bounce.data();
-        }
-        get(state.state_->target, options, r.offset + p.at, p.length, state.etag(), dest, &failed);
-        if (device) {
-          const ErrorContext context{.op = "copy to the device", .path = state.shown(), .offset = r.offset + p.at, .length = p.length};
-          cuda::DeviceGuard guard(r.into.location.device, context);
-          cuda::memcpy_sync(r.into.data + p.at, bounce.data(), p.length, context);
+        const ErrorContext context{.op = "copy to the device", .path = state.shown(), .offset = r.offset + p.at, .length = p.length};
+        if (options.discard || r.into.kind() != MemoryKind::device) {
+          get(state.state_->target, options, r.offset + p.at, p.length, state.etag(), {.data = options.discard ? nullptr : r.into.data + p.at}, &failed);
+        } else {
+          const int device = r.into.location.device;
+          cuda::DeviceGuard guard(device, context);
+          auto landing = std::find_if(landings.begin(), landings.end(), [&](const DeviceLanding& l) { return l.device() == device; });
+          if (landing == landings.end()) landing = landings.emplace(landings.end(), device, context);
+          landing->start(r.into.data + p.at, context);
+          get(state.state_->target, options, r.offset + p.at, p.length, state.etag(),
+              {.deliver = [&](std::uint64_t at, const std::byte* bytes, std::size_t size) { landing->write(at, bytes, size); }}, &failed);
+          landing->finish();
         }
         if (progress) *progress += p.length;
+        if (landed) landed(p.read, p.at, p.length);  // a check of what is complete now runs beside the other GETs
       }
     } catch (...) {
       std::lock_guard lock(error_mutex);

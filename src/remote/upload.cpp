@@ -166,7 +166,7 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
   if (!target.s3) throw Error(errno_code(ENOTSUP), context, "uploads go to s3:// URLs only (an HTTP server takes no writes here)");
   // Parts: the configured size, larger where the object would need more than S3's 10,000, never
   // below S3's 5 MiB minimum; rounded to whole MiB.
-  std::uint64_t part = std::max({options.part_size_for(size), kMinPart, (size + kMaxParts - 1) / kMaxParts});
+  std::uint64_t part = std::max({options.part_size_for(size, RemoteOptions::kLargestUploadPart), kMinPart, (size + kMaxParts - 1) / kMaxParts});
   part = (part + (1u << 20) - 1) / (1u << 20) * (1u << 20);
   const std::uint64_t parts = std::max<std::uint64_t>(1, (size + part - 1) / part);
 
