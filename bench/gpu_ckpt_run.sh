@@ -25,7 +25,7 @@
 #            loop (bench/peers/stream_compare.py; STREAM_GIB (16), ROUNDS (2), STREAM_MODE)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)
 #   remote   checkpoints from a local SeaweedFS into cuda:0 and saves to it, against curl, boto3 and
-#            Run:ai's S3 path (bench/peers/remote_compare.py; REMOTE_GIB (6), ROUNDS (2); needs
+#            Run:ai's S3 path (bench/peers/remote_compare.py; REMOTE_GIB (6), ROUNDS (2), REMOTE_NO_SAVES=1: loads only, REMOTE_ONLY: contenders; needs
 #            .gpu/weed.xz and boto3/Run:ai wheels in .whl, see scripts/package-gpu-run.sh --remote)
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
 #            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
@@ -211,8 +211,9 @@ remote)
   install_wheels; build_python || continue
   [ -x /tmp/weedbin/weed ] || { mkdir -p /tmp/weedbin && xz -dc "$BIN/weed.xz" > /tmp/weedbin/weed && chmod +x /tmp/weedbin/weed; }
   log "remote: ${REMOTE_GIB:-6} GiB from SeaweedFS on 127.0.0.1 into cuda:0"
-  PATH=/tmp/weedbin:/tmp/pysite/bin:$PATH PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/remote_compare.py \
+  PATH=/tmp/weedbin:/tmp/pysite/bin:$PATH PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 -u bench/peers/remote_compare.py \
     --gib "${REMOTE_GIB:-6}" --rounds "${ROUNDS:-2}" --device cuda:0 ${REMOTE_PARTS:+--hbmio-parts "$REMOTE_PARTS"} --hbmio-bench "$(built_cli)" \
+    ${REMOTE_NO_SAVES:+--no-saves} ${REMOTE_ONLY:+--only "$REMOTE_ONLY"} \
     --json "$OUT/remote.jsonl" 2>&1 | tee "$OUT/remote.txt" | cut -c1-300
   ;;
 *) echo "unknown stage $stage" ;;

@@ -5,6 +5,8 @@ rate the same server gives plain parallel clients, in the same run, rounds inter
 Contenders (each reads the whole object once per round):
   hbmio       hbmio.load_file("s3://bench/KEY", device=--device) (tensors into that memory, checked
               against a local load of the same file once)
+  hbmio verify  the same tensors saved by hbmio.save_file (with its checksums), loaded with
+              verify=True: each tensor checked as its last byte arrives
   curl        --connections parallel `curl --aws-sigv4` processes, each a ranged GET of its share into
               /dev/null: what the server sends when nothing is done with the bytes (the ceiling)
   boto3       boto3's TransferManager (download_fileobj into a null sink, max_concurrency
@@ -66,6 +68,8 @@ def main():
     p.add_argument("--json")
     p.add_argument("--hbmio-parts", default="", help="further hbmio contenders with these part sizes, e.g. 32MiB,64MiB")
     p.add_argument("--hbmio-bench", metavar="HBMIO", help="also run `HBMIO bench --url` on the object (into --device)")
+    p.add_argument("--no-saves", action="store_true", help="loads only (the saves take most of a run's time)")
+    p.add_argument("--only", default="", help="comma-separated contenders to run (default: all)")
     a = p.parse_args()
     import boto3
     import torch
@@ -95,6 +99,11 @@ def main():
         s3.upload_file(local, "bench", "model.safetensors")
         size = os.path.getsize(local)
         ref = st_load(local)
+        # The same tensors with hbmio's checksums, for the load that checks them as they arrive.
+        checked = os.path.join(work, "checked.safetensors")
+        hbmio.save_file(ref, checked)
+        s3.upload_file(checked, "bench", "checked.safetensors")
+        os.remove(checked)
         emit = json_lines(a.json, bytes=size, connections=a.connections, device=a.device, server="seaweedfs " + endpoint)
 
         # Each contender returns what it loaded (or None); the check runs after the timing.
@@ -144,7 +153,10 @@ def main():
                 torch.cuda.synchronize()
             return got
 
-        contenders = {"curl": run_curl, "hbmio": run_hbmio, "boto3": run_boto3}
+        def run_hbmio_verify():
+            return hbmio.load_file("s3://bench/checked.safetensors", device=a.device, verify=True)
+
+        contenders = {"curl": run_curl, "hbmio": run_hbmio, "hbmio verify": run_hbmio_verify, "boto3": run_boto3}
         for part in a.hbmio_parts.split(",") if a.hbmio_parts else []:
             contenders[f"hbmio parts {part}"] = lambda part=part: run_hbmio(part)
         if shutil.which("curl") is None:
@@ -157,6 +169,8 @@ def main():
             contenders["runai"] = run_runai
         except ImportError as e:
             emit(dict(contender="runai", skipped=f"not installed: {e}"))
+        if a.only:
+            contenders = {c: fn for c, fn in contenders.items() if c in a.only.split(",")}
         for c, fn in contenders.items():  # first use outside the rounds (connections, imports, engines)
             fn()
         times = {c: [] for c in contenders}
@@ -191,6 +205,8 @@ def main():
 
         # Saves of the same tensors (from --device memory) as a new object: hbmio.save_file's
         # multipart upload against boto3's upload_file of the same bytes from a local file.
+        if a.no_saves:
+            return
         src = {k: v.to(a.device) if a.device.startswith("cuda") else v for k, v in ref.items()}
 
         def save_hbmio():

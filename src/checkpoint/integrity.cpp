@@ -29,8 +29,10 @@ namespace {
 
 constexpr std::size_t kHashPiece = std::size_t{16} << 20;  // device memory is hashed through this much pinned memory
 
+}  // namespace
+
 // `staging` (pinned, kHashPiece bytes) is allocated on first use, for device memory only.
-std::uint64_t hash_span(MemorySpan data, Buffer& staging) {
+std::uint64_t xxh3_of(MemorySpan data, Buffer& staging) {
   if (data.kind() != MemoryKind::device) return XXH3_64bits(data.data, data.size);
   // Streaming over host pieces: checking a multi-GiB tensor needs no copy of its size.
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
@@ -45,8 +47,6 @@ std::uint64_t hash_span(MemorySpan data, Buffer& staging) {
   return XXH3_64bits_digest(state.get());
 }
 
-}  // namespace
-
 std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans, unsigned max_threads) {
   std::vector<std::uint64_t> result(spans.size());
   std::atomic<std::size_t> next{0};
@@ -55,7 +55,7 @@ std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans, un
   auto work = [&] {
     Buffer staging;
     try {
-      for (std::size_t i = next++; i < spans.size(); i = next++) result[i] = hash_span(spans[i], staging);
+      for (std::size_t i = next++; i < spans.size(); i = next++) result[i] = xxh3_of(spans[i], staging);
     } catch (...) {
       std::lock_guard lock(error_mutex);
       if (!error) error = std::current_exception();

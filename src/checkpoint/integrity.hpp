@@ -35,6 +35,10 @@ bool has_checksums(const std::map<std::string, std::string>& metadata);
 // memory speed rather than one core's XXH3 rate. One thread per core, at most 16 and at most
 // `max_threads` (0: no further limit).
 std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans, unsigned max_threads = 0);
+// XXH3-64 of one span on the calling thread; device memory goes through `staging` (pinned,
+// allocated on first use and kept by the caller for the next span: registering pinned memory
+// costs more than hashing a tensor).
+std::uint64_t xxh3_of(MemorySpan data, Buffer& staging);
 std::string to_hex(std::uint64_t value);
 // The checksum of a header (the file's first 8 + N bytes) as defined at kHeaderChecksumKey, or
 // nullopt when it does not hold that entry exactly once as `"hbmio.header_xxh3":"<16 characters>"` (hbmio writes

@@ -368,6 +368,9 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     std::vector<char> checked(result.tensors_.size(), 0);
     std::vector<std::atomic<std::uint64_t>> missing(result.tensors_.size());  // bytes not yet in place
     for (std::size_t t = 0; t < result.tensors_.size(); ++t) missing[t] = result.tensors_[t].data.size;
+    // Pinned staging for hashing GPU tensors, reused from tensor to tensor (at most one per worker).
+    std::mutex staging_mutex;
+    std::vector<Buffer> stagings;
     const auto landed = [&](std::size_t i, std::uint64_t at, std::uint64_t length) {
       const PlannedRead& read = reads[i];
       const CheckpointFile& file = files[read.file];
@@ -380,7 +383,19 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
         if (begin >= at + length) break;
         const std::uint64_t overlap = std::min(end, at + length) - std::max(begin, at);
         if (missing[t].fetch_sub(overlap) != overlap) continue;  // more of it still to come
-        const std::uint64_t sum = detail::xxh3_of_each({tensor.data}, 1).front();
+        Buffer staging;
+        if (tensor.data.kind() == MemoryKind::device) {
+          std::lock_guard lock(staging_mutex);
+          if (!stagings.empty()) {
+            staging = std::move(stagings.back());
+            stagings.pop_back();
+          }
+        }
+        const std::uint64_t sum = detail::xxh3_of(tensor.data, staging);
+        if (staging.data() != nullptr) {
+          std::lock_guard lock(staging_mutex);
+          stagings.push_back(std::move(staging));
+        }
         if (auto bad = detail::check_tensor(file.header.metadata, tensor.name, tensor.file, tensor.file_offset, sum))
           throw Error(make_error_code(Errc::verify_failed),
                       {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size}, *bad);
