@@ -313,6 +313,8 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                  (hbmio.VerifyError, an hbmio.Error, on a mismatch); files without hbmio checksums
                  (any file another tool wrote) load unchecked with an hbmio.NotVerifiedWarning
                  naming them. "strict": such files are an hbmio.Error before anything is read.
+                 At a URL each tensor is checked as soon as its bytes have arrived, and a
+                 mismatch stops the load without fetching the rest.
       names      load only these tensors (a str is one name).
       progress   draw a progress bar on stderr.
       group      a torch.distributed process group (e.g. dist.group.WORLD): the ranks divide the
