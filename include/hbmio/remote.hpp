@@ -42,7 +42,7 @@ struct RemoteOptions {
   unsigned connections = 16;                 // GETs in flight (one connection each)
   // Bytes per ranged GET (or uploaded part). 0: chosen per transfer, two parts per connection
   // from 8 MiB up to 256 MiB for reads (large parts cost fewer requests: 6 GiB into an H200 from
-  // a local S3 server, 4.7 GiB/s with 8 MiB parts, 5.9 with 64; bench/RESULTS.md; a read's
+  // a local S3 server, 6.5 GiB/s with 64 MiB parts, 7.3 with 193; bench/RESULTS.md; a read's
   // pinned memory does not grow with its parts) and up to 64 MiB for uploads (each part in flight
   // is a buffer of that size); small parts keep every connection busy on a small checkpoint.
   std::size_t part_size = 0;
