@@ -324,7 +324,9 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
       if (last.file == pick.file && last.file_offset + last.memory.size == file_offset &&
           last.memory.data + last.memory.size == memory.data && memory.size > 0) {
         last.memory.size += memory.size;
-        ++last.tensors;
+        // Through the tensor add_tensor appends next (empty tensors in between included: they
+        // take indices but no read).
+        last.tensors = result.tensors_.size() + 1 - last.first_tensor;
         return;
       }
     }
@@ -365,6 +367,8 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     // pass over everything once it is loaded.
     const bool check = options.verify && read_only == nullptr;
     if (check && options.require_checksums) require_checksums(files);
+    // Headers first: the tensors are checked against the checksums they hold.
+    if (check) check_headers(files);
     std::vector<char> checked(result.tensors_.size(), 0);
     std::vector<std::atomic<std::uint64_t>> missing(result.tensors_.size());  // bytes not yet in place
     for (std::size_t t = 0; t < result.tensors_.size(); ++t) missing[t] = result.tensors_[t].data.size;
@@ -378,6 +382,7 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
       // The read's tensors lie back to back in it, in order.
       for (std::size_t t = read.first_tensor; t < read.first_tensor + read.tensors; ++t) {
         const LoadedTensor& tensor = result.tensors_[t];
+        if (tensor.data.size == 0) continue;  // in no read (checked by verify below)
         const std::uint64_t begin = static_cast<std::uint64_t>(tensor.data.data - read.memory.data), end = begin + tensor.data.size;
         if (end <= at) continue;
         if (begin >= at + length) break;
@@ -460,6 +465,16 @@ void detail::require_checksums(const std::vector<CheckpointFile>& files) {
                   "the file holds no hbmio checksums; add them with `hbmio ckpt checksum`");
 }
 
+void detail::check_headers(const std::vector<CheckpointFile>& files) {
+  // Each header against its own checksum (a few KiB to MiB read again): the tensors' checksums
+  // cannot see a damaged name, dtype or metadata value.
+  for (const auto& file : files)
+    if (has_checksums(file.header.metadata))
+      if (auto bad = detail::check_header(file))
+        throw Error(make_error_code(Errc::verify_failed),
+                    {.op = "verify", .path = file.path, .offset = 0, .length = file.header.data_offset}, *bad);
+}
+
 void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files, bool strict,
                                 const std::vector<char>* already) {
   if (strict) require_checksums(files);
@@ -471,13 +486,7 @@ void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<Chec
       unchecked.insert(file.path);
       result.unverified_files_.push_back(file.path);
     }
-  // Each header against its own checksum (a few KiB to MiB read again): the tensors' checksums
-  // cannot see a damaged name, dtype or metadata value.
-  for (const auto& file : files)
-    if (unchecked.count(file.path) == 0)
-      if (auto bad = detail::check_header(file))
-        throw Error(make_error_code(Errc::verify_failed),
-                    {.op = "verify", .path = file.path, .offset = 0, .length = file.header.data_offset}, *bad);
+  if (already == nullptr) check_headers(files);  // else the caller checked them before the load
   std::vector<MemorySpan> spans;
   std::vector<std::size_t> checked;  // indices of the tensors whose file has checksums
   for (std::size_t i = 0; i < result.tensors_.size(); ++i)

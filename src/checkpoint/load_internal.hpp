@@ -31,7 +31,8 @@ struct LoadAccess {
                                const std::set<std::string>* read_only);
   // strict: a file without checksums is an Error(Errc::no_checksums); else it is named in
   // result.unverified_files() and its tensors are left unchecked.
-  // `already`: per tensor, nonzero where its checksum was checked already (as it streamed in).
+  // `already`: per tensor, nonzero where its checksum was checked already (as it streamed in);
+  // given, the headers are taken as checked too (check_headers, before the load).
   static void verify(LoadedCheckpoint& result, const std::vector<CheckpointFile>& files, bool strict,
                      const std::vector<char>* already = nullptr);
   static void adopt(LoadedCheckpoint& result, Buffer buffer) { result.buffers_.push_back(std::move(buffer)); }
@@ -40,6 +41,9 @@ struct LoadAccess {
 
 // Throws Error(Errc::no_checksums) naming the first file without hbmio checksums.
 void require_checksums(const std::vector<CheckpointFile>& files);
+// Throws Error(Errc::verify_failed) at the first file with checksums whose header does not match
+// its own (check_header).
+void check_headers(const std::vector<CheckpointFile>& files);
 
 // Splits tensors of these sizes (file order) into `n` contiguous runs of about equal bytes and
 // returns each tensor's run. Contiguous runs keep every reader's reads large.

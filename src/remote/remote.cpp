@@ -119,8 +119,12 @@ Response get(const Target& target, const RemoteOptions& options, std::uint64_t o
     } else {
       throw Error(errno_code(EIO), context, fmt::format("attempt {} of {}: {}", attempt, attempts, remote::describe(a.curl, a.response)));
     }
-    // Bytes of a ranged answer of the expected version are kept; the next attempt resumes after them.
-    if (r.status == 206 && length != 0) done += r.received;
+    // Bytes of a ranged answer of the expected version are kept; the next attempt resumes after
+    // them. Every byte there (the error came after the body, e.g. a lost final chunk): done.
+    if (r.status == 206 && length != 0) {
+      done += r.received;
+      if (done == length) return r;
+    }
     if (attempt >= attempts)
       throw Error(errno_code(r.status == 0 ? ETIMEDOUT : remote::errno_of_status(r.status)), context,
                   fmt::format("attempt {} of {}: {} (gave up)", attempt, attempts, retry_why));
