@@ -19,9 +19,16 @@ struct ErrorContext {
   std::string backend;  // "posix", "uring", "cufile", "auto"; empty when not backend specific
 };
 
+// What output may show of a path: a URL (s3://, http://, https://) without its user info
+// (user:password@), query (a presigned URL's X-Amz-Signature) and fragment; any other path as
+// given. Every Error's path goes through it, and so does every path the command and Python print
+// or put into JSON.
+std::string shown_path(std::string_view path);
+
 class Error : public std::system_error {
  public:
-  // `detail` says what the code alone cannot (e.g. "file ended at byte 4096").
+  // `detail` says what the code alone cannot (e.g. "file ended at byte 4096"). context.path is
+  // kept as shown_path() of it.
   Error(std::error_code code, ErrorContext context, const std::string& detail = {});
 
   const ErrorContext& context() const noexcept { return context_; }

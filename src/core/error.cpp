@@ -8,7 +8,7 @@ namespace {
 // "read of /data/x.bin [offset 4096, length 1.00 MiB] via uring: Input/output error (detail)"
 std::string describe(const std::error_code& code, const ErrorContext& c, const std::string& detail) {
   std::string text = c.op.empty() ? std::string("hbmio") : c.op;
-  if (!c.path.empty()) text += fmt::format(" of {}", c.path);
+  if (!c.path.empty()) text += fmt::format(" of {}", shown_path(c.path));
   // A length of 0 is "not about a range" (parse errors name a position only).
   if (c.length != 0) text += fmt::format(" [offset {}, length {}]", c.offset, c.length);
   else if (c.offset != 0) text += fmt::format(" [offset {}]", c.offset);
@@ -46,11 +46,22 @@ const std::error_category& hbmio_category() noexcept {
   return category;
 }
 
+std::string shown_path(std::string_view path) {
+  if (!path.starts_with("s3://") && !path.starts_with("http://") && !path.starts_with("https://")) return std::string(path);
+  const std::string_view u = path.substr(0, path.find_first_of("?#"));
+  const std::size_t host = u.find("://") + 3;
+  const std::size_t at = u.substr(0, u.find('/', host)).rfind('@');
+  if (at != std::string_view::npos && at >= host) return std::string(u.substr(0, host)) + std::string(u.substr(at + 1));
+  return std::string(u);
+}
+
 Error::Error(std::error_code code, ErrorContext context, const std::string& detail)
     : std::system_error(code),
       message_(describe(code, context, detail)),
       context_(std::move(context)),
-      detail_(detail) {}
+      detail_(detail) {
+  context_.path = shown_path(context_.path);
+}
 
 std::string thread_limit_message(const std::system_error& e) {
   return std::string("could not start a thread (") + e.what() +

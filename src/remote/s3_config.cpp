@@ -30,21 +30,10 @@ std::string trim(std::string_view s) {
 }
 
 Error bad_url(const std::string& url, const std::string& why) {
-  return Error(errno_code(EINVAL), {.op = "open URL", .path = without_secrets(url)}, why);
+  return Error(errno_code(EINVAL), {.op = "open URL", .path = shown_path(url)}, why);
 }
 
 }  // namespace
-
-std::string without_secrets(std::string_view url) {
-  std::string_view u = url.substr(0, url.find_first_of("?#"));
-  const std::size_t scheme = u.find("://");
-  if (scheme == std::string_view::npos) return std::string(u);
-  const std::size_t host = scheme + 3;
-  const std::size_t path = u.find('/', host);
-  const std::size_t at = u.substr(0, path).rfind('@');
-  if (at != std::string_view::npos && at >= host) return std::string(u.substr(0, host)) + std::string(u.substr(at + 1));
-  return std::string(u);
-}
 
 std::map<std::string, std::map<std::string, std::string>> read_ini(const std::string& path) {
   std::map<std::string, std::map<std::string, std::string>> out;
@@ -79,7 +68,7 @@ Target resolve(const std::string& url, const RemoteOptions& options) {
   Target t;
   if (url.starts_with("http://") || url.starts_with("https://")) {
     t.request_url = url;
-    t.shown = without_secrets(url);
+    t.shown = shown_path(url);
     if (url.find('/', url.find("://") + 3) == std::string::npos) throw bad_url(url, "the URL names no object (no path after the host)");
     return t;
   }
@@ -125,7 +114,7 @@ Target resolve(const std::string& url, const RemoteOptions& options) {
   while (!endpoint.empty() && endpoint.back() == '/') endpoint.pop_back();
   if (!endpoint.empty()) {
     if (!endpoint.starts_with("http://") && !endpoint.starts_with("https://"))
-      throw bad_url(url, fmt::format("the S3 endpoint '{}' is not an http:// or https:// URL", without_secrets(endpoint)));
+      throw bad_url(url, fmt::format("the S3 endpoint '{}' is not an http:// or https:// URL", shown_path(endpoint)));
     t.request_url = endpoint + "/" + bucket + "/" + encode_key(key);
   } else {
     t.request_url = fmt::format("https://{}.s3.{}.amazonaws.com/{}", bucket, t.region, encode_key(key));

@@ -26,10 +26,6 @@ struct Target {
 // Throws Error(EINVAL) for a URL that is not s3://bucket/key or http(s)://host/...
 Target resolve(const std::string& url, const RemoteOptions& options);
 
-// The URL without its query string and user info: what errors show (presigned URLs carry their
-// signature in the query).
-std::string without_secrets(std::string_view url);
-
 // An INI file as the AWS tools write them: {section: {key: value}} (keys lower-cased; comments
 // and blank lines skipped). Empty when the file does not exist.
 std::map<std::string, std::map<std::string, std::string>> read_ini(const std::string& path);

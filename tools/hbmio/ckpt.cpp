@@ -77,7 +77,7 @@ int run_info(const CkptFlags& f) {
                f.json);
     if (f.json == "-") return 0;
   }
-  fmt::print("{}: {} tensors, {} in {} file(s), checksums: {}\n", f.path, count, format_size(total), files.size(),
+  fmt::print("{}: {} tensors, {} in {} file(s), checksums: {}\n", shown_path(f.path), count, format_size(total), files.size(),
              checksums ? "yes (XXH3-64)" : "no");
   // Columns as wide as their widest entry (names run long; F8_E4M3FNUZ is 11 characters).
   std::size_t name_width = 4, dtype_width = 4, shape_width = 5;
@@ -232,7 +232,7 @@ int run_load(const CkptFlags& f) {
     loaded.reset();  // frees the previous run's memory first
     if (f.drop_cache)
       for (const auto& file : open_checkpoint(f.path)) cache = drop_page_cache(file.path);
-    Progress progress(fmt::format("load {} -> {}", f.path, f.into), total);
+    Progress progress(fmt::format("load {} -> {}", shown_path(f.path), f.into), total);
     options.progress = progress.counter();
     loaded = load_checkpoint(f.path, options);
     seconds.push_back(loaded->stats().seconds);
@@ -338,7 +338,7 @@ int run_save(const CkptFlags& f, const std::atomic<bool>& stop) {
     copy_memory(buffers.back().span(), staging.span());
     tensors.push_back({fmt::format("layers.{}.weight", i), *dtype, shape, buffers.back().span()});
   }
-  Progress progress(fmt::format("save {} -> {}", f.from, f.path), bytes * f.count);
+  Progress progress(fmt::format("save {} -> {}", shown_path(f.from), shown_path(f.path)), bytes * f.count);
   const Stats s = save_checkpoint(f.path, tensors,
                                   {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt generate"}},
                                    .checksums = !f.no_checksums, .backend = f.backend, .engine_options = f.tuning.resolve(),
@@ -369,10 +369,10 @@ int run_verify(const CkptFlags& f) {
     return 1;
   }
   if (!r.has_checksums) {
-    fmt::print(stderr, "hbmio: {} holds no hbmio checksums: nothing to verify (add them with `hbmio ckpt checksum`)\n", f.path);
+    fmt::print(stderr, "hbmio: {} holds no hbmio checksums: nothing to verify (add them with `hbmio ckpt checksum`)\n", shown_path(f.path));
     return 1;
   }
-  fmt::print("{}: {} tensors verified (XXH3-64){}\n", f.path, r.tensors_checked,
+  fmt::print("{}: {} tensors verified (XXH3-64){}\n", shown_path(f.path), r.tensors_checked,
              r.headers_checked ? fmt::format(", and the header of {} file(s)", r.headers_checked) : "");
   return 0;
 }
@@ -467,8 +467,8 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   save->callback([flags, &exit_status] {
     exit_status = run_stoppable([flags](const std::atomic<bool>& stop) { return run_save(*flags, stop); },
                                 [flags](bool stopped) {
-                                  return stopped ? fmt::format("{} holds what it held before; nothing of this save is left", flags->path)
-                                                 : fmt::format("the save had published already: {} holds the new checkpoint", flags->path);
+                                  return stopped ? fmt::format("{} holds what it held before; nothing of this save is left", shown_path(flags->path))
+                                                 : fmt::format("the save had published already: {} holds the new checkpoint", shown_path(flags->path));
                                 });
   });
 
@@ -497,9 +497,9 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                    flags->json);
       if (flags->json == "-") return 0;
       if (r.files_rewritten == 0)
-        fmt::print("{}: checksums already present and matching ({} file(s)); nothing rewritten\n", flags->path, r.files_already_valid);
+        fmt::print("{}: checksums already present and matching ({} file(s)); nothing rewritten\n", shown_path(flags->path), r.files_already_valid);
       else
-        fmt::print("{}: checksums added to {} file(s){}\n", flags->path, r.files_rewritten,
+        fmt::print("{}: checksums added to {} file(s){}\n", shown_path(flags->path), r.files_rewritten,
                    r.files_already_valid ? fmt::format(", {} already had matching ones", r.files_already_valid) : "");
       return 0;
     };

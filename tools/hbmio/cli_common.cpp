@@ -18,6 +18,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "hbmio/remote.hpp"
+
 namespace hbmio::cli {
 
 void TuningFlags::add_to(CLI::App* app) {
@@ -157,7 +159,22 @@ std::string summary_line(const Stats& s, bool verbose) {
   return line + "  " + fit(first, line.size() + 2 < 118 ? 118 - line.size() - 2 : 30);
 }
 
-void write_json(const nlohmann::json& j, const std::string& path) {
+namespace {
+
+// Every string of a JSON output that is a URL, wherever it sits, without its secrets: a script's
+// log must not keep what a message would not show.
+nlohmann::json without_secrets(const nlohmann::json& j) {
+  if (j.is_string()) return shown_path(j.get<std::string>());
+  if (!j.is_structured()) return j;
+  nlohmann::json out = j;
+  for (auto it = out.begin(); it != out.end(); ++it) *it = without_secrets(*it);
+  return out;
+}
+
+}  // namespace
+
+void write_json(const nlohmann::json& shown, const std::string& path) {
+  const nlohmann::json j = without_secrets(shown);
   if (path == "-") {
     std::cout << j.dump(2) << std::endl;
     return;

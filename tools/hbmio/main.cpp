@@ -65,7 +65,7 @@ int run_read(const std::string& path, const std::string& into, const std::string
   }
   if (json != "-") fmt::print("{}\n", summary_line(stats, verbose));
   if (mismatch) {
-    fmt::print(stderr, "hbmio: verification failed: {} as read differs from a plain read of the file at byte {}\n", path, *mismatch);
+    fmt::print(stderr, "hbmio: verification failed: {} as read differs from a plain read of the file at byte {}\n", shown_path(path), *mismatch);
     return 1;
   }
   if (verify && json != "-") fmt::print("verified: {} bytes identical to a plain read\n", length);
@@ -93,7 +93,7 @@ int run_write(const std::string& path, const std::string& from, const std::strin
     if (where.kind == MemoryKind::device) copy_memory(buffer.span(), staging.span());
   }
   File file = File::open(path, offset == 0 ? OpenMode::write : OpenMode::read_write);
-  Progress progress(fmt::format("write {} -> {}", where.to_string(), path), length);
+  Progress progress(fmt::format("write {} -> {}", where.to_string(), shown_path(path)), length);
   IoRequest request{.op = IoOp::write, .file = &file, .offset = offset, .memory = buffer.span(), .progress = progress.counter()};
   Stats stats = engine->submit(request);
   if (sync) {
@@ -111,7 +111,7 @@ int run_write(const std::string& path, const std::string& from, const std::strin
   }
   if (json != "-") fmt::print("{}\n", summary_line(stats, verbose));
   if (mismatch) {
-    fmt::print(stderr, "hbmio: verification failed: {} differs from the written data at byte {}\n", path, *mismatch);
+    fmt::print(stderr, "hbmio: verification failed: {} differs from the written data at byte {}\n", shown_path(path), *mismatch);
     return 1;
   }
   if (verify && json != "-") fmt::print("verified: {} bytes read back with a plain read, identical to what was written\n", length);
