@@ -13,9 +13,11 @@
 
 # The nvidia-cufile wheel (pip), if any: a cufile.h for the ABI test and a libcufile to load on
 # machines without a CUDA toolkit. Its directory is nvidia/<cuXX>/ with include/ and lib/.
-set(_hbmio_cufile_wheel "")
+# HBMIO_CUFILE_WHEEL (environment): that directory, as scripts/test-env.sh installs the pinned wheel
+# beside the test venv (torch's CUDA dependencies pin another nvidia-cufile inside it).
+set(_hbmio_cufile_wheel "$ENV{HBMIO_CUFILE_WHEEL}")
 find_package(Python3 COMPONENTS Interpreter QUIET)
-if(Python3_Interpreter_FOUND)
+if(NOT _hbmio_cufile_wheel AND Python3_Interpreter_FOUND)
   execute_process(
     COMMAND ${Python3_EXECUTABLE} -c
             "import glob, os, nvidia\nfor d in sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], '*'))):\n    if os.path.exists(os.path.join(d, 'include', 'cufile.h')):\n        print(d, end='')\n        break"
