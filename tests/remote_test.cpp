@@ -8,6 +8,7 @@
 
 #include "hbmio/error.hpp"
 #include "hbmio/remote.hpp"
+#include "remote/http.hpp"
 #include "remote/s3_config.hpp"
 #include "test_support.hpp"
 
@@ -41,14 +42,44 @@ class Env {
 }  // namespace
 
 TEST(Remote, MessagesShowNoQueryAndNoUserInfo) {
-  EXPECT_EQ(remote::without_secrets("https://h.example/a/b.safetensors?X-Amz-Signature=abc&X-Amz-Credential=k"),
+  EXPECT_EQ(shown_path("https://h.example/a/b.safetensors?X-Amz-Signature=abc&X-Amz-Credential=k"),
             "https://h.example/a/b.safetensors");
-  EXPECT_EQ(remote::without_secrets("http://user:pw@h.example:8080/x#frag"), "http://h.example:8080/x");
-  EXPECT_EQ(remote::without_secrets("s3://bucket/key"), "s3://bucket/key");
+  EXPECT_EQ(shown_path("http://user:pw@h.example:8080/x#frag"), "http://h.example:8080/x");
+  EXPECT_EQ(shown_path("s3://bucket/key"), "s3://bucket/key");
+  EXPECT_EQ(shown_path("/data/what?.safetensors"), "/data/what?.safetensors");  // a local name is a name
+  // Every Error keeps and shows its path that way, whoever built it.
+  const Error e(errno_code(EIO), {.op = "GET", .path = "https://u:SECRET@h/x?X-Amz-Signature=SECRET"});
+  EXPECT_EQ(e.context().path, "https://h/x");
+  EXPECT_EQ(std::string(e.what()).find("SECRET"), std::string::npos) << e.what();
   EXPECT_TRUE(is_remote_url("s3://b/k"));
   EXPECT_TRUE(is_remote_url("https://h/x"));
   EXPECT_FALSE(is_remote_url("/data/s3://x"));
   EXPECT_EQ(remote_sibling("https://h/m/model.safetensors.index.json?sig=1", "model-00001.safetensors"), "https://h/m/model-00001.safetensors");
+}
+
+TEST(Remote, A206MustCarryTheRangeAskedFor) {
+  const remote::ExpectedRange want{.ranged = true, .first = 100, .last = 199, .total = 1000};
+  EXPECT_EQ(remote::range_mismatch("bytes 100-199/1000", want), "");
+  EXPECT_EQ(remote::range_mismatch("bytes 100-199/*", want), "");  // the server does not know the size
+  EXPECT_NE(remote::range_mismatch("bytes 0-99/1000", want).find("another range"), std::string::npos);
+  EXPECT_NE(remote::range_mismatch("bytes 108-207/1000", want).find("another range"), std::string::npos);
+  EXPECT_NE(remote::range_mismatch("bytes 100-150/1000", want).find("another range"), std::string::npos);
+  EXPECT_NE(remote::range_mismatch("bytes 100-199/2000", want).find("size changed"), std::string::npos);
+  EXPECT_NE(remote::range_mismatch("", want).find("not a byte range"), std::string::npos);
+  EXPECT_NE(remote::range_mismatch("items 1-2/3", want).find("not a byte range"), std::string::npos);
+  // The first GET of an object does not know its size yet: any total is taken.
+  EXPECT_EQ(remote::range_mismatch("bytes 0-0/77", {.ranged = true, .first = 0, .last = 0, .total = 0}), "");
+}
+
+TEST(Remote, EveryRequestHasADeadlineFromItsSize) {
+  const Env env{{"HBMIO_REMOTE_MIN_RATE", "1MiB"}, {"HBMIO_REMOTE_STALL_TIMEOUT", "2"}};
+  const RemoteOptions o = RemoteOptions::from_env();
+  EXPECT_DOUBLE_EQ(o.deadline_seconds(0), 2.0);
+  EXPECT_DOUBLE_EQ(o.deadline_seconds(std::uint64_t{8} << 20), 10.0);
+  const Env bad{{"HBMIO_REMOTE_MIN_RATE", "10"}};
+  EXPECT_THROW(RemoteOptions::from_env(), Error);
+  const Env bad_stall{{"HBMIO_REMOTE_MIN_RATE", nullptr}, {"HBMIO_REMOTE_STALL_TIMEOUT", "soon"}};
+  EXPECT_THROW(RemoteOptions::from_env(), Error);
 }
 
 TEST(Remote, S3UrlsResolveAsTheAwsToolsDo) {

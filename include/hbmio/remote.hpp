@@ -50,6 +50,10 @@ struct RemoteOptions {
   double backoff_seconds = 0.2;              // before the first retry; doubles, jittered, up to 10 s
   double connect_timeout_seconds = 10;
   double stall_timeout_seconds = 30;         // a transfer below 1 KiB/s this long is retried
+  // The slowest rate a request may average: each request must end within
+  // deadline_seconds(its bytes), or it is timed out (ETIMEDOUT) and retried for its missing bytes.
+  // A body that trickles just above the stall limit would otherwise hold a load forever.
+  double min_rate_bytes_per_second = 256 * 1024;
   std::string endpoint;                      // S3: overrides AWS_ENDPOINT_URL(_S3)
   std::string region;                        // S3: overrides AWS_REGION & co.
   std::string profile;                       // S3: overrides AWS_PROFILE
@@ -57,8 +61,14 @@ struct RemoteOptions {
   // what the connections deliver when nothing is done with the data.
   bool discard = false;
 
-  // HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE ("8MiB"), HBMIO_REMOTE_ATTEMPTS.
+  // HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE ("8MiB"), HBMIO_REMOTE_ATTEMPTS,
+  // HBMIO_REMOTE_MIN_RATE ("256KiB", per second), HBMIO_REMOTE_STALL_TIMEOUT (seconds).
   static RemoteOptions from_env();
+  // A request of `bytes` must be done within: the stall timeout (first byte, latency) plus its
+  // bytes at the minimum rate.
+  double deadline_seconds(std::uint64_t bytes) const noexcept {
+    return stall_timeout_seconds + static_cast<double>(bytes) / min_rate_bytes_per_second;
+  }
   static constexpr std::uint64_t kLargestReadPart = std::uint64_t{256} << 20;
   static constexpr std::uint64_t kLargestUploadPart = std::uint64_t{64} << 20;
   // The part size for a transfer of `bytes` in all: part_size, or where that is 0 the rule above
@@ -81,6 +91,7 @@ class RemoteObject {
   const std::string& shown() const noexcept;  // for messages: no query string, no credentials
   std::uint64_t size() const noexcept;
   const std::string& etag() const noexcept;   // "" when the server sends none
+  const std::string& last_modified() const noexcept;  // "" when the server sends none
 
   // Bytes [offset, offset + into.size) of the object into any memory. Throws Error.
   void read(std::uint64_t offset, MemorySpan into) const;

@@ -8,9 +8,20 @@ Faults (RangeServer.faults, a dict, changed by a test between requests):
   "reset_big": (size, n)      the next GET of more than `size` bytes sends n bytes, then closes
   "slow_s": s                 every body write waits s seconds first
   "ignore_range": True        every GET answers 200 with the whole file
+  "huge_200": n               every GET answers 200 with a body of n zero bytes, streamed until the
+                              client hangs up (RangeServer.sent counts what went out)
+  "range_from_start": True    every 206 carries the object's first bytes, labelled as such
+  "range_shift": n            every 206 carries the range n bytes later, labelled as such
+  "total": n                  every 206's Content-Range claims an object of n bytes (bytes as asked)
+  "no_etag": True             no ETag header (Last-Modified only, unless "no_last_modified" too)
+  "no_last_modified": True    no Last-Modified header
+  "error_body": n             a "status_burst" answer's body goes on for n zero bytes after the XML
+  "trickle": (n, s)           every body is sent n bytes at a time, s seconds apart
+Every answer carries a Last-Modified of the file's mtime unless told otherwise.
 """
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import http.server
 import os
@@ -42,9 +53,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             faults["status_burst"] = (burst[0], burst[1] - 1)
             body = b"<Error><Code>Busy</Code><Message>try later</Message></Error>"
             self.send_response(burst[0])
-            self.send_header("Content-Length", str(len(body)))
+            huge = faults.get("error_body", 0)
+            self.send_header("Content-Length", str(len(body) + huge))
             self.end_headers()
             self.wfile.write(body)
+            if huge:
+                self._stream_zeros(huge)
             return
         path = os.path.join(server.root, self.path.split("?")[0].lstrip("/"))
         if not os.path.isfile(path):
@@ -54,6 +68,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         size = os.path.getsize(path)
         etag = self._etag(path)
+        last_modified = email.utils.formatdate(os.stat(path).st_mtime, usegmt=True)
+        if faults.get("huge_200"):
+            self._huge(faults["huge_200"])
+            return
         match = self.headers.get("If-Match")
         if match is not None and match != etag:
             self.send_response(412)
@@ -72,13 +90,20 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.end_headers()
                 return
             self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            if faults.get("range_from_start"):
+                start, end = 0, end - start
+            elif faults.get("range_shift"):
+                start, end = start + faults["range_shift"], min(end + faults["range_shift"], size - 1)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{faults.get('total', size)}")
         else:
             start, end = 0, size - 1
             self.send_response(200)
         length = end - start + 1
         self.send_header("Content-Length", str(length))
-        self.send_header("ETag", etag)
+        if not faults.get("no_etag"):
+            self.send_header("ETag", etag)
+        if not faults.get("no_last_modified"):
+            self.send_header("Last-Modified", last_modified)
         self.end_headers()
         with open(path, "rb") as f:
             f.seek(start)
@@ -102,7 +127,34 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
             self.close_connection = True
             return
+        if faults.get("trickle"):
+            n, pause = faults["trickle"]
+            try:
+                for i in range(0, len(data), n):
+                    self.wfile.write(data[i:i + n])
+                    self.wfile.flush()
+                    time.sleep(pause)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            return
         self.wfile.write(data)
+
+    def _huge(self, n):
+        self.send_response(200)
+        self.send_header("Content-Length", str(n))
+        self.end_headers()
+        self._stream_zeros(n)
+
+    def _stream_zeros(self, n):
+        self.server.sent = 0
+        chunk = bytes(1 << 20)
+        try:
+            while self.server.sent < n:
+                self.wfile.write(chunk[:min(len(chunk), n - self.server.sent)])
+                self.server.sent += min(len(chunk), n - self.server.sent)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        self.close_connection = True
 
 
 class RangeServer(http.server.ThreadingHTTPServer):
@@ -114,6 +166,7 @@ class RangeServer(http.server.ThreadingHTTPServer):
         self.faults = {}
         self.requests = []  # (path, Range header) of every GET
         self.headers = []   # every GET's headers
+        self.sent = 0       # body bytes of "huge_200" answers sent
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
         self._thread.start()
 

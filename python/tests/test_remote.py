@@ -170,6 +170,76 @@ def test_an_object_replaced_during_a_load_is_an_error(served, tmp_path):
             f.get_tensor("w")
 
 
+@pytest.mark.parametrize("fault", [{"range_from_start": True}, {"range_shift": 8}, {"total": 123456789}])
+def test_an_answer_for_another_range_is_never_taken(server, monkeypatch, fault):
+    """A 206 whose Content-Range is not the range asked for (the object's start, the right range a
+    few bytes later, or an object of another size) is an error, without verify=True: its bytes
+    never land at the offset that was asked for."""
+    monkeypatch.setenv("HBMIO_REMOTE_ATTEMPTS", "2")
+    url = server.url("layers.safetensors")
+    with hbmio.open(url, framework="pt") as f:  # the object's size is fixed by its first GET
+        server.faults.update(fault)
+        with pytest.raises(hbmio.Error, match="another range|size changed") as e:
+            f.get_tensor(next(iter(f.keys())))
+    assert "layers.safetensors" in str(e.value)
+    server.faults.clear()
+    server.faults.update(fault)
+    with pytest.raises(hbmio.Error, match="another range|size changed"):
+        hbmio.load_file(url)
+
+
+def test_without_an_etag_a_replaced_object_is_still_noticed(served, tmp_path):
+    """Servers without ETags: Last-Modified fixes the version; without either, the size in every
+    Content-Range does (a replacement of another size is an error, never a mix of two versions)."""
+    server, root = served
+    server.faults.clear()
+    target = root / "changing2.safetensors"
+    for faults, new in (({"no_etag": True}, torch.arange(1000, dtype=torch.float32) * 2),
+                        ({"no_etag": True, "no_last_modified": True}, torch.arange(2000, dtype=torch.float32))):
+        st_torch.save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(target))
+        os.utime(target, (1_000_000_000, 1_000_000_000))
+        server.faults.clear()
+        server.faults.update(faults)
+        with hbmio.open(server.url(target.name), framework="pt") as f:
+            st_torch.save_file({"w": new}, str(tmp_path / "new"))
+            os.replace(tmp_path / "new", target)
+            with pytest.raises(hbmio.Error, match="changed during the load|size changed"):
+                f.get_tensor("w")
+
+
+def test_a_server_that_ignores_ranges_is_cut_off_at_once(server):
+    """A 200 with a huge body to a ranged GET: refused at its first bytes, not downloaded."""
+    server.sent = 0
+    server.faults["huge_200"] = 8 << 30
+    with pytest.raises(hbmio.Error, match="cannot serve parts"):
+        hbmio.load_file(server.url("layers.safetensors"))
+    # What went out before the client hung up: socket buffers' worth, not gigabytes.
+    assert server.sent < (256 << 20), server.sent
+
+
+def test_error_bodies_are_not_read_to_their_end(server, monkeypatch):
+    monkeypatch.setenv("HBMIO_REMOTE_ATTEMPTS", "1")
+    server.faults["status_burst"] = (500, 1)
+    server.faults["error_body"] = 8 << 30
+    server.sent = 0
+    with pytest.raises(hbmio.Error, match="HTTP 500"):
+        hbmio.load_file(server.url("layers.safetensors"))
+    assert server.sent < (256 << 20), server.sent
+
+
+def test_a_trickling_body_meets_its_deadline(server, monkeypatch):
+    """A body sent just above the stall limit (about 2 KB/s) ends by its deadline: the stall timeout
+    plus its bytes at HBMIO_REMOTE_MIN_RATE; the error says it timed out."""
+    monkeypatch.setenv("HBMIO_REMOTE_ATTEMPTS", "2")
+    monkeypatch.setenv("HBMIO_REMOTE_STALL_TIMEOUT", "1")
+    monkeypatch.setenv("HBMIO_REMOTE_MIN_RATE", "1MiB")
+    server.faults["trickle"] = (200, 0.1)
+    out = subprocess.run([sys.executable, "-c", f"import hbmio; hbmio.load_file({server.url('big.safetensors')!r})"],
+                         capture_output=True, text=True, timeout=120)  # a bound on a hang, not a measurement
+    assert out.returncode != 0
+    assert "TimeoutError" in out.stderr or "timed out" in out.stderr.lower(), out.stderr[-2000:]
+
+
 def test_secrets_stay_out_of_messages(server):
     for url in (server.url("missing.safetensors?X-Amz-Signature=SECRET123&X-Amz-Credential=AKIDSECRET"),
                 server.url("missing.safetensors").replace("http://", "http://user:SECRET123@")):

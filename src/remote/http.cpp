@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -53,12 +54,58 @@ class HandlePool {
 Handle::Handle() : h_(HandlePool::shared().take()) {}
 Handle::~Handle() { HandlePool::shared().give_back(h_); }
 
+std::string range_mismatch(const std::string& content_range, const ExpectedRange& expected) {
+  // "bytes FIRST-LAST/TOTAL" (RFC 9110 14.4); TOTAL may be "*" (size unknown to the server).
+  unsigned long long first = 0, last = 0, total = 0;
+  char star = 0;
+  const bool with_total = std::sscanf(content_range.c_str(), "bytes %llu-%llu/%llu", &first, &last, &total) == 3;
+  const bool without_total = !with_total && std::sscanf(content_range.c_str(), "bytes %llu-%llu/%c", &first, &last, &star) == 3 && star == '*';
+  const std::string asked = fmt::format("bytes {}-{} of {}", expected.first, expected.last,
+                                        expected.total != 0 ? fmt::format("{}", expected.total) : std::string("the object"));
+  if (!with_total && !without_total)
+    return fmt::format("the answer's Content-Range '{}' is not a byte range (asked for {})", content_range, asked);
+  if (first != expected.first || last != expected.last)
+    return fmt::format("the server answered with bytes {}-{} when asked for {}: another range", first, last, asked);
+  if (expected.total != 0 && with_total && total != expected.total)
+    return fmt::format("the object's size changed during the load ({} bytes, then {}): it was replaced", expected.total, total);
+  return {};
+}
+
+namespace {
+
+// Whether a body is taken: a 206 must carry the range asked for, and a ranged GET answered 200 is
+// the whole object, which is taken only when the range asked for was the whole object (known size).
+// Anything else is cut at its first byte: a server that ignores ranges must not make a load
+// download a 20 GiB body before it fails.
+bool accept_body(Sink& sink, Response& r) {
+  if (sink.checked || !sink.expect.ranged) return true;
+  if (r.status == 206) {
+    r.refused = range_mismatch(r.content_range, sink.expect);
+  } else if (r.status == 200) {
+    const ExpectedRange& e = sink.expect;
+    const bool whole = e.first == 0 && e.total != 0 && e.last + 1 == e.total;
+    if (!whole) r.refused = "the server ignored the byte range (HTTP 200 with the whole object): it cannot serve parts of it";
+  }
+  sink.checked = true;
+  return r.refused.empty();
+}
+
+}  // namespace
+
 std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* user) {
   auto* sink = static_cast<Sink*>(user);
   const std::size_t bytes = size * n;
   Response& r = *sink->response;
+  if (r.status >= 200 && r.status < 300 && !accept_body(*sink, r)) {
+    r.cut = true;
+    return 0;  // aborts the transfer before a byte of the wrong range lands anywhere
+  }
   if (r.status < 200 || r.status >= 300 || (sink->data == nullptr && !sink->deliver && !sink->discard)) {
     const std::size_t limit = r.status >= 200 && r.status < 300 ? sink->keep : 4096;
+    if (r.body.size() >= limit && (r.status < 200 || r.status >= 300)) {
+      r.cut = true;  // an error body's start is all a message needs: the rest is not read
+      return 0;
+    }
     if (r.body.size() < limit) r.body.append(ptr, std::min<std::size_t>(bytes, limit - r.body.size()));
     return bytes;
   }
@@ -98,6 +145,7 @@ std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* user) {
   std::string_view value = line.substr(colon + 1);
   while (!value.empty() && value.front() == ' ') value.remove_prefix(1);
   if (name == "etag") r->etag = value;
+  else if (name == "last-modified") r->last_modified = value;
   else if (name == "content-range") r->content_range = value;
   return bytes;
 }
@@ -108,7 +156,7 @@ int on_progress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
 }
 
 void prepare(CURL* h, const Target& target, const RemoteOptions& options, Sink& sink, curl_slist*& headers, std::string& userpwd,
-             std::string& sigv4) {
+             std::string& sigv4, std::uint64_t bytes) {
   const auto& curl = shim::curl_api();
   if (target.s3 && target.credentials) {
     // The payload hash S3 requires; curl signs this header and uses its value as the hash.
@@ -133,6 +181,9 @@ void prepare(CURL* h, const Target& target, const RemoteOptions& options, Sink& 
   curl.easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options.connect_timeout_seconds * 1000));
   curl.easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1024L);
   curl.easy_setopt(h, CURLOPT_LOW_SPEED_TIME, static_cast<long>(std::max(1.0, options.stall_timeout_seconds)));
+  // A body that trickles just above the stall limit would otherwise never end: every request has
+  // a deadline from its size and the minimum rate.
+  curl.easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(options.deadline_seconds(bytes) * 1000));
   curl.easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
   curl.easy_setopt(h, CURLOPT_XFERINFOFUNCTION, &on_progress);
   curl.easy_setopt(h, CURLOPT_XFERINFODATA, sink.stop);
@@ -148,7 +199,8 @@ void keep_error_fields(Response& r) {
 
 CURLcode perform(CURL* h, curl_slist* headers, Response& response) {
   const auto& curl = shim::curl_api();
-  const CURLcode result = curl.easy_perform(h);
+  CURLcode result = curl.easy_perform(h);
+  if (result == CURLE_WRITE_ERROR && response.cut) result = CURLE_OK;  // we stopped reading: the status says the rest
   if (response.status == 0) {
     long code = 0;
     curl.easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);

@@ -32,11 +32,25 @@ class Handle {
 // What a response said.
 struct Response {
   long status = 0;
-  std::string etag, content_range, error_code, error_message;
+  std::string etag, last_modified, content_range, error_code, error_message;
   std::uint64_t received = 0;  // body bytes delivered
   bool overflow = false;       // more body than the caller could take
+  // The body was not read to its end on purpose: an error body past what is kept, a 200 to a
+  // ranged request, a 206 of another range (`refused` says why). Nothing of it was delivered.
+  bool cut = false;
+  std::string refused;
   std::string body;            // a non-2xx body's start (S3's XML error), or a kept 2xx body (see Sink)
 };
+
+// What a ranged GET must get back: bytes [first, last] of an object of `total` bytes (0: not known
+// yet, the first GET of an object). Checked before the first byte of a 206 body is delivered.
+struct ExpectedRange {
+  bool ranged = false;  // a Range header was sent
+  std::uint64_t first = 0, last = 0, total = 0;
+};
+
+// Why a 206's Content-Range is not the one asked for ("" when it is).
+std::string range_mismatch(const std::string& content_range, const ExpectedRange& expected);
 
 // Where a response's body goes: `data` (capacity bytes) or `deliver` for a GET's payload, else
 // kept in Response::body up to `keep` bytes (an S3 XML answer).
@@ -52,6 +66,8 @@ struct Sink {
   bool discard = false;  // a GET's payload counted and dropped (RemoteOptions::discard)
   Response* response = nullptr;
   const std::atomic<bool>* stop = nullptr;
+  ExpectedRange expect;
+  bool checked = false;  // the 206's Content-Range was compared with `expect`
 };
 
 // libcurl callbacks: body into a Sink, headers into a Response, a stop flag as progress abort.
@@ -59,11 +75,12 @@ std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* sink);
 std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* response);
 int on_progress(void* stop, curl_off_t, curl_off_t, curl_off_t, curl_off_t);
 
-// The options every request sets: callbacks, timeouts, buffers, and the signing (S3 with
+// The options every request sets: callbacks, timeouts (a deadline of
+// RemoteOptions::deadline_seconds(`bytes`) for the whole request), buffers, and the signing (S3 with
 // credentials: SigV4 with an unsigned payload and the session token) or redirects (HTTP).
 // Appends the headers it needs to `headers`; `userpwd` and `sigv4` must outlive the request.
 void prepare(CURL* h, const Target& target, const RemoteOptions& options, Sink& sink, curl_slist*& headers, std::string& userpwd,
-             std::string& sigv4);
+             std::string& sigv4, std::uint64_t bytes);
 
 // Runs the request set up on `h`, frees `headers`, and completes the response: its status where
 // no status line was seen, S3's error Code and Message of a non-2xx body.

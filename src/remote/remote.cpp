@@ -43,10 +43,23 @@ struct Destination {
   std::function<void(std::uint64_t at, const std::byte* bytes, std::size_t size)> deliver;
 };
 
+// The version of an object that every GET of it must see: fixed by its first GET.
+struct Version {
+  std::string etag, last_modified;
+  std::uint64_t size = 0;  // 0: not known yet (the first GET)
+};
+
+// "bytes 0-0/1234" (or "bytes */1234" with 416) -> 1234.
+std::optional<std::uint64_t> total_of(const std::string& content_range) {
+  const std::size_t slash = content_range.rfind('/');
+  if (slash == std::string::npos || content_range.substr(slash + 1) == "*") return std::nullopt;
+  return std::strtoull(content_range.c_str() + slash + 1, nullptr, 10);
+}
+
 // One GET of bytes [offset, offset + length) (length 0: the first byte, to learn the size), its
 // payload put at `at` onwards of `to`.
 Attempt get_once(const Target& target, const RemoteOptions& options, std::uint64_t offset, std::uint64_t length, const std::string& if_match,
-                 const Destination& to, std::uint64_t at, const std::atomic<bool>* stop) {
+                 std::uint64_t size, const Destination& to, std::uint64_t at, const std::atomic<bool>* stop) {
   const auto& curl = shim::curl_api();
   Handle handle;
   CURL* h = handle.get();
@@ -56,57 +69,68 @@ Attempt get_once(const Target& target, const RemoteOptions& options, std::uint64
             .capacity = length == 0 ? 1 : length,
             .discard = options.discard && length > 0,
             .response = &a.response,
-            .stop = stop};
+            .stop = stop,
+            .expect = {.ranged = true, .first = offset, .last = offset + std::max<std::uint64_t>(length, 1) - 1, .total = size}};
   if (to.deliver) sink.deliver = [&](std::uint64_t received, const std::byte* bytes, std::size_t size) { to.deliver(at + received, bytes, size); };
   const std::string range = fmt::format("{}-{}", offset, offset + std::max<std::uint64_t>(length, 1) - 1);
   curl_slist* headers = nullptr;
   std::string userpwd, sigv4;
   if (!if_match.empty()) headers = curl.slist_append(headers, ("If-Match: " + if_match).c_str());
-  remote::prepare(h, target, options, sink, headers, userpwd, sigv4);
+  remote::prepare(h, target, options, sink, headers, userpwd, sigv4, std::max<std::uint64_t>(length, 1));
   curl.easy_setopt(h, CURLOPT_URL, target.request_url.c_str());
   curl.easy_setopt(h, CURLOPT_RANGE, range.c_str());
   curl.easy_setopt(h, CURLOPT_HTTPHEADER, headers);
   a.curl = remote::perform(h, headers, a.response);
   if (sink.error) std::rethrow_exception(sink.error);  // the destination failed (a CUDA copy)
+  // A 206 without a body never reached the body callback's check.
+  if (a.response.status == 206 && !sink.checked) a.response.refused = remote::range_mismatch(a.response.content_range, sink.expect);
   return a;
 }
 
-// "bytes 0-0/1234" (or "bytes */1234" with 416) -> 1234.
-std::optional<std::uint64_t> total_of(const std::string& content_range) {
-  const std::size_t slash = content_range.rfind('/');
-  if (slash == std::string::npos || content_range.substr(slash + 1) == "*") return std::nullopt;
-  return std::strtoull(content_range.c_str() + slash + 1, nullptr, 10);
-}
-
-// A GET with the retry policy. `expect_etag`: the version every later GET must see. A retry
-// after a body that broke off asks only for the bytes still missing: a reset late in a large part
-// costs its rest, not the whole part again.
+// A GET with the retry policy. `expect`: the version every later GET must see (its ETag, else its
+// Last-Modified, and its size, checked on every answer). A retry after a body that broke off asks
+// only for the bytes still missing: a reset late in a large part costs its rest, not the whole
+// part again.
 Response get(const Target& target, const RemoteOptions& options, std::uint64_t offset, std::uint64_t length,
-             const std::string& expect_etag, const Destination& to, const std::atomic<bool>* stop) {
+             const Version& expect, const Destination& to, const std::atomic<bool>* stop) {
   const ErrorContext context{.op = "GET", .path = target.shown, .offset = offset, .length = length};
   const unsigned attempts = std::max(1u, options.max_attempts);
+  const auto changed = [&](const Response& r) {
+    return Error(errno_code(ESTALE), context,
+                 !r.etag.empty() ? fmt::format("the object changed during the load (ETag {} then {})", expect.etag, r.etag)
+                                 : fmt::format("the object changed during the load (Last-Modified {} then {})", expect.last_modified, r.last_modified));
+  };
   std::uint64_t done = 0;  // bytes of the range in place from earlier attempts
   for (unsigned attempt = 1;; ++attempt) {
     // If-Match compares strongly: a weak ETag (W/"...") never matches, so it is only compared.
-    const bool strong = !expect_etag.empty() && !expect_etag.starts_with("W/");
-    Attempt a = get_once(target, options, offset + done, length - done, strong ? expect_etag : std::string(), to, done, stop);
+    const bool strong = !expect.etag.empty() && !expect.etag.starts_with("W/");
+    Attempt a = get_once(target, options, offset + done, length - done, strong ? expect.etag : std::string(), expect.size, to, done, stop);
     const Response& r = a.response;
     if (stop != nullptr && stop->load()) throw Error(errno_code(ECANCELED), context, "stopped: another part failed");
-    if (r.status == 206 && !expect_etag.empty() && !r.etag.empty() && r.etag != expect_etag)
-      throw Error(errno_code(ESTALE), context, fmt::format("the object changed during the load (ETag {} then {})", expect_etag, r.etag));
-    std::string retry_why;
     const bool answered = a.curl == CURLE_OK || (a.curl == CURLE_WRITE_ERROR && r.overflow);
+    if (r.status == 200 || r.status == 206) {
+      // Which version answered is known from the headers alone: checked before anything else
+      // (before bytes of a broken-off body are kept for a resumed attempt, too).
+      if (!expect.etag.empty() && !r.etag.empty() && r.etag != expect.etag) throw changed(r);
+      if (expect.etag.empty() && !expect.last_modified.empty() && !r.last_modified.empty() && r.last_modified != expect.last_modified)
+        throw changed(r);
+    }
+    if (!r.refused.empty()) {
+      // A 206 of another range or size, or a 200 to a ranged GET: not an accident a retry mends.
+      const auto total = total_of(r.content_range);
+      const bool resized = r.status == 206 && expect.size != 0 && total && *total != expect.size;
+      throw Error(errno_code(r.status == 200 ? ENOTSUP : resized ? ESTALE : EPROTO), context, r.refused);
+    }
+    std::string retry_why;
     if (answered) {
       if (r.status == 412)
         throw Error(errno_code(ESTALE), context,
-                    fmt::format("the object changed during the load (its ETag is no longer {}): nothing of the new version was used", expect_etag));
+                    fmt::format("the object changed during the load (its ETag is no longer {}): nothing of the new version was used", expect.etag));
       const bool whole = r.status == 200 && length != 0 && offset + done == 0 && !r.overflow && r.received == length;
       if (r.status == 200 && !whole)
         throw Error(errno_code(ENOTSUP), context, "the server ignored the byte range (HTTP 200 with the whole object): it cannot serve parts of it");
       if (whole || r.status == 206 || (r.status == 416 && length == 0)) {
         if (r.overflow) throw Error(errno_code(EPROTO), context, "the server sent more bytes than the range asked for");
-        if (!expect_etag.empty() && !r.etag.empty() && r.etag != expect_etag)
-          throw Error(errno_code(ESTALE), context, fmt::format("the object changed during the load (ETag {} then {})", expect_etag, r.etag));
         if (length == 0 || done + r.received == length) return r;
         retry_why = fmt::format("short body: {} of {} bytes", done + r.received, length);
       } else if (remote::transient_status(r.status)) {
@@ -126,7 +150,7 @@ Response get(const Target& target, const RemoteOptions& options, std::uint64_t o
       if (done == length) return r;
     }
     if (attempt >= attempts)
-      throw Error(errno_code(r.status == 0 ? ETIMEDOUT : remote::errno_of_status(r.status)), context,
+      throw Error(errno_code(r.status == 0 || a.curl == CURLE_OPERATION_TIMEDOUT ? ETIMEDOUT : remote::errno_of_status(r.status)), context,
                   fmt::format("attempt {} of {}: {} (gave up)", attempt, attempts, retry_why));
     remote::backoff(attempt, options);
   }
@@ -213,6 +237,15 @@ RemoteOptions RemoteOptions::from_env() {
   if (const char* v = std::getenv("HBMIO_REMOTE_CONNECTIONS"); v && *v) o.connections = static_cast<unsigned>(parse_size(v));
   if (const char* v = std::getenv("HBMIO_REMOTE_PART_SIZE"); v && *v) o.part_size = parse_size(v);
   if (const char* v = std::getenv("HBMIO_REMOTE_ATTEMPTS"); v && *v) o.max_attempts = static_cast<unsigned>(parse_size(v));
+  if (const char* v = std::getenv("HBMIO_REMOTE_MIN_RATE"); v && *v) o.min_rate_bytes_per_second = static_cast<double>(parse_size(v));
+  if (const char* v = std::getenv("HBMIO_REMOTE_STALL_TIMEOUT"); v && *v) {
+    char* end = nullptr;
+    o.stall_timeout_seconds = std::strtod(v, &end);
+    if (end == v || *end != 0 || !(o.stall_timeout_seconds >= 1 && o.stall_timeout_seconds <= 3600))
+      throw Error(errno_code(EINVAL), {.op = "configure"}, fmt::format("HBMIO_REMOTE_STALL_TIMEOUT '{}': seconds, 1..3600", v));
+  }
+  if (o.min_rate_bytes_per_second < 1024)
+    throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_MIN_RATE: at least 1 KiB (per second)");
   if (o.connections == 0 || o.connections > 1024) throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_CONNECTIONS: 1..1024");
   if (o.part_size != 0 && o.part_size < 4096) throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_PART_SIZE: at least 4 KiB");
   return o;
@@ -229,8 +262,7 @@ struct RemoteObject::State {
   std::string url;
   Target target;
   RemoteOptions options;
-  std::uint64_t size = 0;
-  std::string etag;
+  Version version;
 };
 
 RemoteObject::RemoteObject(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -242,25 +274,27 @@ std::shared_ptr<RemoteObject> RemoteObject::open(const std::string& url, const R
   state->options = options;
   state->target = remote::resolve(url, options);
   // A GET of the first byte rather than a HEAD: presigned URLs are signed for one method.
-  const Response r = get(state->target, options, 0, 0, "", {}, nullptr);
+  const Response r = get(state->target, options, 0, 0, Version{}, {}, nullptr);
   if (r.status == 206 || r.status == 416) {
     const auto total = total_of(r.content_range);
     if (!total)
       throw Error(errno_code(EPROTO), {.op = "GET", .path = state->target.shown},
                   fmt::format("no object size in the response's Content-Range ('{}')", r.content_range));
-    state->size = *total;
+    state->version.size = *total;
   } else {
     throw Error(errno_code(ENOTSUP), {.op = "GET", .path = state->target.shown},
                 fmt::format("HTTP {} to a byte-range request: the server cannot serve parts of the object", r.status));
   }
-  state->etag = r.etag;
+  state->version.etag = r.etag;
+  state->version.last_modified = r.last_modified;
   return std::shared_ptr<RemoteObject>(new RemoteObject(std::move(state)));
 }
 
 const std::string& RemoteObject::url() const noexcept { return state_->url; }
 const std::string& RemoteObject::shown() const noexcept { return state_->target.shown; }
-std::uint64_t RemoteObject::size() const noexcept { return state_->size; }
-const std::string& RemoteObject::etag() const noexcept { return state_->etag; }
+std::uint64_t RemoteObject::size() const noexcept { return state_->version.size; }
+const std::string& RemoteObject::etag() const noexcept { return state_->version.etag; }
+const std::string& RemoteObject::last_modified() const noexcept { return state_->version.last_modified; }
 
 void RemoteObject::read(std::uint64_t offset, MemorySpan into) const {
   const RemoteRead r{this, offset, into};
@@ -303,14 +337,14 @@ Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& option
         const auto& state = *r.object;
         const ErrorContext context{.op = "copy to the device", .path = state.shown(), .offset = r.offset + p.at, .length = p.length};
         if (options.discard || r.into.kind() != MemoryKind::device) {
-          get(state.state_->target, options, r.offset + p.at, p.length, state.etag(), {.data = options.discard ? nullptr : r.into.data + p.at}, &failed);
+          get(state.state_->target, options, r.offset + p.at, p.length, state.state_->version, {.data = options.discard ? nullptr : r.into.data + p.at}, &failed);
         } else {
           const int device = r.into.location.device;
           cuda::DeviceGuard guard(device, context);
           auto landing = std::find_if(landings.begin(), landings.end(), [&](const DeviceLanding& l) { return l.device() == device; });
           if (landing == landings.end()) landing = landings.emplace(landings.end(), device, context);
           landing->start(r.into.data + p.at, context);
-          get(state.state_->target, options, r.offset + p.at, p.length, state.etag(),
+          get(state.state_->target, options, r.offset + p.at, p.length, state.state_->version,
               {.deliver = [&](std::uint64_t at, const std::byte* bytes, std::size_t size) { landing->write(at, bytes, size); }}, &failed);
           landing->finish();
         }

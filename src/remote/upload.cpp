@@ -69,7 +69,7 @@ Attempt perform_once(const Target& target, const RemoteOptions& options, const C
   curl_slist* headers = nullptr;
   std::string userpwd, sigv4;
   if (call.content_type != nullptr) headers = curl.slist_append(headers, fmt::format("Content-Type: {}", call.content_type).c_str());
-  remote::prepare(h, target, options, sink, headers, userpwd, sigv4);
+  remote::prepare(h, target, options, sink, headers, userpwd, sigv4, call.body.size());
   // No wait for "100 Continue" before each part's body: S3 reports errors after the body as well.
   // (Removing the Expect header instead would break signatures: libcurl before 8.x signs the
   // empty header it is told to drop.)
