@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <climits>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -163,9 +165,10 @@ TEST(Stream, ShufflesAreReproducibleAndDifferEveryEpoch) {
 
 namespace {
 
-// A .npy file as numpy.lib.format writes it (version 1.0, or 2.0 with a 4-byte length).
+// A .npy file as numpy.lib.format writes it (version 1.0, or 2.0 with a 4-byte length); `pad`
+// more spaces lengthen the header as a writer may (the data then starts further on).
 std::string write_npy(const std::string& path, const std::string& descr, const std::vector<std::uint64_t>& shape,
-                      const std::vector<std::byte>& data, int version = 1, bool fortran = false) {
+                      const std::vector<std::byte>& data, int version = 1, bool fortran = false, std::size_t pad = 0) {
   std::string shape_text = "(";
   for (std::uint64_t d : shape) shape_text += fmt::format("{}, ", d);
   if (shape.size() > 1) shape_text.resize(shape_text.size() - 2);
@@ -173,6 +176,7 @@ std::string write_npy(const std::string& path, const std::string& descr, const s
   shape_text += ")";
   std::string dict = fmt::format("{{'descr': '{}', 'fortran_order': {}, 'shape': {}, }}", descr, fortran ? "True" : "False", shape_text);
   const std::size_t prefix = version == 1 ? 10 : 12;
+  dict += std::string(pad, ' ');
   while ((prefix + dict.size() + 1) % 64 != 0) dict += ' ';
   dict += '\n';
   std::string out = "\x93NUMPY";
@@ -343,6 +347,158 @@ TEST(Stream, BadShardsAreNamedWithTheirByte) {
   }
 }
 
+namespace {
+
+// What a shard is renamed over with: a valid .npy that a reader at the old header's offsets and
+// dtype would misread without noticing.
+struct Replacement {
+  std::string name, descr;
+  std::uint64_t records = 0;
+  std::size_t pad = 0;
+};
+
+const std::vector<Replacement> kReplacements = {
+    {"another header length", "<f4", 2, 64},  // the same records 64 bytes further on
+    {"another dtype", "<i4", 2, 0},
+    {"another record count", "<f4", 3, 0},
+    {"the same size, other bytes", "<f4", 2, 0},  // a new inode, nothing else changed
+};
+
+// Writes `r` beside `path` and renames it over `path` (a new inode, as a data pipeline's atomic
+// publish would give).
+void rename_over(const std::string& path, const Replacement& r, std::uint64_t seed) {
+  const std::string next = path + ".next";
+  write_npy(next, r.descr, {r.records, 4}, random_bytes(r.records * 16, seed), 1, false, r.pad);
+  ASSERT_EQ(::rename(next.c_str(), path.c_str()), 0) << path;
+}
+
+// `count` .npy shards of 2 records of 4 float32 each, and all their data bytes in order.
+std::vector<std::string> small_npy_shards(const TempDir& dir, std::size_t count, std::vector<std::byte>& all) {
+  std::vector<std::string> files;
+  for (std::size_t s = 0; s < count; ++s) {
+    const auto data = random_bytes(2 * 16, 100 + s);
+    files.push_back(write_npy(dir.file(fmt::format("s-{:03}.npy", s)), "<f4", {2, 4}, data));
+    all.insert(all.end(), data.begin(), data.end());
+  }
+  return files;
+}
+
+}  // namespace
+
+// A shard renamed over after the headers were read, while the stream runs: with few shards every
+// one keeps the descriptor its header was read through, so the stream delivers the original
+// bytes, byte for byte; the old code opened the path again and read the new file at the old
+// offsets, as the old dtype.
+TEST(Stream, AShardRenamedOverIsReadAsTheFileItsHeaderCameFrom) {
+  for (const Replacement& r : kReplacements) {
+    SCOPED_TRACE(r.name);
+    TempDir dir;
+    std::vector<std::byte> all;
+    const auto files = small_npy_shards(dir, 3, all);
+    // One shard a batch, two buffers: shards 0 and 1 may be read ahead, shard 2 only after the
+    // caller gives batch 0 back (its second next()).
+    BatchStream stream(files, {.batch_records = 2, .read_ahead = 1});
+    ASSERT_EQ(stream.fields().size(), 1u);  // the headers are read
+    rename_over(files[2], r, 7);
+    std::vector<std::byte> got;
+    while (auto batch = stream.next()) {
+      const auto bytes = to_host(batch->fields[0]);
+      got.insert(got.end(), bytes.begin(), bytes.end());
+    }
+    EXPECT_EQ(first_mismatch(got, all), -1);
+    EXPECT_EQ(got.size(), all.size());
+  }
+}
+
+// With more shards than kOpenShards (64) descriptors, a shard is opened again by path: one that
+// was never kept open, and one closed to make room and needed again in the next epoch. Either
+// must be the file its header came from, or next() throws naming it.
+TEST(Stream, AShardRenamedOverIsRefusedWhenOpenedAgain) {
+  for (const Replacement& r : kReplacements) {
+    SCOPED_TRACE(r.name);
+    TempDir dir;
+    std::vector<std::byte> all;
+    const auto files = small_npy_shards(dir, 80, all);
+    const auto expect_refused = [&](BatchStream& stream, const std::string& path, std::uint64_t delivered) {
+      try {
+        while (auto batch = stream.next()) {
+          // Every batch delivered is its shard's original bytes.
+          const std::uint64_t at = (batch->epoch * 80 + batch->index) % 80 * 32;
+          EXPECT_EQ(first_mismatch(to_host(batch->fields[0]), {all.begin() + at, all.begin() + at + 32}), -1) << batch->index;
+          ++delivered;
+        }
+        ADD_FAILURE() << "the replaced shard was read";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.context().path, path) << e.what();
+        EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("replaced"), std::string::npos) << e.what();
+      }
+      return delivered;
+    };
+    {
+      // Shard 70: past the 64 kept open from the header scan.
+      BatchStream stream(files, {.batch_records = 2, .read_ahead = 1});
+      ASSERT_EQ(stream.fields().size(), 1u);
+      rename_over(files[70], r, 8);
+      EXPECT_EQ(expect_refused(stream, files[70], 0), 70u);
+    }
+    {
+      // Shard 0, closed once shards 64.. were opened, needed again by epoch 1.
+      all.clear();
+      const auto again = small_npy_shards(dir, 80, all);
+      BatchStream stream(again, {.batch_records = 2, .read_ahead = 1, .epochs = 2});
+      for (std::uint64_t i = 0; i <= 70; ++i) ASSERT_TRUE(stream.next());  // at most batch 71 read by now
+      rename_over(again[0], r, 9);
+      EXPECT_EQ(expect_refused(stream, again[0], 71), 80u);
+    }
+  }
+}
+
+// Headers that claim more than any file holds, and batch sizes beyond the records: named, or
+// served, never a wrapped product.
+TEST(Stream, HugeClaimsAreNamedAndHugeBatchesServed) {
+  TempDir dir;
+  {
+    // 2^60 + 10 records of 20 bytes: the product, 2^64 * 1.25 + 200, wraps to 2^62 + 200.
+    const std::string liar = write_npy(dir.file("liar.npy"), "<f4", {(1ull << 60) + 10, 5}, random_bytes(200, 1));
+    const Error e = first_error({liar}, {.batch_records = 4}, liar);
+    EXPECT_NE(std::string(e.what()).find("header lies"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(fmt::format("{}", (1ull << 60) + 10)), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(fmt::format("the file is {} bytes", std::filesystem::file_size(liar))), std::string::npos)
+        << e.what();
+  }
+  {
+    // A record of 2^80 elements.
+    const std::string wide = write_npy(dir.file("wide.npy"), "<f4", {2, 1ull << 40, 1ull << 40}, random_bytes(8, 2));
+    const Error e = first_error({wide}, {.batch_records = 4}, wide);
+    EXPECT_NE(std::string(e.what()).find("more than 2^64 bytes"), std::string::npos) << e.what();
+  }
+  {
+    // More records than the file has, without wrapping: the claim and the size.
+    const std::string more = write_npy(dir.file("more.npy"), "<f4", {1000, 5}, random_bytes(200, 3));
+    const Error e = first_error({more}, {.batch_records = 4}, more);
+    EXPECT_NE(std::string(e.what()).find("of the 1000 its header claims"), std::string::npos) << e.what();
+  }
+  // Batches of 2^62 and 2^64 - 1 records: one batch of everything (the ring sized by the records,
+  // not by a wrapped product; the batch count not wrapped to 0), shuffled too.
+  const auto files = raw_shards(dir, {37, 5});
+  for (const std::uint64_t batch : std::vector<std::uint64_t>{1ull << 62, UINT64_MAX}) {
+    for (const bool shuffle : {false, true}) {
+      StreamOptions o = raw_options(batch);
+      o.shuffle = shuffle;
+      BatchStream stream(files, o);
+      const auto ids = drain(stream);
+      ASSERT_EQ(ids.size(), 1u);
+      std::vector<std::uint64_t> sorted = ids[0];
+      std::sort(sorted.begin(), sorted.end());
+      std::vector<std::uint64_t> expected(42);
+      for (std::uint64_t i = 0; i < 42; ++i) expected[i] = i;
+      EXPECT_EQ(sorted, expected);
+      if (shuffle) EXPECT_NE(ids[0], expected);  // the window is 16 batches, saturated, not 0
+    }
+  }
+}
+
 // A shard that shrinks while the stream runs: the batches before the failing one are delivered,
 // then next() throws the read's error naming the file.
 TEST(Stream, AReadErrorComesAfterTheBatchesBeforeIt) {
@@ -418,7 +574,12 @@ TEST(Stream, OptionsThatCannotWorkAreRefusedAtOnce) {
   refused(files, o, "rank 2 is not in a world of 2");
   o = raw_options(4);
   o.read_ahead = 0;
-  refused(files, o, "read_ahead");
+  refused(files, o, "read_ahead must be 1 to 4096 batches, not 0");
+  o.read_ahead = UINT_MAX;  // the ring of read_ahead + 1 buffers would wrap to none
+  refused(files, o, "read_ahead must be 1 to 4096 batches, not 4294967295");
+  o = raw_options(4);
+  o.world = 0;
+  refused(files, o, "rank 0 is not in a world of 0");
   // Raw shards without a dtype: found when the first file is looked at, thrown by next().
   BatchStream untyped(files, {.batch_records = 4});
   EXPECT_THROW(untyped.next(), Error);

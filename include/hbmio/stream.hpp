@@ -18,6 +18,9 @@
 // Errors (a missing file, a shard that is not a whole number of records, a shard whose dtype or
 // record shape differs from the first one's, a read failure) are hbmio::Error naming the file and
 // byte, thrown by the next() that asks for the batch they stop; batches before it are delivered.
+// A shard is read from the file its header was read from: the first 64 keep that descriptor; any
+// other, opened again by path, must be the same file unchanged (device, inode, size, mtime), else
+// the read throws Error(ESTALE) naming it as replaced.
 #pragma once
 
 #include <cstdint>
@@ -44,9 +47,9 @@ struct StreamOptions {
   std::vector<std::uint64_t> raw_record_shape;
 
   MemoryLocation device{};        // where batches land: host, pinned or cuda:N
-  std::uint64_t batch_records = 0;  // records per batch; or
+  std::uint64_t batch_records = 0;  // records per batch (more than a rank's records: one batch); or
   std::uint64_t batch_bytes = 0;    // bytes per batch (all fields), rounded down to whole records
-  unsigned read_ahead = 2;          // batches read ahead of the one the caller holds (>= 1)
+  unsigned read_ahead = 2;          // batches read ahead of the one the caller holds (1 to 4096)
   bool drop_last = false;  // drop each rank's last, partial batch, and give every rank as many records
   std::uint64_t epochs = 1;  // 0: until closed
   bool shuffle = false;

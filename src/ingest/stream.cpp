@@ -24,6 +24,8 @@
 #include <optional>
 #include <thread>
 
+#include <sys/stat.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -47,8 +49,12 @@ double seconds_between(Clock::time_point a, Clock::time_point b) { return std::c
 // deep when each batch alone would be a few hundred KiB; a batch of this size or more alone keeps
 // every worker ring busy (the uring engine cuts it into chunks for all of them).
 constexpr std::uint64_t kGroupBytes = 32ull << 20;
-// Shard files kept open between batches; more are closed least recently used first.
+// Shard files kept open between batches; more are closed least recently used first (a whole
+// shard's descriptors), and a shard opened again must still be the file its header came from.
 constexpr std::size_t kOpenShards = 64;
+// The ring holds read_ahead + 1 batch buffers: far more than a step can use, and a bound that keeps
+// read_ahead + 1 from wrapping.
+constexpr unsigned kMaxReadAhead = 4096;
 constexpr std::size_t kSlotAlignment = 4096;
 
 Error bad_option(const std::string& why) { return Error(errno_code(EINVAL), {.op = "open stream"}, why); }
@@ -79,10 +85,33 @@ class Random {
   std::uint64_t state_;
 };
 
+// What fstat said of a shard when its header was read. A path opened again must give the same
+// file unchanged: a shard renamed over (another inode) or rewritten (another size or mtime) would
+// have its records read at the old header's offsets, as the old header's dtype.
+struct ShardIdentity {
+  std::uint64_t device = 0, inode = 0, size = 0;
+  std::int64_t mtime_ns = 0;
+  bool operator==(const ShardIdentity&) const = default;
+};
+
+ShardIdentity identity_of(const File& file) {
+  struct stat st {};
+  if (::fstat(file.fd(), &st) != 0) throw Error(errno_code(errno), {.op = "read shard", .path = file.path()}, "fstat");
+  return {.device = static_cast<std::uint64_t>(st.st_dev), .inode = static_cast<std::uint64_t>(st.st_ino),
+          .size = static_cast<std::uint64_t>(st.st_size),
+          .mtime_ns = static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
+}
+
+std::string identity_text(const ShardIdentity& id) {
+  return fmt::format("device {}, inode {}, {} bytes, mtime {}.{:09}", id.device, id.inode, id.size, id.mtime_ns / 1'000'000'000,
+                     id.mtime_ns % 1'000'000'000);
+}
+
 struct Shard {
   std::string path;
   std::uint64_t records = 0;
   std::vector<std::uint64_t> field_offset;  // file offset of record 0 of each field
+  ShardIdentity identity;                   // the file the header was read from
 };
 
 // A run of consecutive records of one shard, landing at consecutive positions of the batch.
@@ -117,11 +146,16 @@ const char* format_name(ShardFormat f) {
 std::uint64_t record_bytes(st::Dtype dtype, const std::vector<std::uint64_t>& record_shape, const ErrorContext& context,
                            const std::string& name) {
   const auto bytes = st::tensor_byte_size(dtype, record_shape);
-  if (!bytes)
-    throw Error(errno_code(EINVAL), context,
-                fmt::format("a record of {}{} {} is not a whole number of bytes", name.empty() ? "" : name + ": ",
-                            st::to_string(dtype), shape_text(record_shape)));
-  return *bytes;
+  if (bytes) return *bytes;
+  // Either the bits overflow 64 bits (a header claiming a record no file holds) or a sub-byte
+  // dtype's record does not end on a byte.
+  std::uint64_t bits = st::bits_per_element(dtype);
+  bool overflow = false;
+  for (std::uint64_t d : record_shape) overflow = overflow || __builtin_mul_overflow(bits, d, &bits);
+  throw Error(errno_code(EINVAL), context,
+              fmt::format("a record of {}{} {} {}", name.empty() ? "" : name + ": ", st::to_string(dtype), shape_text(record_shape),
+                          overflow ? "is more than 2^64 bytes: the header claims more than any file holds"
+                                   : "is not a whole number of bytes"));
 }
 
 }  // namespace
@@ -166,13 +200,15 @@ struct BatchStream::State {
 
   void run() noexcept;
   void scan();
-  Shard scan_one(const std::string& path, ShardFormat format, std::vector<StreamField>& fields_out) const;
+  Shard scan_one(const File& file, ShardFormat format, std::vector<StreamField>& fields_out) const;
   void plan_epoch(std::uint64_t number, const std::function<bool(BatchPlan&&)>& emit) const;
   void read_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine);
   int take_slot(bool wait);
   void wait_scanned(std::unique_lock<std::mutex>& lock) const;
 
-  // Open shard files, least recently used last (used by the thread only).
+  // Open shard files, least recently used last (used by the thread only). The first kOpenShards
+  // are the descriptors their headers were read through; any other is opened again by path and
+  // checked against the shard's identity.
   std::list<std::pair<std::size_t, File>> open_files;
   const File& file_of(std::size_t shard);
 };
@@ -182,7 +218,8 @@ namespace {
 void check_options(const std::vector<std::string>& files, const StreamOptions& o) {
   if (files.empty()) throw bad_option("no shard files given");
   if ((o.batch_records == 0) == (o.batch_bytes == 0)) throw bad_option("give a batch size: batch_records or batch_bytes (one of them)");
-  if (o.read_ahead == 0) throw bad_option("read_ahead must be at least 1");
+  if (o.read_ahead == 0 || o.read_ahead > kMaxReadAhead)
+    throw bad_option(fmt::format("read_ahead must be 1 to {} batches, not {}", kMaxReadAhead, o.read_ahead));
   if (o.world == 0 || o.rank >= o.world) throw bad_option(fmt::format("rank {} is not in a world of {}", o.rank, o.world));
   const bool raw_asked = o.raw_dtype.has_value();
   if (o.format == ShardFormat::raw && !raw_asked) throw bad_option("raw shards need the record's dtype (and shape)");
@@ -368,13 +405,24 @@ const File& BatchStream::State::file_of(std::size_t shard) {
       open_files.splice(open_files.begin(), open_files, it);
       return it->second;
     }
-  open_files.emplace_front(shard, File::open(shards[shard].path, OpenMode::read));
+  // Opened again by path: it must be the file whose header planned the reads, else its bytes
+  // would be read at that header's offsets as that header's dtype (garbage, with no error).
+  const Shard& s = shards[shard];
+  File file = File::open(s.path, OpenMode::read);
+  const ShardIdentity now = identity_of(file);
+  if (now != s.identity)
+    throw Error(errno_code(ESTALE), {.op = "read shard", .path = s.path},
+                fmt::format("the file was replaced or changed after its header was read ({} then; {} now): "
+                            "its records are not the ones the stream planned; restart the stream",
+                            identity_text(s.identity), identity_text(now)));
+  open_files.emplace_front(shard, std::move(file));
   return open_files.front().second;
 }
 
 void BatchStream::State::read_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine) {
   std::vector<IoRequest> requests;
   std::vector<Ready> done;
+  std::exception_ptr failed;
   for (auto& [slot_index, plan] : group) {
     Slot& slot = slots[static_cast<std::size_t>(slot_index)];
     if (slot.event_pending) {
@@ -385,20 +433,29 @@ void BatchStream::State::read_group(std::vector<std::pair<int, BatchPlan>>& grou
             .slot = slot_index};
     for (std::size_t f = 0; f < fields.size(); ++f)
       r.batch.fields.push_back(slot.buffer.span().subspan(slot.field_offset[f], plan.records * fields[f].record_bytes));
-    for (const Run& run : plan.runs) {
-      const File& file = file_of(run.shard);
-      for (std::size_t f = 0; f < fields.size(); ++f) {
-        const std::uint64_t rb = fields[f].record_bytes;
-        if (rb == 0) continue;
-        requests.push_back({.op = IoOp::read, .file = &file, .offset = shards[run.shard].field_offset[f] + run.first * rb,
-                            .memory = r.batch.fields[f].subspan(run.at * rb, run.count * rb), .cancel = &stop});
+    const std::size_t planned = requests.size();
+    try {
+      for (const Run& run : plan.runs) {
+        const File& file = file_of(run.shard);
+        for (std::size_t f = 0; f < fields.size(); ++f) {
+          const std::uint64_t rb = fields[f].record_bytes;
+          if (rb == 0) continue;
+          requests.push_back({.op = IoOp::read, .file = &file, .offset = shards[run.shard].field_offset[f] + run.first * rb,
+                              .memory = r.batch.fields[f].subspan(run.at * rb, run.count * rb), .cancel = &stop});
+        }
       }
+    } catch (const Error&) {
+      // A shard that cannot be opened (or was replaced) stops this batch; the batches gathered
+      // before it are read and delivered first, as a read error's would be.
+      requests.resize(planned);
+      failed = std::current_exception();
+      break;
     }
     done.push_back(std::move(r));
   }
   const Clock::time_point start = Clock::now();
   try {
-    engine.submit_batch(requests);
+    if (!requests.empty()) engine.submit_batch(requests);
   } catch (const Error& e) {
     if (stop && e.code().value() == ECANCELED) return;
     throw;
@@ -415,12 +472,13 @@ void BatchStream::State::read_group(std::vector<std::pair<int, BatchPlan>>& grou
   }
   changed.notify_all();
   while (open_files.size() > kOpenShards) open_files.pop_back();
+  if (failed) std::rethrow_exception(failed);
 }
 
-Shard BatchStream::State::scan_one(const std::string& path, ShardFormat format, std::vector<StreamField>& out) const {
-  Shard shard{.path = path};
-  const File file = File::open(path, OpenMode::read, false);
-  const std::uint64_t size = file.size_at_open();
+Shard BatchStream::State::scan_one(const File& file, ShardFormat format, std::vector<StreamField>& out) const {
+  const std::string& path = file.path();
+  Shard shard{.path = path, .identity = identity_of(file)};
+  const std::uint64_t size = shard.identity.size;
   ErrorContext context{.op = "read shard header", .path = path};
   if (format == ShardFormat::npy) {
     std::vector<std::byte> head(std::min<std::uint64_t>(size, format::kNpyPrefixSize));
@@ -434,13 +492,20 @@ Shard BatchStream::State::scan_one(const std::string& path, ShardFormat format, 
     StreamField field{.dtype = h.dtype, .record_shape = {h.shape.begin() + 1, h.shape.end()}};
     field.record_bytes = record_bytes(h.dtype, field.record_shape, context, "");
     shard.records = h.shape[0];
-    const std::uint64_t expected = h.data_offset + shard.records * field.record_bytes;
+    // Checked: a header may claim any shape, and a wrapped product would pass the size check.
+    std::uint64_t expected = 0;
+    if (__builtin_mul_overflow(shard.records, field.record_bytes, &expected) || __builtin_add_overflow(expected, h.data_offset, &expected))
+      throw Error(errno_code(EINVAL), context,
+                  fmt::format("the .npy header lies: it claims shape {} ({} records of {} bytes from byte {}), more than 2^64 bytes; "
+                              "the file is {} bytes",
+                              shape_text(h.shape), shard.records, field.record_bytes, h.data_offset, size));
     if (size != expected) {
       context.offset = std::min(size, expected);
       throw Error(errno_code(EINVAL), context,
-                  size < expected ? fmt::format("the file ends at byte {}, inside record {} of {} ({} bytes each, from byte {}): a partial record",
+                  size < expected ? fmt::format("the file ends at byte {}, inside record {} of the {} its header claims ({} bytes each, from "
+                                                "byte {}, {} bytes in all): a partial record, or a header that claims too much",
                                                 size, (size - h.data_offset) / std::max<std::uint64_t>(field.record_bytes, 1),
-                                                shard.records, field.record_bytes, h.data_offset)
+                                                shard.records, field.record_bytes, h.data_offset, expected)
                                   : fmt::format("{} bytes follow the array's end at byte {}", size - expected, expected));
     }
     shard.field_offset = {h.data_offset};
@@ -501,7 +566,11 @@ void BatchStream::State::scan() {
       throw Error(errno_code(EINVAL), {.op = "open stream", .path = path},
                   fmt::format("a {} shard among {} shards ({} is the first)", format_name(format_of(path)), format_name(format), files.front()));
     std::vector<StreamField> these;
-    found.push_back(scan_one(path, format, these));
+    File file = File::open(path, OpenMode::read);
+    found.push_back(scan_one(file, format, these));
+    // The first shards keep the descriptor their header was read through: no path is opened
+    // again for them, so nothing renamed over them later is read.
+    if (open_files.size() < kOpenShards) open_files.emplace_back(found.size() - 1, std::move(file));
     if (found.size() == 1) {
       first = std::move(these);
       continue;
@@ -531,8 +600,11 @@ void BatchStream::State::scan() {
   // drop_last: every rank the same number of whole batches (what DDP needs: as many steps on
   // every rank); else each rank its share (they differ by one record at most), the last batch short.
   const std::uint64_t share = options.drop_last ? base : base + (options.rank < extra ? 1 : 0);
-  const std::uint64_t batches = options.drop_last ? share / batch : (share + batch - 1) / batch;
+  const std::uint64_t batches = options.drop_last ? share / batch : share / batch + (share % batch != 0);  // no share + batch - 1: it wraps
   const std::uint64_t per_rank = options.drop_last ? batches * batch : share;
+  // No batch holds more than this rank's records: a batch size beyond them sizes the ring by them
+  // (batch_records = 2^62 is one batch of everything, not 2^62 records' bytes that wrap).
+  const std::uint64_t slot_records = std::min(batch, per_rank);
 
   // The ring: the batch the caller holds plus read_ahead being read or waiting.
   std::vector<Slot> ring(options.read_ahead + 1);
@@ -540,7 +612,7 @@ void BatchStream::State::scan() {
   std::size_t slot_bytes = 0;
   for (const auto& f : first) {
     offsets.push_back(slot_bytes);
-    slot_bytes += (batch * f.record_bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+    slot_bytes += (slot_records * f.record_bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
   }
   for (Slot& slot : ring) {
     slot.buffer = Buffer::allocate(options.device, std::max<std::size_t>(slot_bytes, 1));
@@ -570,7 +642,9 @@ void BatchStream::State::plan_epoch(std::uint64_t number, const std::function<bo
     starts.push_back(at);
     at += shards[k].records;
   }
-  const std::uint64_t window = options.shuffle_window ? options.shuffle_window : std::max<std::uint64_t>(16 * batch_records, 1);
+  // 16 batches, saturating: a wrapped product would shrink the window to almost nothing.
+  const std::uint64_t window = options.shuffle_window ? options.shuffle_window
+                                                      : batch_records > UINT64_MAX / 16 ? UINT64_MAX : std::max<std::uint64_t>(16 * batch_records, 1);
   std::uint64_t window_index = UINT64_MAX;
   std::vector<std::uint64_t> permutation;
   // Position p of the epoch's order -> index into the shard order (windows shuffled in place).
