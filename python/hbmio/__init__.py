@@ -295,8 +295,12 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
         return out
 
 
+def _is_url(path: str) -> bool:
+    return path.startswith(("s3://", "http://", "https://"))
+
+
 def load_file(path, device="cpu", *, framework="auto", backend=None, verify=False, names=None, progress=False,
-              group=None, placement="replicate", shard_map=None, report=None):
+              group=None, placement="replicate", shard_map=None, report=None, mmap=False):
     """Loads a .safetensors file, a sharded checkpoint index or a directory holding either.
 
     Like safetensors.torch.load_file: returns {name: tensor} in file order.
@@ -317,6 +321,14 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                  mismatch stops the load without fetching the rest.
       names      load only these tensors (a str is one name).
       progress   draw a progress bar on stderr.
+      mmap       True: into host memory ("cpu", framework "torch" or "numpy", no verify), the
+                 tensors are views of a private mapping of each local file, read on first touch,
+                 as safetensors' own load_file does: it returns in about a millisecond whatever
+                 the size, and a caller that touches a few tensors reads only those. A file
+                 truncated while such tensors live makes touching them fail (SIGBUS); one
+                 replaced by rename is safe. False (the default): every byte is read before
+                 the call returns, and the tensors own their memory. hbmio.torch.load_file maps
+                 by default, as safetensors.torch.load_file does. See hbmio/_mapped.py.
       group      a torch.distributed process group (e.g. dist.group.WORLD): the ranks divide the
                  reading, each byte is read from storage once, and with placement="replicate"
                  every rank gets every tensor (the runs travel by broadcast: NCCL on GPUs, gloo
@@ -343,6 +355,12 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     device = _device_text(device)
     if framework == "numpy" and device != "cpu":
         raise ValueError(f"framework='numpy' loads into host memory only, not {device!r}")
+    if mmap:
+        if device != "cpu" or framework not in ("torch", "numpy") or verify or progress or _is_url(path):
+            raise ValueError("mmap=True maps local files into host memory: device='cpu', framework 'torch' or 'numpy', "
+                             "without verify= (checksums need every byte read) or progress=")
+        from . import _mapped
+        return _mapped.load(path, framework, names)
     _require_gpu(device, path)
     torch = _torch() if framework == "torch" else None
     if torch is not None:

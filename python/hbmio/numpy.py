@@ -7,11 +7,13 @@ import hbmio as _hbmio
 Error = _hbmio.Error
 
 
-def load_file(path, *, backend=None, verify=False, names=None, progress=False):
+def load_file(path, *, backend=None, verify=False, names=None, progress=False, mmap=False):
     """{name: np.ndarray} in file order. See hbmio.load_file for backend (None: $HBMIO_BACKEND,
-    else "auto"), verify, names (a str is one name) and progress."""
+    else "auto"), verify, names (a str is one name), progress and mmap (True: views of a private
+    mapping of a local file, read on first touch; the reference's numpy load_file reads every
+    byte, as the default here does)."""
     return _hbmio.load_file(path, "cpu", framework="numpy", backend=backend, verify=verify, names=names,
-                            progress=progress)
+                            progress=progress, mmap=mmap)
 
 
 def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None):

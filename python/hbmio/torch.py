@@ -37,12 +37,17 @@ def _check_tensors(tensors, where) -> dict:
     return tensors
 
 
-def load_file(path, device="cpu", *, backend=None, verify=False, names=None, progress=False):
+def load_file(path, device="cpu", *, backend=None, verify=False, names=None, progress=False, mmap=None):
     """Like safetensors.torch.load_file: {name: torch.Tensor}, in file order. On CUDA the tensors
-    are views of one allocation from PyTorch's caching allocator; on the host they share hbmio's
-    memory (no copy). See hbmio.load_file for device, backend, verify, names and progress."""
+    are views of one allocation from PyTorch's caching allocator. On the host, as the reference
+    does, they are views of a private mapping of the file, read on first touch (mmap=None: mapped
+    for a local file into "cpu" without verify or progress; mmap=False: every byte read before
+    the call returns, immune to a later truncation of the file). See hbmio.load_file."""
+    if mmap is None:
+        where = _hbmio._os.fspath(path)
+        mmap = (not verify and not progress and str(device) == "cpu" and not _hbmio._is_url(where))
     return _hbmio.load_file(path, device, framework="torch", backend=_backend(backend), verify=verify, names=names,
-                            progress=progress)
+                            progress=progress, mmap=mmap)
 
 
 def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None, progress=False,

@@ -276,6 +276,32 @@ def test_the_command_loads_and_verifies_a_url(server, tmp_path):
     assert out.returncode == 0 and "4096 bytes identical" in out.stdout, out.stdout + out.stderr
 
 
+def test_the_command_never_prints_a_secret(server):
+    """Text and JSON outputs of every command that takes a URL, for a URL with user info and one
+    with a presigned query: the URL appears, its secrets do not."""
+    cli = _hbmio_command()
+    if cli is None:
+        pytest.skip("the hbmio command is not installed beside this interpreter")
+    served_dir = pathlib.Path(server.root)
+    hbmio.save_file({"w": torch.randn(64, 64)}, str(served_dir / "secret.safetensors"))
+    urls = (server.url("secret.safetensors") + "?X-Amz-Signature=SECRET123&X-Amz-Credential=AKIDSECRET",
+            server.url("secret.safetensors").replace("http://", "http://user:SECRET123@"))
+    commands = (["ckpt", "info"], ["ckpt", "info", "--json", "-"], ["ckpt", "verify"], ["ckpt", "verify", "--json", "-"],
+                ["ckpt", "load", "--into", "host"], ["ckpt", "load", "--into", "host", "--json", "-"],
+                ["ckpt", "load", "--into", "host", "--verify", "--json", "-"])
+    for url in urls:
+        for command in commands:
+            out = subprocess.run([cli, *command[:2], url, *command[2:]], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, (command, out.stderr)
+            text = out.stdout + out.stderr
+            assert "secret.safetensors" in text or command == ["ckpt", "load", "--into", "host"], (command, text)
+            assert "SECRET" not in text, (command, text)
+        # A failure names the URL without its secrets too.
+        missing = url.replace("secret.safetensors", "missing.safetensors")
+        out = subprocess.run([cli, "ckpt", "info", missing, "--json", "-"], capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and "missing.safetensors" in out.stderr and "SECRET" not in out.stdout + out.stderr
+
+
 @needs_gpu
 def test_into_cuda(server, monkeypatch):
     want = st_torch.load_file(str(FIXTURES / "big.safetensors"))

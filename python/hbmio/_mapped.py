@@ -1,0 +1,85 @@
+"""Memory-mapped loads into host memory: load_file(..., mmap=True).
+
+The reference's own load_file maps the file and hands out tensors whose pages are read on first
+touch: it returns in a millisecond whatever the size, and a caller that uses a few tensors reads
+only those. A copied load (hbmio's default) reads every byte before it returns, and its tensors
+are immune to what happens to the file afterwards. The trade-off, as the reference makes it:
+a mapped tensor is a private (copy-on-write) view of the file's pages, so
+  - a file truncated while its tensors live makes touching them fail with SIGBUS;
+  - a file rewritten in place may show the new bytes in pages not yet touched;
+  - a file replaced by rename (how every safetensors writer and hbmio's saves publish) is safe:
+    the mapping keeps the old inode.
+Checksums (verify=) need every byte read, so a verified load is always a copied one.
+"""
+from __future__ import annotations
+
+import mmap as _mmap
+import os as _os
+
+from . import _hbmio as _ext
+
+
+def _files(path: str) -> list[str]:
+    """The files of a checkpoint (a file, a sharded index or a directory), as hbmio resolves them."""
+    return list(_ext.SafeOpen(path).files())
+
+
+def _map(path: str):
+    fd = _os.open(path, _os.O_RDONLY | getattr(_os, "O_CLOEXEC", 0))
+    try:
+        size = _os.fstat(fd).st_size
+        # ACCESS_COPY: private pages, writable as torch.frombuffer wants, never written back.
+        return _mmap.mmap(fd, size, access=_mmap.ACCESS_COPY) if size else None
+    finally:
+        _os.close(fd)  # the mapping holds the file
+
+
+def load(path: str, framework: str, names) -> dict:
+    """{name: tensor} of `path` in file order, each a view of a private mapping of its file."""
+    wanted = None if names is None else set(names)
+    out = {}
+    for file in _files(path):
+        mapping = _map(file)
+        # The same validating parser as every load (an empty file is its error too).
+        entries, _ = _ext._deserialize(mapping if mapping is not None else b"")
+        if framework == "torch":
+            out.update(_torch_views(mapping, entries, wanted, file))
+        else:
+            out.update(_numpy_views(mapping, entries, wanted, file))
+    if wanted is not None:
+        missing = sorted(wanted - out.keys())
+        if missing:
+            raise KeyError(f"no tensor named {missing[0]!r} in {path}")
+    return out
+
+
+def _torch_views(mapping, entries, wanted, file):
+    import torch
+    from . import _TORCH_DTYPES
+    base = torch.frombuffer(mapping, dtype=torch.uint8)  # shares the mapping and keeps it alive
+    out = {}
+    for name, dtype, shape, offset, nbytes in entries:
+        if wanted is not None and name not in wanted:
+            continue
+        torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise TypeError(f"tensor {name} of {file}: dtype {dtype} has no torch equivalent in torch {torch.__version__}")
+        raw = base[offset:offset + nbytes]
+        if offset % torch_dtype.itemsize:
+            raw = raw.clone()  # a view needs an offset that is a multiple of the element size
+        out[name] = raw.view(torch_dtype).reshape(shape)
+    return out
+
+
+def _numpy_views(mapping, entries, wanted, file):
+    import numpy as np
+    from ._lazy import _NUMPY_DTYPES
+    base = np.frombuffer(mapping, dtype=np.uint8)
+    out = {}
+    for name, dtype, shape, offset, nbytes in entries:
+        if wanted is not None and name not in wanted:
+            continue
+        if dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"tensor {name} of {file}: dtype {dtype} has no NumPy equivalent")
+        out[name] = base[offset:offset + nbytes].view(np.dtype(_NUMPY_DTYPES[dtype])).reshape(shape)
+    return out

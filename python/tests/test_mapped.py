@@ -1,0 +1,81 @@
+"""Mapped loads into host memory (load_file(mmap=True); hbmio.torch.load_file's default): equal byte
+for byte to the reference's load of the reference's own files, views of the file's pages (not
+copies), and safe across a replacement by rename."""
+import os
+import pathlib
+
+import pytest
+
+import hbmio
+import hbmio.numpy
+import hbmio.torch
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+st_torch = pytest.importorskip("safetensors.torch")
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FIXTURES = pathlib.Path(os.environ.get("HBMIO_FIXTURES", REPO.parent / "shared" / "fixtures")) / "safetensors"
+FILES = sorted(p.name for p in FIXTURES.glob("*.safetensors")) if FIXTURES.is_dir() else []
+
+
+def raw(t):
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_mapped_loads_equal_the_reference(name):
+    want = st_torch.load_file(str(FIXTURES / name))
+    for got in (hbmio.load_file(FIXTURES / name, mmap=True), hbmio.torch.load_file(FIXTURES / name)):
+        assert list(got) == list(want)  # file order, as the reference
+        for k in want:
+            assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+            assert raw(got[k]) == raw(want[k]), k
+
+
+def test_a_sharded_checkpoint_maps_every_shard():
+    index = FIXTURES / "sharded"
+    want = hbmio.load_file(index)  # a copied load: the independent read
+    got = hbmio.load_file(index, mmap=True)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert raw(got[k]) == raw(want[k]), k
+
+
+def test_mapped_tensors_are_views_of_the_file_and_survive_a_rename_over_it(tmp_path):
+    path = tmp_path / "m.safetensors"
+    first = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
+    st_torch.save_file(first, str(path))
+    got = hbmio.torch.load_file(path)
+    # A view of the mapping: its data lies inside the file's pages, not in a copy of its own.
+    assert got["a"].untyped_storage().nbytes() == os.path.getsize(path)
+    # Writes go to private pages: the file is not changed.
+    got["a"][0] = 99
+    assert hbmio.load_file(path)["a"][0] == 0
+    # A new version published by rename (as every safetensors writer does): the old one stays.
+    st_torch.save_file({"a": torch.zeros(4096), "b": torch.zeros(3, 5, dtype=torch.bfloat16)}, str(tmp_path / "n"))
+    os.replace(tmp_path / "n", path)
+    assert torch.equal(got["a"][1:], first["a"][1:]) and torch.equal(got["b"], first["b"])
+
+
+def test_names_numpy_and_refusals(tmp_path):
+    path = tmp_path / "m.safetensors"
+    hbmio.save_file({"x": np.arange(10, dtype=np.int16), "y": np.ones((2, 2), dtype=np.float64)}, str(path))
+    got = hbmio.numpy.load_file(path, mmap=True, names=["y"])
+    assert list(got) == ["y"] and np.array_equal(got["y"], np.ones((2, 2)))
+    with pytest.raises(KeyError, match="nope"):
+        hbmio.load_file(path, mmap=True, names=["nope"])
+    for kwargs in ({"verify": True}, {"device": "cuda:0"}, {"framework": "dlpack"}):
+        with pytest.raises(ValueError, match="mmap=True"):
+            hbmio.load_file(path, mmap=True, **kwargs)
+    # A verified load through the drop-in is a copied one (checksums need every byte).
+    copied = hbmio.torch.load_file(path, verify=True)
+    assert copied["x"].untyped_storage().nbytes() < os.path.getsize(path)
+    # A damaged header is refused by the same parser as every load.
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    with pytest.raises(hbmio.Error):
+        hbmio.load_file(bad, mmap=True)
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(hbmio.Error):
+        hbmio.load_file(tmp_path / "empty.safetensors", mmap=True)
