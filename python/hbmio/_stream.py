@@ -18,7 +18,9 @@ batch is a fresh tensor) or `batch.clone()`.
 from __future__ import annotations
 
 import atexit as _atexit
+import errno as _errno
 import glob as _glob
+import operator as _operator
 import os as _os
 import sys as _sys
 import weakref as _weakref
@@ -63,11 +65,64 @@ def _dtype_name(dtype) -> str:
     return _DTYPES[text]
 
 
+_U32 = 2**32 - 1
+_U64 = 2**64 - 1
+_MAX_READ_AHEAD = 4096  # the library's bound (kMaxReadAhead in src/ingest/stream.cpp)
+
+
+class _OptionError(_hbmio.Error, ValueError):
+    """A stream option out of its range: a ValueError, as a bad argument is, and an hbmio.Error
+    (EINVAL), as the library raised for rank, world and read_ahead before Python checked them."""
+
+
+def _int_option(name: str, value, lo: int, hi: int, what: str) -> int:
+    """`value` as an int in [lo, hi]. TypeError naming the option for anything but an integer (int()
+    would make 2.5 into 2 and parse "3"; a bool is a flag, not a count); ValueError naming it and
+    its range for one outside it (the C++ call would refuse it with nanobind's signature dump)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an int ({what}), not {type(value).__name__} {value!r}")
+    v = _operator.index(value)
+    if not lo <= v <= hi:
+        raise _OptionError(_errno.EINVAL, f"{name} must be {what}, {lo} to {hi}, not {v}")
+    return v
+
+
+def _flag(name: str, value) -> bool:
+    """True or False (1, 0 and NumPy's bools too); TypeError naming the option for anything else:
+    bool("False") is True."""
+    if isinstance(value, bool):
+        return value
+    if getattr(value, "shape", None) == () and str(getattr(value, "dtype", "")) == "bool":  # numpy.bool_
+        return bool(value)
+    if not isinstance(value, float) and hasattr(type(value), "__index__") and _operator.index(value) in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")
+
+
+def _directory_files(text: str) -> list[str]:
+    """The files of a shard directory, sorted. An entry that is not a file is refused by name, not
+    skipped: a dangling symlink or a subdirectory would otherwise drop its shards unnoticed."""
+    found = []
+    for name in sorted(_os.listdir(text)):
+        path = _os.path.join(text, name)
+        if _os.path.isfile(path):
+            found.append(path)
+        elif _os.path.islink(path) and not _os.path.exists(path):
+            raise FileNotFoundError(_errno.ENOENT, f"shard directory {text}: {name} is a dangling symlink (to "
+                                    f"{_os.readlink(path)!r}, which does not exist); remove it or restore its target")
+        elif _os.path.isdir(path):
+            raise IsADirectoryError(_errno.EISDIR, f"shard directory {text}: {name} is a subdirectory; a shard directory "
+                                    f"holds only shard files (a glob such as {_os.path.join(text, '*.npy')!r} picks some)")
+        else:
+            raise _OptionError(_errno.EINVAL, f"shard directory {text}: {name} is not a regular file")
+    return found
+
+
 def _files(files) -> list[str]:
     if isinstance(files, (str, bytes)) or hasattr(files, "__fspath__"):
         text = _os.fsdecode(_os.fspath(files))
         if _os.path.isdir(text):
-            found = sorted(_os.path.join(text, f) for f in _os.listdir(text) if _os.path.isfile(_os.path.join(text, f)))
+            found = _directory_files(text)
         elif _glob.has_magic(text):
             found = sorted(_glob.glob(text))
         else:
@@ -85,15 +140,20 @@ def _rank_world(rank, world, group):
     if rank is not None or world is not None:
         if rank is None or world is None:
             raise ValueError("give rank= and world= together (or group=)")
-        return int(rank), int(world)
-    dist = None
-    if group is not None or "torch.distributed" in _sys.modules:
-        import torch.distributed as dist
-        if group is None and not dist.is_initialized():
-            dist = None
-    if dist is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    else:
+        dist = None
+        if group is not None or "torch.distributed" in _sys.modules:
+            import torch.distributed as dist
+            if group is None and not dist.is_initialized():
+                dist = None
+        if dist is None:
+            return 0, 1
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = _int_option("rank", rank, 0, _U32 - 1, "this process's index among world")
+    world = _int_option("world", world, 1, _U32, "the number of processes")
+    if rank >= world:
+        raise _OptionError(_errno.EINVAL, f"rank {rank} is not in a world of {world} (rank is 0 to world - 1)")
+    return rank, world
 
 
 class Stream:
@@ -106,10 +166,22 @@ class Stream:
         from . import _backend, _device_text, _framework, _parse_size, _require_gpu, _torch
         if (batch_size is None) == (batch_bytes is None):
             raise ValueError("give batch_size (records) or batch_bytes, one of them")
-        if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) <= 0):
-            raise ValueError(f"batch_size must be a positive number of records, not {batch_size!r}")
-        if epochs is not None and int(epochs) < 0:
-            raise ValueError("epochs must be 0 or more (None: until closed)")
+        # Every option is checked here, by name and range, before the C++ call (whose refusals of
+        # a negative or oversized int are nanobind's signature dump, and which truncates floats).
+        if batch_size is not None:
+            batch_size = _int_option("batch_size", batch_size, 1, _U64, "a positive number of records")
+        if batch_bytes is not None:
+            if isinstance(batch_bytes, str):
+                batch_bytes = _parse_size(batch_bytes)
+            batch_bytes = _int_option("batch_bytes", batch_bytes, 1, _U64, "a positive number of bytes, or text like '64MiB'")
+        epochs = 0 if epochs is None else _int_option("epochs", epochs, 0, _U64, "a number of passes over the data (0: until closed)")
+        seed = 0 if seed is None else _int_option("seed", seed, 0, _U64, "an unsigned 64-bit int")
+        shuffle_window = 0 if shuffle_window is None else _int_option(
+            "shuffle_window", shuffle_window, 0, _U64, "a number of records (0: 16 batches)")
+        read_ahead = _int_option("read_ahead", read_ahead, 1, _MAX_READ_AHEAD, "a number of batches")
+        shuffle, drop_last = _flag("shuffle", shuffle), _flag("drop_last", drop_last)
+        copy, progress = _flag("copy", copy), _flag("progress", progress)
+        record_shape = [_int_option(f"record_shape[{i}]", d, 0, _U64, "a dimension") for i, d in enumerate(record_shape or ())]
         self._files = _files(files)
         device = _device_text(device)
         _require_gpu(device)
@@ -126,11 +198,9 @@ class Stream:
             _dtype_name(None)  # says what to give
         self._rank, self._world = _rank_world(rank, world, group)
         self._stream = _hbmio._Stream(
-            self._files, "pinned" if device == "pinned" else device, int(batch_size or 0),
-            _parse_size(batch_bytes) if batch_bytes is not None else 0, fmt, names,
-            _dtype_name(dtype) if dtype is not None else None, [int(d) for d in (record_shape or ())],
-            int(read_ahead), bool(drop_last), int(epochs or 0), bool(shuffle), int(seed or 0), int(shuffle_window or 0),
-            self._rank, self._world, _backend(backend))
+            self._files, "pinned" if device == "pinned" else device, batch_size or 0, batch_bytes or 0, fmt, names,
+            _dtype_name(dtype) if dtype is not None else None, record_shape, read_ahead, drop_last, epochs, shuffle, seed,
+            shuffle_window, self._rank, self._world, _backend(backend))
         self._copy = copy
         self._progress = progress
         self._held = False

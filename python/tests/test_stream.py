@@ -6,6 +6,7 @@ import ast
 import errno
 import gc
 import os
+import re
 
 import numpy as np
 import pytest
@@ -258,3 +259,154 @@ def test_torch_distributed_ranks_split_every_epoch(tmp_path):
     assert [(r, w) for r, w, _ in results] == [(0, 2), (1, 2)]
     for epoch in range(2):
         assert sorted(results[0][2][epoch] + results[1][2][epoch]) == list(range(len(rows)))
+
+
+def npy_bytes(a, pad=0, shape=None):
+    """a as np.save writes it (format 1.0), with `pad` more spaces in the header (the data then
+    starts further on, as another writer's header may make it) or another shape claimed."""
+    d = "{'descr': '%s', 'fortran_order': False, 'shape': %r, }" % (a.dtype.str, shape or tuple(a.shape)) + " " * pad
+    d += " " * (-(10 + len(d) + 1) % 64) + "\n"
+    return b"\x93NUMPY\x01\x00" + len(d).to_bytes(2, "little") + d.encode() + a.tobytes()
+
+
+# What a shard is renamed over with: valid .npy files a reader at the old header's offsets and
+# dtype would misread without noticing.
+REPLACEMENTS = {
+    "another header length": lambda a: npy_bytes(a, pad=64),  # the same records 64 bytes further on
+    "another dtype": lambda a: npy_bytes(a.view(np.int32) + 1),
+    "another record count": lambda a: npy_bytes(np.concatenate([a, a]) + 1),
+    "the same size, other bytes": lambda a: npy_bytes(a + 1),  # a new inode, nothing else changed
+}
+
+
+def rename_over(path, data):
+    with open(path + ".next", "wb") as f:
+        f.write(data)
+    os.rename(path + ".next", path)
+
+
+@pytest.mark.parametrize("replacement", REPLACEMENTS)
+def test_a_shard_renamed_over_is_read_as_the_file_its_header_came_from(tmp_path, replacement):
+    # Few shards: each keeps the descriptor its header was read through, so the stream gives the
+    # original bytes; the old code opened the path again and read the new file at the old offsets.
+    paths, rows = npy_shards(tmp_path, [4, 4, 4])
+    # One shard a batch and two buffers: shard 2 is read only after batch 0 is given back.
+    s = hbmio.stream(paths, batch_size=4, read_ahead=1, framework="numpy", copy=True)
+    assert s.fields  # the headers are read
+    rename_over(paths[2], REPLACEMENTS[replacement](np.load(paths[2])))
+    got = np.concatenate(list(s))
+    assert got.tobytes() == rows.tobytes()
+
+
+@pytest.mark.parametrize("replacement", REPLACEMENTS)
+def test_a_shard_renamed_over_is_refused_when_opened_again(tmp_path, replacement):
+    # More shards than the 64 descriptors kept: a shard is opened again by path (one never kept
+    # open, and one closed to make room and needed again in epoch 1); it must be the file its
+    # header came from, or the stream raises naming it.
+    paths, rows = npy_shards(tmp_path, [2] * 80)
+
+    def refused(s, path, delivered):
+        with pytest.raises(hbmio.Error, match=rf"{re.escape(path)}.*replaced"):
+            for batch in s:
+                at = s.index * 2
+                assert batch.tobytes() == rows[at:at + 2].tobytes()
+                delivered += 1
+        return delivered
+
+    s = hbmio.stream(paths, batch_size=2, read_ahead=1, framework="numpy")
+    assert s.fields
+    original = np.load(paths[70])
+    rename_over(paths[70], REPLACEMENTS[replacement](original))
+    assert refused(s, paths[70], 0) == 70
+    rename_over(paths[70], npy_bytes(original))
+
+    s = hbmio.stream(paths, batch_size=2, read_ahead=1, framework="numpy", epochs=2)
+    for _ in range(71):
+        next(s)  # batches 0-70; at most 71 read by now, shards 0-6 closed
+    rename_over(paths[0], REPLACEMENTS[replacement](np.load(paths[0])))
+    assert refused(s, paths[0], 71) == 80
+
+
+def test_a_header_that_lies_is_named(tmp_path):
+    liar = tmp_path / "liar.npy"
+    data = npy_bytes(np.zeros((10, 5), np.float32), shape=(2**60 + 10, 5))
+    liar.write_bytes(data)
+    # 2^60 + 10 records of 20 bytes wrap to 2^62 + 200 bytes; named, with the claim and the size.
+    with pytest.raises(hbmio.Error, match=rf"liar\.npy.*header lies.*{2**60 + 10} records.*the file is {len(data)} bytes"):
+        next(hbmio.stream(str(liar), batch_size=4))
+
+
+def test_huge_batches_are_one_batch_of_everything(tmp_path):
+    paths, rows = npy_shards(tmp_path, [37, 5])
+    for shuffle in (False, True):
+        got = list(hbmio.stream(paths, batch_size=2**62, shuffle=shuffle, framework="numpy"))
+        assert len(got) == 1
+        assert sorted(got[0][:, 0].tolist()) == list(range(42))
+
+
+@pytest.mark.parametrize("option, value, error, says", [
+    ("batch_size", 2.5, TypeError, "batch_size must be an int"),
+    ("batch_size", "3", TypeError, "batch_size must be an int"),
+    ("batch_size", True, TypeError, "batch_size must be an int"),
+    ("batch_size", 0, ValueError, "batch_size must be a positive number of records, 1 to 18446744073709551615, not 0"),
+    ("batch_size", 2**64, ValueError, "batch_size must be .*, not 18446744073709551616"),
+    ("batch_bytes", 1.5, TypeError, "batch_bytes must be an int"),
+    ("batch_bytes", 0, ValueError, "batch_bytes must be a positive number of bytes"),
+    ("seed", -1, ValueError, "seed must be an unsigned 64-bit int, 0 to 18446744073709551615, not -1"),
+    ("seed", 2**64, ValueError, "seed must be .*, not 18446744073709551616"),
+    ("seed", 1.5, TypeError, "seed must be an int"),
+    ("shuffle_window", -1, ValueError, "shuffle_window must be a number of records"),
+    ("shuffle_window", 2**64, ValueError, "shuffle_window must be a number of records"),
+    ("read_ahead", 0, ValueError, "read_ahead must be a number of batches, 1 to 4096, not 0"),
+    ("read_ahead", -1, ValueError, "read_ahead must be a number of batches, 1 to 4096, not -1"),
+    ("read_ahead", 2**32, ValueError, "read_ahead must be a number of batches, 1 to 4096"),
+    ("epochs", -1, ValueError, "epochs must be"),
+    ("epochs", 2**64, ValueError, "epochs must be"),
+    ("rank", -1, ValueError, "rank must be .* 0 to 4294967294, not -1"),
+    ("rank", 3, ValueError, "rank 3 is not in a world of 2"),
+    ("world", 0, ValueError, "world must be the number of processes, 1 to 4294967295, not 0"),
+    ("world", 2**32, ValueError, "world must be .*, not 4294967296"),
+    ("world", 2.0, TypeError, "world must be an int"),
+    ("shuffle", "False", TypeError, "shuffle must be True or False"),
+    ("drop_last", 2, TypeError, "drop_last must be True or False"),
+    ("record_shape", (4, -1), ValueError, r"record_shape\[1\] must be a dimension"),
+])
+def test_options_are_checked_by_name_and_range(tmp_path, option, value, error, says):
+    paths, _ = npy_shards(tmp_path, [10])
+    options = {"batch_size": 4, "rank": 0, "world": 2}
+    if option == "batch_bytes":
+        del options["batch_size"]
+    if option == "record_shape":
+        paths, options["dtype"] = [str(tmp_path / "r.bin")], "float32"
+        (tmp_path / "r.bin").write_bytes(b"\0" * 64)
+    options[option] = value
+    with pytest.raises(error, match=says) as e:
+        hbmio.stream(paths, **options)
+    assert "incompatible function arguments" not in str(e.value)
+    if error is ValueError:
+        assert isinstance(e.value, hbmio.Error)  # what the library raised before Python checked
+
+
+def test_integers_of_other_types_are_integers(tmp_path):
+    # NumPy's integers, and flags as 0/1 or NumPy bools.
+    paths, _ = npy_shards(tmp_path, [10])
+    s = hbmio.stream(paths, batch_size=np.int64(4), seed=np.uint64(2**64 - 1), read_ahead=np.int32(3), shuffle=np.True_,
+                     drop_last=0, shuffle_window=np.uint8(5))
+    assert [b.shape[0] for b in s] == [4, 4, 2]
+
+
+def test_directory_entries_that_are_not_files_are_named(tmp_path):
+    paths, _ = npy_shards(tmp_path, [4, 4])
+    os.symlink(tmp_path / "gone.npy", tmp_path / "shard-002.npy")
+    with pytest.raises(FileNotFoundError, match=r"shard-002\.npy is a dangling symlink") as e:
+        hbmio.stream(str(tmp_path), batch_size=4)
+    assert e.value.errno == errno.ENOENT
+    os.remove(tmp_path / "shard-002.npy")
+    os.mkdir(tmp_path / "more")
+    with pytest.raises(IsADirectoryError, match=r"more is a subdirectory") as e:
+        hbmio.stream(str(tmp_path), batch_size=4)
+    assert e.value.errno == errno.EISDIR
+    # Named by a glob, they reach the library, which names them too.
+    os.symlink(tmp_path / "gone.npy", tmp_path / "shard-002.npy")
+    with pytest.raises(FileNotFoundError, match=r"shard-002\.npy"):
+        next(hbmio.stream(str(tmp_path / "shard-*.npy"), batch_size=4))
