@@ -16,6 +16,12 @@ compete with the caller for the interpreter lock: measured, it made the walk slo
 backwards is read ahead backwards, half the budget at a time. Any other order reads just the
 tensor asked for and pauses the read-ahead. What was read ahead and is skipped is dropped when the
 walk passes it, and everything read ahead is freed by close() (or the end of a `with` block).
+
+Small walks: where everything from the tensor asked for to the end of the checkpoint is at most
+_SMALL_WALK bytes, the walk's first get_tensor reads all of it in one request on the caller's
+thread and starts no reader: a model of many small shards (transformers opens one SafeOpen per
+shard) would otherwise pay a reader's start-up per shard for reads that take microseconds. With
+backend "auto", such a read takes an idle started engine, or else posix (see _small_backend).
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import threading as _threading
 from . import _hbmio
 
 _DEFAULT_READAHEAD = 1 << 30
+_SMALL_WALK = 64 << 20
 
 # safetensors dtype -> NumPy dtype name (NumPy has no bfloat16 or float8).
 _NUMPY_DTYPES = {
@@ -35,6 +42,15 @@ _NUMPY_DTYPES = {
     "C64": "complex64",
 }
 _SUB_BYTE = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def _small_backend(backend: str) -> str:
+    """The engine for a small read: "auto" starts an engine with registered bounce buffers (about
+    0.2 s on the development VM, more where they are pinned for a GPU), far more than a few MiB
+    take to read, so a small read takes a started one where one is idle and else posix."""
+    if backend != "auto" or _hbmio._idle_engines().get("auto", 0) > 0:
+        return backend
+    return "posix"
 
 
 def _readahead_budget(readahead) -> int:
@@ -231,6 +247,12 @@ class SafeOpen(_hbmio.SafeOpen):
         if tensor is not None:
             return tensor
         if sequential and self._budget > 0 and target.can(self._entries_list[i][1]):
+            rest = self._small_rest(i, target)
+            if rest is not None:  # the rest of a small checkpoint: one request, no reader thread
+                made = self._read_now(rest, target, _small_backend(backend))
+                tensor = made.pop(i)
+                self._ready.update(made)
+                return tensor
             # A walk in file order starts here (or moved past what was read ahead): read ahead from i.
             if ahead is not None:
                 ahead.stop()
@@ -247,6 +269,20 @@ class SafeOpen(_hbmio.SafeOpen):
         tensor = made.pop(i)
         self._ready.update(made)
         return tensor
+
+    def _small_rest(self, i: int, target: _Target):
+        """Indices i.. to the end where they are all readable into `target`, not ready yet, and
+        together at most _SMALL_WALK bytes (and the budget); else None."""
+        if self._ahead is not None or self._ready:
+            return None
+        limit, total, rest = min(_SMALL_WALK, self._budget), 0, []
+        for k in range(i, len(self._entries_list)):
+            _, dtype, _, nbytes = self._entries_list[k]
+            total += nbytes
+            if total > limit or not target.can(dtype):
+                return None
+            rest.append(k)
+        return rest
 
     def _rows_ahead(self, i: int, start: int, stop: int, target: _Target):
         """Rows [start, stop) of tensor i from a walk of slices read ahead, or None. A walk of
