@@ -131,13 +131,42 @@ def _require_gpu(device: str, path=None) -> None:
                                    f"(cuda:0 to cuda:{count - 1})")
 
 
+_BACKENDS = ("auto", "posix", "uring", "cufile")
+# safetensors' own backend= names (0.9: how it reads a file). They do not carry over to hbmio's
+# engines, so they mean hbmio's default (as backend=None).
+_REFERENCE_BACKENDS = ("mmap", "pread")
+_backend_error_type = None
+
+
+def _backend_error(message):
+    """hbmio.BackendError: an unknown backend name, refused when the call is made (not at its
+    first read). An hbmio.Error and a ValueError, and where safetensors is installed also a
+    safetensors.SafetensorError, which is what safe_open and load_file raise for one."""
+    global _backend_error_type
+    if _backend_error_type is None:
+        bases = (Error, ValueError)
+        try:
+            from safetensors import SafetensorError
+        except ImportError:
+            pass
+        else:
+            bases += (SafetensorError,)
+        _backend_error_type = type("BackendError", bases, {"__module__": "hbmio", "__doc__": _backend_error.__doc__})
+    return _backend_error_type(_errno.EINVAL, message)
+
+
 def _backend(backend) -> str:
-    """The backend of a call: the caller's, else (backend=None) $HBMIO_BACKEND where it is set,
-    as for the hbmio command, else "auto"."""
-    if backend is None:
-        return _os.environ.get("HBMIO_BACKEND") or "auto"
-    if not isinstance(backend, str):
+    """The backend of a call: the caller's, else (backend=None, or one of safetensors' own names
+    "mmap" and "pread") $HBMIO_BACKEND where it is set, as for the hbmio command, else "auto".
+    Any other name is a BackendError naming the accepted ones."""
+    if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, not {type(backend).__name__}")
+    where = "backend"
+    if backend is None or backend in _REFERENCE_BACKENDS:
+        backend, where = _os.environ.get("HBMIO_BACKEND") or "auto", "HBMIO_BACKEND"
+    if backend not in _BACKENDS:
+        accepted = ", ".join(f'"{b}"' for b in _BACKENDS + _REFERENCE_BACKENDS)
+        raise _backend_error(f'{where} "{backend}" is invalid (expected one of: {accepted})')
     return backend
 
 

@@ -155,9 +155,47 @@ class SafeOpen(_hbmio.SafeOpen):
         return super().offset_keys()
 
     def metadata(self):
-        """The __metadata__ map, None without one."""
+        """The __metadata__ map as the file's writer gave it, None without one. hbmio's own
+        entries (checksums, "hbmio.*") are left out, as safetensors' readers never show keys
+        the caller did not write: they are hbmio_metadata()."""
         self._check_open()
-        return super().metadata()
+        full = super().metadata()
+        if full is None:
+            return None
+        own = {k: v for k, v in full.items() if not k.startswith("hbmio.")}
+        return own if own or len(own) == len(full) else None
+
+    def hbmio_metadata(self):
+        """hbmio's entries of __metadata__ (per-tensor checksums "hbmio.xxh3.NAME", the algorithm,
+        the header's checksum); {} in a file without them."""
+        self._check_open()
+        return {k: v for k, v in (super().metadata() or {}).items() if k.startswith("hbmio.")}
+
+    def get_tensor_meta(self, name):
+        """`name`'s header entry without reading data (safetensors 0.9): .dtype, .shape,
+        .data_offsets (within the data section of its file)."""
+        self._check_open()
+        from ._prefetch import TensorMeta
+        i = self._lookup(name)
+        _, dtype, shape, _ = self._entries_list[i]
+        return TensorMeta(dtype, shape, self._data_offsets(i))
+
+    def prefetch(self, plan=None, *, device=None, threads=8):
+        """Loads the planned tensors into `device` (default: open()'s) in the background and
+        returns a PrefetchLoader that hands each out once (take(name), or iterating (name,
+        tensor) pairs as they land; names(); len(); close(); a context manager), as safetensors
+        0.9's. plan: {name: None (whole) | slice of rows (step 1)}; None: every tensor whole.
+        Reads only the planned bytes. framework torch; device "cpu" or CUDA. See hbmio/_prefetch.py."""
+        self._check_open()
+        if self._resolved != "torch":
+            raise ValueError(f"prefetch needs framework='pt' (torch), not {self._framework!r}")
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"prefetch: threads must be a positive int, not {threads!r}")
+        from ._prefetch import PrefetchLoader
+        from . import _device_text, _require_gpu
+        device = self._device if device is None else device
+        _require_gpu(_device_text(device), self.path)
+        return PrefetchLoader(self, plan, device, self._backend)
 
     def get_tensor(self, name, device=None, *, framework=None, backend=None, verify=False):
         """One tensor, on the device and in the framework given to open() (or those given here)."""

@@ -16,7 +16,7 @@ def load_file(path, *, backend=None, verify=False, names=None, progress=False, m
                             progress=progress, mmap=mmap)
 
 
-def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None):
+def save_file(tensors, path, metadata=None, *, checksums=False, backend=None, max_shard_size=None):
     """Writes {name: array}, crash-safe. Strided arrays are written in C order (a copy); arrays that
     share memory are refused (RuntimeError naming them). See hbmio.save_file."""
     # No np.ascontiguousarray here: the save copies strided arrays itself, after checking the

@@ -1,10 +1,11 @@
 """hbmio for PyTorch, shaped like safetensors.torch: `from hbmio.torch import load_file` (and
 save_file, load, save, save_model, load_model) in place of `from safetensors.torch import ...`.
 
-Differences that are on purpose: files are written crash-safe with per-tensor checksums in the
-metadata (checksums=False leaves them out), loads read through hbmio's engines (backend= names
-one of hbmio's; safetensors' own "mmap" and "pread" mean hbmio's default here, as they say how
-safetensors reads), and a value that is not a tensor is a TypeError (safetensors: ValueError).
+Files are written crash-safe and, as the reference writes them, byte for byte: no metadata that
+was not asked for (checksums=True adds hbmio's per-tensor XXH3-64 checksums, as hbmio.save_file
+does by default). Loads read through hbmio's engines (backend= names one of hbmio's;
+safetensors' own "mmap" and "pread" mean hbmio's default here, as they say how safetensors
+reads), and a value that is not a tensor is a TypeError (safetensors: ValueError).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def load_file(path, device="cpu", *, backend=None, verify=False, names=None, pro
                             progress=progress, mmap=mmap)
 
 
-def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None, progress=False,
+def save_file(tensors, path, metadata=None, *, checksums=False, backend=None, max_shard_size=None, progress=False,
               blocking=True, staging="pinned", pool_bytes=None, wait_if_busy=True):
     """Like safetensors.torch.save_file, crash-safe; CPU or CUDA tensors. Refuses what safetensors
     refuses: tensors that share memory (RuntimeError naming them: use save_model), strided
@@ -178,7 +179,7 @@ def _names_to_drop(state, keep_first=()) -> dict:
     return drops
 
 
-def save_model(model, filename, metadata=None, force_contiguous=True, *, checksums=True, backend=None):
+def save_model(model, filename, metadata=None, force_contiguous=True, *, checksums=False, backend=None):
     """Like safetensors.torch.save_model: saves model.state_dict() with one name per shared memory
     (tied weights), each dropped name recorded in the metadata as {dropped: kept} unless the
     caller's metadata has that key already. force_contiguous (the default, as in safetensors

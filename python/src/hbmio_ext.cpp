@@ -1360,6 +1360,12 @@ NB_MODULE(_hbmio, m) {
          nb::arg("backend") = "auto", nb::arg("location") = nb::none(),
          "Reads tensors (indices into _entries()), or byte ranges of them, into `dests` in one batch: arrays, or "
          "with `location` (\"cpu\", \"cuda:N\") addresses of memory there that the caller keeps alive.")
+      .def("_data_offsets", [](const Handle& h, std::size_t i) {
+        // (begin, end) of tensor i within its file's data section, as the header writes them.
+        const auto& tensors = h.checkpoint->tensors();
+        if (i >= tensors.size()) throw nb::index_error("_data_offsets: no such tensor");
+        return nb::make_tuple(tensors[i].info->begin, tensors[i].info->end);
+      }, nb::arg("index"))
       .def("_read_queue", [](const Handle& h, const std::string& backend) { return new ReadQueue(h, backend); },
            nb::arg("backend") = "auto",
            "A reader of batches of this checkpoint's tensors, in order, on a thread and an engine of its own.")

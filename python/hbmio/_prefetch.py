@@ -1,0 +1,170 @@
+"""hbmio.open(...).prefetch(plan, device=, threads=): safetensors 0.9's PrefetchLoader on hbmio.
+
+A loader reads the planned tensors (whole, or a step-1 slice of rows of dimension 0) of an opened
+checkpoint into the device in the background and hands each out once, by take(name) or by
+iterating (name, tensor) pairs in readiness order. Only the planned bytes are read: a row slice
+of a C-ordered tensor is one contiguous byte range.
+
+How: every planned tensor gets its memory up front (it will all be on the device anyway), and
+the reads go in file order in batches of about _BATCH bytes (each one engine request, as the
+read-ahead's) to two readers of the binding, batches alternating between them, so one batch is
+read while the next is set up. `threads` is accepted for the reference's signature: hbmio's
+engines bring their own workers (HBMIO_WORKERS), which is where the parallel reads happen.
+A tensor handed out is complete on every stream: a batch's read returns only once its copies
+are done. close() (or the end of a `with` block) stops what has not started, waits for what
+is being read, and frees every tensor not taken.
+"""
+from __future__ import annotations
+
+import operator as _operator
+
+_BATCH = 256 << 20
+_READERS = 2
+
+
+class TensorMeta:
+    """A tensor's header entry, read without its data: dtype (the safetensors name, e.g. "F32"),
+    shape and data_offsets (begin, end within the data section), as safetensors 0.9 gives them."""
+
+    __slots__ = ("dtype", "shape", "data_offsets")
+
+    def __init__(self, dtype, shape, data_offsets):
+        self.dtype, self.shape, self.data_offsets = dtype, list(shape), tuple(data_offsets)
+
+    def __repr__(self):
+        return f"TensorMeta {{ dtype: {self.dtype!r}, shape: {self.shape}, data_offsets: {self.data_offsets} }}"
+
+    def __eq__(self, other):
+        return isinstance(other, TensorMeta) and (self.dtype, self.shape, self.data_offsets) == (
+            other.dtype, other.shape, other.data_offsets)
+
+
+def _rows(name, key, shape):
+    """(start, stop) of a plan's slice over dimension 0 of `shape`; ValueError for what the
+    reference refuses (a step other than 1, a slice of a 0-d tensor)."""
+    if not isinstance(key, slice):
+        raise TypeError(f"prefetch plan for {name!r}: expected None or a slice of rows, got {type(key).__name__}")
+    if not shape:
+        raise ValueError(f"prefetch plan for {name!r}: a 0-d tensor cannot be sliced")
+    if key.step not in (None, 1):
+        raise ValueError(f"prefetch plan for {name!r}: slice step must be 1, not {key.step!r}")
+    start, stop, _ = key.indices(shape[0])
+    return start, max(start, stop)
+
+
+class PrefetchLoader:
+    """See hbmio/_prefetch.py. Made by SafeOpen.prefetch()."""
+
+    def __init__(self, owner, plan, device, backend):
+        from ._lazy import _Target
+        self._owner = owner
+        entries = owner._entries_list
+        if plan is None:
+            plan = {name: None for name, *_ in entries}
+        elif not isinstance(plan, dict):
+            raise TypeError(f"prefetch plan: expected a dict {{name: None | slice}}, got {type(plan).__name__}")
+        target = _Target("torch", device)
+        items = []  # (index, name, shape, byte offset in the tensor, bytes)
+        for name, key in plan.items():
+            i = owner._lookup(name)
+            _, dtype, shape, nbytes = entries[i]
+            if not target.can(dtype):
+                raise TypeError(f"prefetch: tensor {name!r} has dtype {dtype}, which torch cannot represent here")
+            if key is None:
+                items.append((i, name, list(shape), 0, nbytes))
+            else:
+                a, b = _rows(name, key, shape)
+                row = nbytes // shape[0] if shape[0] else 0
+                items.append((i, name, [b - a] + list(shape[1:]), a * row, (b - a) * row))
+        items.sort(key=_operator.itemgetter(0))  # file order: the reads run forward through the file
+        self._names = [it[1] for it in items]
+        self._untaken = set(self._names)
+        self._ready = {}        # name -> tensor read and not yet handed out
+        self._batch_of = {}     # name -> batch number
+        self._batches = []      # (reader, number, {name: tensor}) in push order; None once collected
+        self._batch_names = []  # the names of each batch, in file order
+        self._closed = False
+        self._readers = [owner._read_queue(backend) for _ in range(min(_READERS, max(1, len(items))))]
+        self._order = 0         # the next batch to collect when iterating
+        batch, total = [], 0
+        for it in items:
+            if batch and total + it[4] > _BATCH:
+                self._push(target, batch)
+                batch, total = [], 0
+            batch.append(it)
+            total += it[4]
+        if batch:
+            self._push(target, batch)
+
+    def _push(self, target, batch):
+        made, addresses = {}, []
+        for _, name, shape, _, nbytes in batch:
+            made[name], raw = target.make(self._owner._entries_list[self._owner._index[name]][1], shape, nbytes)
+            addresses.append(target.address(raw))
+        target.before_reads()
+        reader = self._readers[len(self._batches) % len(self._readers)]
+        number = reader.push([it[0] for it in batch], addresses, target.location, list(made.values()),
+                             [it[3] for it in batch], [it[4] for it in batch])
+        for name in made:
+            self._batch_of[name] = len(self._batches)
+        self._batches.append((reader, number, made))
+        self._batch_names.append(list(made))
+
+    def _collect(self, k):
+        entry = self._batches[k]
+        if entry is None:
+            return
+        reader, number, made = entry
+        self._batches[k] = None
+        reader.wait(number)  # raises the read's error (it reaches whoever takes these tensors)
+        self._ready.update(made)
+
+    # --- the reference's interface ---------------------------------------------------------
+    def take(self, name):
+        """`name`'s tensor, waiting for its bytes if they have not landed yet; each tensor once."""
+        self._check_open()
+        if name not in self._untaken:
+            known = name in self._batch_of
+            raise KeyError(f"prefetch: tensor {name!r} " + ("was taken already" if known else "is not in this loader's plan"))
+        self._collect(self._batch_of[name])
+        self._untaken.discard(name)
+        return self._ready.pop(name)
+
+    def names(self):
+        """The names this loader hands out, in file order."""
+        return list(self._names)
+
+    def __len__(self):
+        return len(self._untaken)
+
+    def __iter__(self):
+        """(name, tensor) of every tensor not taken yet, as their batches land (in file order)."""
+        while self._untaken and self._order < len(self._batches):
+            self._check_open()
+            k = self._order
+            self._collect(k)
+            for name in self._batch_names[k]:
+                if name in self._untaken:
+                    self._untaken.discard(name)
+                    yield name, self._ready.pop(name)
+            self._order += 1
+
+    def close(self):
+        """Stops the background load (waiting for the batch being read) and frees every tensor not
+        taken yet; tensors handed out keep their memory."""
+        self._readers = []   # dropping a reader skips its batches not started, waits for the one being read
+        self._batches = [None] * len(self._batches)
+        self._ready.clear()
+        self._untaken.clear()
+        self._closed = True
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("prefetch: the loader is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

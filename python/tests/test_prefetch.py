@@ -1,0 +1,157 @@
+"""safetensors 0.9's API on hbmio.open: prefetch(plan) loaders (each tensor handed out once, row
+plans reading only their rows, byte-equal to the reference's tensors) and get_tensor_meta; and the
+drop-in's metadata: hbmio.torch writes what the reference writes, metadata() shows only the
+caller's keys."""
+import os
+import pathlib
+
+import pytest
+
+import hbmio
+import hbmio.torch
+
+torch = pytest.importorskip("torch")
+st_torch = pytest.importorskip("safetensors.torch")
+from safetensors import safe_open  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+FIXTURES = pathlib.Path(os.environ.get("HBMIO_FIXTURES", REPO.parent / "shared" / "fixtures")) / "safetensors"
+DEVICES = ["cpu"] + (["cuda:0"] if hbmio.cuda_device_count() > 0 else [])
+
+
+def raw(t):
+    t = t.cpu().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+@pytest.fixture
+def model(tmp_path, monkeypatch):
+    # Batches of 64 KiB, so that a few tensors make several batches over both readers.
+    monkeypatch.setattr("hbmio._prefetch._BATCH", 64 << 10)
+    torch.manual_seed(0)
+    state = {f"layer{i}.w": torch.randn(37 + i, 129) for i in range(12)}
+    state["scalar"] = torch.tensor(3.5)
+    state["empty"] = torch.zeros(0, 4)
+    state["half"] = torch.randn(9, 7).to(torch.bfloat16)
+    path = tmp_path / "m.safetensors"
+    st_torch.save_file(state, str(path))
+    return path, state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefetch_whole_file_hands_each_tensor_out_once(model, device):
+    path, state = model
+    with hbmio.open(path, framework="pt", device=device) as f:
+        with f.prefetch() as loader:
+            with safe_open(str(path), "pt") as ref:
+                assert loader.names() == list(ref.offset_keys())  # file order
+            assert len(loader) == len(state)
+            first = loader.take("layer3.w")
+            got = dict(loader)  # the rest, as they land
+            assert len(loader) == 0
+            with pytest.raises(KeyError, match="taken already"):
+                loader.take("layer3.w")
+            with pytest.raises(KeyError, match="not in this loader's plan"):
+                loader.take("nope")
+    got["layer3.w"] = first
+    assert sorted(got) == sorted(state)
+    for k, t in state.items():
+        assert got[k].device.type == torch.device(device).type
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert raw(got[k]) == raw(t), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_plans_read_only_their_rows(model, device):
+    path, state = model
+    plan = {"layer0.w": slice(0, 5), "layer5.w": slice(10, None), "layer11.w": slice(-3, None), "half": None,
+            "layer2.w": slice(30, 10), "empty": slice(0, 0)}
+    with hbmio.open(path, framework="pt", device=device) as f:
+        loader = f.prefetch(plan)
+        got = {name: loader.take(name) for name in reversed(loader.names())}
+        loader.close()
+    for name, key in plan.items():
+        want = state[name] if key is None else state[name][key]
+        assert got[name].shape == want.shape and raw(got[name]) == raw(want), name
+
+
+def test_plans_the_reference_refuses_are_refused(model):
+    path, _ = model
+    with hbmio.open(path, framework="pt") as f:
+        with pytest.raises(ValueError, match="step"):
+            f.prefetch({"layer0.w": slice(0, 4, 2)})
+        with pytest.raises(ValueError, match="0-d"):
+            f.prefetch({"scalar": slice(0, 1)})
+        with pytest.raises(KeyError):
+            f.prefetch({"nope": None})
+    with hbmio.open(path, framework="np") as f:
+        with pytest.raises(ValueError, match="framework"):
+            f.prefetch()
+
+
+def test_close_frees_what_was_not_taken(model):
+    path, _ = model
+    with hbmio.open(path, framework="pt") as f:
+        loader = f.prefetch()
+        kept = loader.take("layer0.w")
+        loader.close()
+        assert len(loader) == 0 and list(loader) == []
+        with pytest.raises(ValueError, match="closed"):
+            loader.take("layer1.w")
+    assert kept.shape == (37, 129)  # handed out before close(): still its own
+
+
+def test_get_tensor_meta_matches_the_header(model):
+    path, state = model
+    with hbmio.open(path, framework="pt") as f:
+        metas = {k: f.get_tensor_meta(k) for k in f.keys()}
+    import json
+    blob = path.read_bytes()
+    header = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
+    for k, m in metas.items():
+        assert m.dtype == header[k]["dtype"] and m.shape == header[k]["shape"]
+        assert m.data_offsets == tuple(header[k]["data_offsets"]), k
+
+
+def test_drop_in_saves_are_the_references_bytes(tmp_path):
+    torch.manual_seed(1)
+    state = {"a": torch.randn(3, 4), "b": torch.arange(10, dtype=torch.int64), "c": torch.randn(2, 2).to(torch.bfloat16)}
+    import json
+    for metadata in (None, {"format": "pt"}, {"format": "pt", "note": "x", "z": "1"}):
+        st_torch.save_file(state, str(tmp_path / "ref.safetensors"), metadata=metadata)
+        hbmio.torch.save_file(state, tmp_path / "ours.safetensors", metadata=metadata)
+        ours, ref = (tmp_path / "ours.safetensors").read_bytes(), (tmp_path / "ref.safetensors").read_bytes()
+        if metadata is None or len(metadata) == 1:
+            assert ours == ref
+        else:  # the reference writes metadata keys in a hash map's order, which changes from run to run
+            n = int.from_bytes(ref[:8], "little")
+            assert len(ours) == len(ref) and ours[:8] == ref[:8] and ours[8 + n:] == ref[8 + n:]
+            assert json.loads(ours[8:8 + n]) == json.loads(ref[8:8 + n])
+        with hbmio.open(tmp_path / "ours.safetensors", framework="pt") as f:
+            assert f.metadata() == metadata
+            assert f.hbmio_metadata() == {}
+    # hbmio.save_file keeps its checksums, which metadata() does not show.
+    hbmio.save_file(state, str(tmp_path / "checked.safetensors"), metadata={"format": "pt"})
+    with hbmio.open(tmp_path / "checked.safetensors", framework="pt") as f, \
+            safe_open(str(tmp_path / "checked.safetensors"), "pt") as ref:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.hbmio_metadata()) == {k for k in ref.metadata() if k.startswith("hbmio.")} != set()
+    hbmio.save_file(state, str(tmp_path / "checked2.safetensors"))
+    with hbmio.open(tmp_path / "checked2.safetensors", framework="pt") as f:
+        assert f.metadata() is None and f.hbmio_metadata()
+
+
+def test_backend_names_of_the_reference_are_accepted_and_unknown_ones_refused_at_once(model, monkeypatch):
+    import safetensors
+    path, state = model
+    monkeypatch.delenv("HBMIO_BACKEND", raising=False)
+    for name in ("mmap", "pread"):  # how safetensors reads: hbmio's own choice here
+        with hbmio.open(path, framework="pt", backend=name) as f:
+            assert raw(f.get_tensor("layer1.w")) == raw(state["layer1.w"])
+        assert raw(hbmio.torch.load_file(path, backend=name)["half"]) == raw(state["half"])
+    for call in (lambda: hbmio.open(path, framework="pt", backend="bogus"),
+                 lambda: hbmio.torch.load_file(path, backend="bogus"),
+                 lambda: hbmio.load_file(path, backend="bogus")):
+        with pytest.raises(safetensors.SafetensorError, match='"bogus" is invalid') as e:  # the reference's type
+            call()
+        assert isinstance(e.value, hbmio.Error) and isinstance(e.value, ValueError)
