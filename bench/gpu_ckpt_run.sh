@@ -27,6 +27,11 @@
 #   remote   checkpoints from a local SeaweedFS into cuda:0 and saves to it, against curl, boto3 and
 #            Run:ai's S3 path (bench/peers/remote_compare.py; REMOTE_GIB (6), ROUNDS (2), REMOTE_NO_SAVES=1: loads only, REMOTE_ONLY: contenders; needs
 #            .gpu/weed.xz and boto3/Run:ai wheels in .whl, see scripts/package-gpu-run.sh --remote)
+#   smallshards  from_pretrained of a many-shard small model (15+ shards, 11 MiB) stock and through
+#            hbmio.use_in_transformers(), first call and later calls, fresh processes (bench/peers/small_shards.py)
+#   prefetch safetensors 0.9's loaders (load_file mmap/pread, prefetch() and prefetch(plan)) against
+#            hbmio's on files written by the reference (bench/peers/prefetch_compare.py; needs the
+#            0.9 wheel in .gpu/st09, see scripts/package-gpu-run.sh; ROUNDS (3), PF_FILES "big small")
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
 #            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
 #            skips it)
@@ -177,6 +182,29 @@ pybench)
   for f in ${PYFILES:-big small}; do
     log "Python: $f.safetensors"
     PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/py_compare.py $W2/$f.safetensors --rounds "${ROUNDS:-3}" --json "$OUT/py-$f.jsonl" 2>&1 | cut -c1-400
+  done
+  ;;
+smallshards)
+  build_python || continue
+  log "from_pretrained of a small many-shard model into cuda:0, stock and through hbmio"
+  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/small_shards.py --device cuda:0 --dir /var/tmp/small-shards \
+    --runs "${ROUNDS:-5}" --json "$OUT/small-shards.jsonl" 2>&1 | tail -8
+  ;;
+prefetch)
+  build_python || continue
+  [ -d /tmp/st09/safetensors ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/st09 "$BIN"/st09/*.whl
+  P=/var/tmp/pf; mkdir -p $P
+  for f in ${PF_FILES:-big small}; do
+    if [ ! -f $P/$f.safetensors ]; then  # written by the reference (0.8), random bf16 bits
+      python3 -c "
+import torch, safetensors.torch as st
+n, rows = (48, 8192) if '$f' == 'big' else (3072, 1024)
+g = torch.Generator().manual_seed(7)
+st.save_file({f't{i:04d}': torch.randint(-32768, 32767, (rows, rows), dtype=torch.int16, generator=g).view(torch.bfloat16) for i in range(n)}, '$P/$f.safetensors')"
+    fi
+    log "prefetch and loaders into cuda:0, $f.safetensors, warm"
+    PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/prefetch_compare.py $P/$f.safetensors --st09 /tmp/st09 \
+      --rounds "${ROUNDS:-3}" --json "$OUT/prefetch.jsonl" 2>&1 | grep -v "^round" | tail -14
   done
   ;;
 multi)

@@ -44,6 +44,13 @@ cp -a /usr/$multiarch/libfmt.so* .gpu/deps/$multiarch/
 cp -r /usr/$multiarch/cmake/fmt .gpu/deps/$multiarch/cmake/
 cp -r /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11 .gpu/deps/share/cmake/  # CLI11: the wheel's hbmio command
 
+# safetensors 0.9 (a release candidate) for bench/gpu_ckpt_run.sh's prefetch stage, in a folder of
+# its own: the GPU machine's 0.8 stays the reference of the tests.
+if [ "${1:-}" != --remote ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    -d .gpu/st09 safetensors==0.9.0rc1 || echo "no safetensors 0.9 wheel: the prefetch stage will lack the reference"
+fi
 if [ "${1:-}" != --remote ] && [ -d ../shared/fixtures/safetensors ]; then
   mkdir -p .gpu/fixtures && cp -r ../shared/fixtures/safetensors .gpu/fixtures/
 fi
