@@ -226,4 +226,15 @@ for i in $(seq 1 8); do
   wait $pid 2>/dev/null || true
   "$hbmio" ckpt verify "$dir/sharded" >/dev/null || fail "after SIGKILL $i the sharded checkpoint does not verify"
 done
+# Any other file given as a checkpoint is said to be no safetensors file, the figures kept.
+printf 'plain text, not a checkpoint\n' > "$dir/notes.txt"
+out=$("$hbmio" ckpt info "$dir/notes.txt" 2>&1) && fail "ckpt info of a text file passed"
+grep -q "not a safetensors file: header too large: length prefix [0-9]* exceeds 100000000" <<<"$out" \
+  || fail "ckpt info of a text file: $out"
+# Without a GPU, loading into one says so and why, without an [offset, length] that means nothing there.
+if "$hbmio" backends --json - | python3 -c "import json,sys; sys.exit(json.load(sys.stdin)['cuda']['devices'] > 0)"; then
+  out=$("$hbmio" ckpt load "$dir/a.safetensors" --into cuda:0 2>&1) && fail "ckpt load --into cuda:0 passed without a GPU"
+  grep -q "^hbmio: allocate cuda:0: .*this machine has no GPU (.\+)" <<<"$out" || fail "--into cuda:0 without a GPU: $out"
+  ! grep -q "offset\|length" <<<"$out" || fail "--into cuda:0 without a GPU names a range: $out"
+fi
 echo "ckpt cli: all checks passed"

@@ -38,6 +38,19 @@ set -e
 check_schema "$work/live.json" || fail "live JSON schema"
 grep -q "^Summary" "$work/live.txt" || fail "no Summary group in the checklist"
 grep -q "summary.auto:$work" "$work/live.txt" || fail "no auto verdict for $work"
+# Output that is not a terminal is never cut: every finding shown (the Summary's above all), and the
+# expectation and fix of every WARN and FAIL, stand whole in the text, as in the JSON.
+python3 - "$work/live.json" "$work/live.txt" <<'PY' || fail "the piped checklist cuts lines"
+import json, sys
+text = open(sys.argv[2]).read()
+assert " ...\n" not in text, [l for l in text.splitlines() if l.endswith(" ...")]
+for c in json.load(open(sys.argv[1]))["checks"]:
+    if c["id"] not in text:
+        continue  # folded: the fabric and GDS checks of a machine without an NVIDIA GPU
+    assert c["found"] in text, c
+    if c["status"] in ("WARN", "FAIL"):
+        assert c["expected"] in text and c["fix"] in text, c
+PY
 set +e
 "$hbmio" doctor "$work" --json - > "$work/stdout.json"
 set -e

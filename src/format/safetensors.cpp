@@ -402,12 +402,14 @@ const TensorInfo* Header::find(std::string_view name) const noexcept {
 
 std::uint64_t parse_header_length(const std::byte* prefix, std::uint64_t file_size, const std::string& path) {
   if (file_size < kLengthPrefixSize)
-    refuse(kParseHeaderOp, path, 0, "file too short", "",
+    refuse(kParseHeaderOp, path, 0, "not a safetensors file: file too short", "",
            std::to_string(file_size) + " bytes, a safetensors file has at least 8");
   std::uint64_t length = 0;
   for (int i = 7; i >= 0; --i) length = (length << 8) | std::to_integer<std::uint64_t>(prefix[i]);  // little endian
+  // Any other file read as a safetensors one lands here (its first 8 bytes as a huge length), so
+  // the message says so first; the rule and the figures follow for a file that was meant to be one.
   if (length > kMaxHeaderSize)
-    refuse(kParseHeaderOp, path, 0, "header too large", "",
+    refuse(kParseHeaderOp, path, 0, "not a safetensors file: header too large", "",
            "length prefix " + std::to_string(length) + " exceeds " + std::to_string(kMaxHeaderSize));
   if (length > file_size - kLengthPrefixSize)
     refuse(kParseHeaderOp, path, 0, "header length past end of file", "",

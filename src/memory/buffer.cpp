@@ -96,7 +96,8 @@ MemorySpan MemorySpan::subspan(std::size_t offset, std::size_t length) const {
 }
 
 Buffer Buffer::allocate(MemoryLocation where, std::size_t size) {
-  const ErrorContext context{.op = "allocate " + where.to_string(), .length = size};
+  // The size goes into the words, not into .length: "[offset 0, length N]" reads as a file range.
+  const ErrorContext context{.op = fmt::format("allocate {} bytes of {}", size, where.to_string())};
   Buffer buffer;
   buffer.location_ = where;
   buffer.size_ = size;
@@ -124,6 +125,11 @@ Buffer Buffer::allocate(MemoryLocation where, std::size_t size) {
       }
       break;
     case MemoryKind::device:
+      // Said before the context's [offset, length], which mean nothing when there is no GPU to
+      // allocate on; the same words as Python's device check ("this machine has no GPU (...)").
+      if (cuda_device_count() == 0)
+        throw Error(errno_code(ENODEV), {.op = "allocate " + where.to_string()},
+                    fmt::format("this machine has no GPU ({})", cuda_unavailable_reason()));
       buffer.data_ = static_cast<std::byte*>(cuda::malloc_device(size, where.device, context));
       break;
   }

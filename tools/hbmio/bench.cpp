@@ -348,7 +348,8 @@ void add_bench_command(CLI::App& app, int& exit_status) {
       "Measure posix vs io_uring vs GPUDirect Storage on this machine: latency (median, p99), GiB/s and host CPU per\n"
       "backend, cold and warm, beside the ceilings of this hardware measured in the same run");
   bench->add_option("--file", flags->file, "Existing file to read (default: generate a random sample file of --size)");
-  bench->add_option("--size", flags->size, "Size of the generated sample file, e.g. 1GiB (default 4GiB, the article's shard)");
+  bench->add_option("--size", flags->size, "Size of the generated sample file, e.g. 1GiB (default 4GiB, about one shard\n"
+                    "of a large model's safetensors checkpoint)");
   bench->add_option("--dir", flags->dir,
                     "Directory (and so file system) for the sample file and the write target; removed afterwards\n"
                     "(default: the directory of --file, else the current directory)");
@@ -357,7 +358,8 @@ void add_bench_command(CLI::App& app, int& exit_status) {
                     "into --into, --runs times, beside the same GETs with the bytes dropped (the server's and the\n"
                     "network's ceiling); HBMIO_REMOTE_CONNECTIONS and HBMIO_REMOTE_PART_SIZE set the parallelism")
       ->type_name("URL");
-  bench->add_option("--backends", flags->backends, "Comma-separated backends to measure: posix, uring, cufile, auto")
+  // --backend too: every other command takes that spelling, and one backend is a list of one.
+  bench->add_option("--backends,--backend", flags->backends, "Comma-separated backends to measure: posix, uring, cufile, auto")
       ->capture_default_str();
   bench->add_option("--into", flags->into, "Destination memory: cuda:N, pinned or host (default: cuda:0 with a GPU, else pinned)");
   bench->add_flag("--write", flags->write, "Also measure saving: memory -> a new file, fsync counted in the time");

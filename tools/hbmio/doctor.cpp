@@ -1,5 +1,7 @@
 #include "doctor.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <map>
 
@@ -45,15 +47,17 @@ bool folded(const Check& c, bool no_gpu) {
 }
 
 // Grouped checklist: "  STATUS  id  found". With -v, for anything but PASS the expectation and
-// the fix on indented lines below; without it, only for WARN and FAIL, and each line is cut to
-// the terminal's usual width (the whole text is in -v and --json).
+// the fix on indented lines below; without it, only for WARN and FAIL, and on a terminal each line
+// is cut to its usual width (the whole text is in -v and --json). Piped or redirected output is
+// never cut: it is read later, pasted into a report or searched, where "..." hides the answer.
 void print_checklist(const std::vector<Check>& checks, const DoctorFlags& flags) {
   const bool no_gpu = !flags.verbose && gds_does_not_apply(checks);
+  const bool cut = !flags.verbose && ::isatty(STDOUT_FILENO) == 1;
   std::size_t id_width = 0;
   for (const auto& c : checks) id_width = std::max(id_width, c.id.size());
   id_width = std::min<std::size_t>(id_width, 40);
   const std::string indent(2 + 4 + 2 + id_width + 2, ' ');
-  const auto line = [&](const std::string& text) { return flags.verbose ? text : fit(text, 118 - indent.size()); };
+  const auto line = [&](const std::string& text) { return cut ? fit(text, 118 - indent.size()) : text; };
   fmt::print("hbmio doctor (root {}{}{})\n", flags.root, flags.paths.empty() ? "" : ", paths: ",
              fmt::format("{}", fmt::join(flags.paths, " ")));
   std::string group;
@@ -73,8 +77,8 @@ void print_checklist(const std::vector<Check>& checks, const DoctorFlags& flags)
       fmt::print("  {}  {:<{}}  {}\n", to_string(c.status), c.id, id_width, line(c.found));
     if (c.status == CheckStatus::pass || (c.status == CheckStatus::info && !flags.verbose)) continue;
     // The labels ("expected: ", "fix: ") count against the width too.
-    if (!c.expected.empty()) fmt::print("{}expected: {}\n", indent, flags.verbose ? c.expected : fit(c.expected, 108 - indent.size()));
-    if (!c.fix.empty()) fmt::print("{}fix: {}\n", indent, flags.verbose ? c.fix : fit(c.fix, 113 - indent.size()));
+    if (!c.expected.empty()) fmt::print("{}expected: {}\n", indent, cut ? fit(c.expected, 108 - indent.size()) : c.expected);
+    if (!c.fix.empty()) fmt::print("{}fix: {}\n", indent, cut ? fit(c.fix, 113 - indent.size()) : c.fix);
   }
   if (hidden > 0)
     fmt::print("\nGDS checks do not apply: no NVIDIA GPU here ({} fabric and GDS checks not shown; -v shows them)\n", hidden);

@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <cstring>
 #include <iostream>
 #include <memory>
@@ -206,6 +207,50 @@ std::optional<std::string> unknown_command(const CLI::App& app, const std::vecto
   return fmt::format("'{}' needs a command: {}. '{} --help' says more.", prefix, fmt::join(command_names(*parent), ", "), prefix);
 }
 
+// The option names `commands` take ("--into", "-b"), innermost command first: an option of an
+// outer command is accepted too, so it is not "unknown".
+std::vector<std::string> option_names(const std::vector<const CLI::App*>& commands) {
+  std::vector<std::string> names;
+  for (auto it = commands.rbegin(); it != commands.rend(); ++it)
+    for (const CLI::Option* option : (*it)->get_options()) {
+      for (const std::string& name : option->get_lnames()) names.push_back("--" + name);
+      for (const std::string& name : option->get_snames()) names.push_back("-" + name);
+    }
+  return names;
+}
+
+// "unknown option '--verfy'; did you mean '--verify'?" for each word of `args` that is spelled as
+// an option but is none of the command's. CLI11 says only "arguments were not expected: x --int"
+// (the x being the value --int's typo left over), or reports a missing argument first; the typo is
+// the cause, so it is what the message names. Empty when every option is known.
+std::vector<std::string> unknown_options(const std::vector<const CLI::App*>& commands, const std::vector<std::string>& args) {
+  const std::vector<std::string> names = option_names(commands);
+  std::vector<std::string> out;
+  for (const std::string& arg : args) {
+    if (arg == "--") break;  // what follows is positional
+    if (arg.size() < 2 || arg[0] != '-' || std::isdigit(static_cast<unsigned char>(arg[1])) || arg[1] == '.') continue;
+    const std::string word = arg.substr(0, arg.find('='));  // --into=cuda:0
+    if (std::find(names.begin(), names.end(), word) != names.end()) continue;
+    if (!word.starts_with("--") && word.size() > 2) {  // -vb: single-letter flags together
+      if (std::all_of(word.begin() + 1, word.end(), [&](char c) {
+            return std::find(names.begin(), names.end(), std::string{'-', c}) != names.end();
+          }))
+        continue;
+    }
+    std::optional<std::string> guess;
+    std::size_t best = 3;  // at most two edits away, as for commands
+    for (const std::string& name : names)
+      if (const std::size_t d = edit_distance(word, name); d < best && d + 2 < name.size()) {
+        best = d;
+        guess = name;
+      }
+    std::string text = fmt::format("unknown option '{}'", word);
+    if (guess) text += fmt::format("; did you mean '{}'?", *guess);
+    out.push_back(std::move(text));
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace hbmio::cli
 
@@ -215,7 +260,7 @@ int main(int argc, char** argv) {
                "Backends: posix (pread + cudaMemcpy baseline), uring (io_uring + O_DIRECT + pinned bounce buffers),\n"
                "cufile (GPUDirect Storage), auto (the best that works here). Environment: HBMIO_* (see --help of each command)."};
   app.name("hbmio");  // parse() is given the arguments, not argv[0], so the usage line needs the name
-  app.set_version_flag("--version", "hbmio " + hbmio::version());
+  app.set_version_flag("-V,--version", "hbmio " + hbmio::version());  // -V as python, gcc and fio take it
   app.require_subcommand(1);
 
   std::string path, into = "host", from = "host", backend = hbmio::cli::default_backend(), offset, length, size, json;
@@ -296,9 +341,11 @@ int main(int argc, char** argv) {
   }
   // The words that name the command, for the hint after a usage error.
   std::string command = "hbmio";
-  for (const CLI::App* at = &app; const std::string& word : args) {
+  std::vector<const CLI::App*> commands{&app};  // and the apps themselves, for unknown options
+  for (const std::string& word : args) {
+    const CLI::App* at = commands.back();
     if (word.starts_with("-") || at->get_subcommands([&](const CLI::App* s) { return s->get_name() == word; }).empty()) break;
-    at = at->get_subcommand(word);
+    commands.push_back(at->get_subcommand(word));
     command += " " + word;
   }
   try {
@@ -315,7 +362,10 @@ int main(int argc, char** argv) {
     // --help and --version: CLI11 prints the page. A usage error is said like every other error
     // ("hbmio: ..."), and exits 1: CLI11's own codes (104-109) would tell a script nothing more.
     if (e.get_exit_code() == 0) return app.exit(e);
-    fmt::print(stderr, "hbmio: {}\n'{} --help' lists the arguments and options.\n", e.what(), command);
+    const std::vector<std::string> unknown = unknown_options(commands, args);
+    if (unknown.empty()) fmt::print(stderr, "hbmio: {}\n", e.what());
+    for (const std::string& text : unknown) fmt::print(stderr, "hbmio: {}\n", text);
+    fmt::print(stderr, "'{} --help' lists the arguments and options.\n", command);
     return 1;
   } catch (const hbmio::Error& e) {
     fmt::print(stderr, "hbmio: {}\n", e.what());
