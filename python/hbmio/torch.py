@@ -28,13 +28,35 @@ def _backend(backend):
 
 
 def _check_tensors(tensors, where) -> dict:
-    """tensors as a dict, every value a torch.Tensor (TypeError naming the key of one that is not)."""
+    """tensors as a dict, every value a torch.Tensor with data. What the reference refuses is
+    refused with its exception type and the words code matches on: a value that is not a dict
+    (ValueError "Expected a dict of [str, torch.Tensor]"), a meta tensor (NotImplementedError
+    "Cannot copy out of meta tensor"), a sparse or a non-contiguous one (ValueError "You are
+    trying to save a sparse tensors" / "a non contiguous tensor"); a key that is not a str and a
+    value that is not a tensor are TypeErrors naming them."""
+    import collections.abc
+    if not isinstance(tensors, collections.abc.Mapping):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)} (save to {where})")
     tensors = dict(tensors)
     for name, t in tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"save to {where}: tensor names must be str; the key {name!r} ({type(name).__name__}) is not")
         if not isinstance(t, _torch.Tensor):
             raise TypeError(f"save to {where}: tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+    sparse = sorted(name for name, t in tensors.items() if t.layout != _torch.strided)
+    if sparse:
+        raise ValueError(f"You are trying to save a sparse tensors: `{sparse}` which this library does not support. You can "
+                         "make it a dense tensor before saving with `.to_dense()` but be aware this might make a much larger "
+                         f"file than needed. (save to {where})")
+    _ext._check_shared(tensors, where)  # tensors sharing memory first (RuntimeError), as the reference
+    for name, t in tensors.items():
+        if t.device.type == "meta":
+            raise NotImplementedError(f"Cannot copy out of meta tensor; no data! (tensor {name!r}, save to {where})")
+        if not t.is_contiguous():
+            raise ValueError(f"You are trying to save a non contiguous tensor: `{name}` which is not allowed. It either means "
+                             "you are trying to save tensors which are reference of each other in which case it's recommended "
+                             "to save only the full tensors, and reslice at load time, or simply call `.contiguous()` on your "
+                             f"tensor to pack it before saving. (save to {where})")
     return tensors
 
 
