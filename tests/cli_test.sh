@@ -96,6 +96,13 @@ out=$("$hbmio" bench --backend posix --size 1MiB --runs 1 --warm --dir "$dir" --
 python3 -c "
 import json; j=json.load(open('$dir/bench.json'))
 assert [r['name'] for r in j['results']] == ['posix'], j['results']" || fail "bench --backend posix measured: $out"
+# A host DNS does not know is said so, by name (.invalid never resolves: RFC 6761), not as a timeout.
+if ldconfig -p 2>/dev/null | grep -q "libcurl.so.4 "; then
+  out=$(env -u http_proxy -u https_proxy -u HTTP_PROXY -u HTTPS_PROXY -u ALL_PROXY -u all_proxy \
+        "$hbmio" ckpt info https://no-such-host.invalid/model.safetensors 2>&1) && fail "an unresolvable host passed"
+  grep -q "could not resolve host no-such-host.invalid" <<<"$out" && ! grep -qi "timed out" <<<"$out" \
+    || fail "an unresolvable host: $out"
+fi
 "$hbmio" help | grep -q "^Usage: hbmio" || fail "hbmio help"
 "$hbmio" help ckpt load | grep -q -- "--placement" || fail "hbmio help ckpt load"
 out=$("$hbmio" read 2>&1) && fail "read without a file accepted"

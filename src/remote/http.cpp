@@ -206,6 +206,16 @@ CURLcode perform(CURL* h, curl_slist* headers, Response& response) {
     curl.easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
     response.status = code;
   }
+  if (result == CURLE_COULDNT_RESOLVE_HOST) {
+    // The host of the URL asked for: "scheme://[user@]host[:port]/...". The URL's secrets stay out.
+    char* url = nullptr;
+    curl.easy_getinfo(h, CURLINFO_EFFECTIVE_URL, &url);
+    std::string_view rest = url != nullptr ? std::string_view(url) : std::string_view();
+    if (const auto scheme = rest.find("://"); scheme != std::string_view::npos) rest.remove_prefix(scheme + 3);
+    rest = rest.substr(0, rest.find_first_of("/?#"));
+    if (const auto at = rest.rfind('@'); at != std::string_view::npos) rest.remove_prefix(at + 1);
+    response.unresolved_host = std::string(rest.substr(0, rest.starts_with('[') ? rest.find(']') + 1 : rest.find(':')));
+  }
   curl.slist_free_all(headers);
   keep_error_fields(response);
   return result;
@@ -241,7 +251,16 @@ int errno_of_status(long status) {
   return EIO;
 }
 
+int errno_of_failure(CURLcode c, long status) {
+  if (c == CURLE_COULDNT_RESOLVE_HOST) return EHOSTUNREACH;
+  return status == 0 || c == CURLE_OPERATION_TIMEDOUT ? ETIMEDOUT : errno_of_status(status);
+}
+
 std::string describe(CURLcode c, const Response& r) {
+  // libcurl says "Couldn't resolve host name" without the name; the name is what is to be checked.
+  if (c == CURLE_COULDNT_RESOLVE_HOST)
+    return r.unresolved_host.empty() ? std::string("could not resolve the host name")
+                                     : fmt::format("could not resolve host {}", r.unresolved_host);
   std::string s = c != CURLE_OK && c != CURLE_WRITE_ERROR ? shim::curl_api().easy_strerror(c) : fmt::format("HTTP {}", r.status);
   if (!r.error_code.empty()) s += " " + r.error_code;
   if (!r.error_message.empty()) s += ": " + r.error_message;

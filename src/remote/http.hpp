@@ -40,6 +40,7 @@ struct Response {
   bool cut = false;
   std::string refused;
   std::string body;            // a non-2xx body's start (S3's XML error), or a kept 2xx body (see Sink)
+  std::string unresolved_host; // CURLE_COULDNT_RESOLVE_HOST: the name DNS did not know, for the message
 };
 
 // What a ranged GET must get back: bytes [first, last] of an object of `total` bytes (0: not known
@@ -93,6 +94,9 @@ std::string xml_field(const std::string& body, const std::string& tag);
 bool transient(CURLcode c);
 bool transient_status(long status);  // 5xx, 429, 408
 int errno_of_status(long status);
+// The errno of a request that failed, for a message: a name DNS does not know is EHOSTUNREACH, not
+// the ETIMEDOUT of a server that never answered (status 0 otherwise means it did not).
+int errno_of_failure(CURLcode c, long status);
 std::string describe(CURLcode c, const Response& r);
 
 // Sleeps before retry `attempt` + 1: exponential backoff with full jitter (a random wait up to

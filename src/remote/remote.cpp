@@ -150,7 +150,7 @@ Response get(const Target& target, const RemoteOptions& options, std::uint64_t o
       if (done == length) return r;
     }
     if (attempt >= attempts)
-      throw Error(errno_code(r.status == 0 || a.curl == CURLE_OPERATION_TIMEDOUT ? ETIMEDOUT : remote::errno_of_status(r.status)), context,
+      throw Error(errno_code(remote::errno_of_failure(a.curl, r.status)), context,
                   fmt::format("attempt {} of {}: {} (gave up)", attempt, attempts, retry_why));
     remote::backoff(attempt, options);
   }

@@ -124,7 +124,7 @@ Response perform(const Target& target, const RemoteOptions& options, const Call&
       throw Error(errno_code(EIO), context, fmt::format("attempt {} of {}: {}", attempt, attempts, remote::describe(a.curl, r)));
     }
     if (attempt >= attempts)
-      throw Error(errno_code(r.status == 0 ? ETIMEDOUT : remote::errno_of_status(r.status)), context,
+      throw Error(errno_code(remote::errno_of_failure(a.curl, r.status)), context,
                   fmt::format("attempt {} of {}: {} (gave up)", attempt, attempts, retry_why));
     remote::backoff(attempt, options);
   }
