@@ -27,6 +27,7 @@ import os as _os
 import re as _re
 import sys as _sys
 import threading as _threading
+from collections.abc import Mapping as _Mapping
 import time as _time
 
 from . import _hbmio
@@ -370,7 +371,7 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     loads land in hbmio's own memory, which the tensors share without a copy. The GIL is
     released while the data is read. A missing file raises hbmio.FileNotFoundError, both an
     hbmio.Error and a FileNotFoundError (as safetensors raises), with filename set."""
-    path = _os.fspath(path)
+    path = _path_text(path, "load_file")
     framework = _framework(framework)
     backend = _backend(backend)
     names = _names(names)
@@ -480,11 +481,29 @@ def _parse_size(size) -> int:
     raise ValueError(f"not a size: {size!r} (an int, or text like '5GB' or '2GiB')")
 
 
+def _path_text(path, what) -> str:
+    """`path` as str, or a TypeError saying what a path is: the extension's own would list its
+    signature, internal types included (bytes are refused, as safetensors refuses them)."""
+    text = _os.fspath(path) if isinstance(path, (str, _os.PathLike)) else None
+    if not isinstance(text, str):
+        raise TypeError(f"{what}: the path must be a str or an os.PathLike (such as pathlib.Path), "
+                        f"not {type(path).__name__}" + (" (decode bytes first: path.decode())" if isinstance(path, bytes) else ""))
+    return text
+
+
+def _expect_dict(value, what):
+    """TypeError unless `value` is a mapping: dict() of a list would say only "dictionary update
+    sequence element #0 has length 3; 2 is required"."""
+    if not isinstance(value, _Mapping):
+        raise TypeError(f"{what} must be a dict, not {type(value).__name__}")
+
+
 def _check_metadata(metadata):
     """metadata as a dict of str to str (what the format holds), or None; TypeError naming the
     entry that is not."""
     if metadata is None:
         return None
+    _expect_dict(metadata, "metadata ({str: str})")
     metadata = dict(metadata)
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
@@ -499,6 +518,7 @@ def _prepare_save(tensors, where) -> dict:
     every array kind for that) and must be contiguous (ValueError naming the tensor: safetensors
     refuses a strided tensor rather than silently packing it). Arrays of other frameworks that
     are strided are copied into C order by the save."""
+    _expect_dict(tensors, f"save to {where}: the tensors ({{name: tensor}})")
     tensors = dict(tensors)
     for key in tensors:
         if not isinstance(key, str):

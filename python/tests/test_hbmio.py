@@ -310,6 +310,24 @@ def test_bad_files_and_arguments(tmp_path, counters_settle):
     hbmio.load_file(tmp_path / "y.safetensors", verify=True)
 
 
+def test_wrong_argument_types_say_what_is_expected(tmp_path):
+    # A list where a {name: tensor} dict belongs: dict() of it would speak of "update sequence
+    # element #0"; the message says a dict is expected, and nothing is written.
+    with pytest.raises(TypeError, match=r"tensors \(\{name: tensor\}\) must be a dict, not list") as info:
+        hbmio.save_file([np.zeros(3)], tmp_path / "x.safetensors")
+    assert "sequence element" not in str(info.value)
+    with pytest.raises(TypeError, match=r"metadata \(\{str: str\}\) must be a dict, not list"):
+        hbmio.save_file({"a": np.zeros(3)}, tmp_path / "x.safetensors", [("format", "np")])
+    assert not list(tmp_path.glob("x.safetensors*"))
+    # A path as bytes: a TypeError saying what a path is, not the extension's signature with its
+    # internal types.
+    with pytest.raises(TypeError, match=r"str or an os.PathLike.*not bytes.*decode") as info:
+        hbmio.load_file(b"model.safetensors")
+    assert "_Progress" not in str(info.value) and "_hbmio" not in str(info.value)
+    with pytest.raises(TypeError, match=r"str or an os.PathLike.*not int"):
+        hbmio.load_file(3)
+
+
 def test_failed_save_keeps_previous_file(tmp_path, counters_settle):
     path = tmp_path / "keep.safetensors"
     hbmio.save_file({"a": np.arange(4, dtype=np.int64)}, path)
