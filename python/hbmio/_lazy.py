@@ -561,8 +561,47 @@ def _closed_error_type():
         return _closed_type
 
 
+_slice_types = {}
+
+
+def _slice_error(kind, message):
+    """An index get_slice refuses: an instance of `kind` (IndexError, TypeError or ValueError,
+    what hbmio raised before, and what NumPy and torch raise for such an index), of hbmio.Error
+    (EINVAL) and, where safetensors is installed, of safetensors.SafetensorError, which safe_open
+    raises for the indices it refuses: code written for either catches it unchanged. The classes
+    are made once per kind, at first use (safetensors is not imported before it is needed)."""
+    with _closed_type_lock:
+        made = _slice_types.get(kind)
+        if made is None:
+            bases = (Error, kind)
+            try:
+                from safetensors import SafetensorError
+            except ImportError:  # not installed: nothing written for it can be running
+                pass
+            else:
+                bases += (SafetensorError,)
+            made = _slice_types[kind] = type(f"Slice{kind.__name__}", bases, {
+                "__module__": "hbmio",
+                "__doc__": f"An index get_slice refuses ({kind.__name__} and hbmio.Error; also "
+                           "safetensors.SafetensorError where safetensors is installed)."})
+    return made(_errno.EINVAL, message)
+
+
 class _Slice:
-    """safetensors' get_slice object: get_shape(), get_dtype(), and indexing."""
+    """safetensors' get_slice object: get_shape(), get_dtype(), and indexing.
+
+    Indices mean what they mean to safe_open (safetensors 0.8) in the same framework. With
+    framework "pt" that is torch's indexing of the whole tensor: ints, slices (bounds clamped)
+    and '...' are read as the bytes they select; any other form torch takes (True/False, None,
+    lists, tensors, several '...') is given to torch over the whole tensor, as safe_open does, so
+    `[True]` on shape [6, 3] has shape [1, 6, 3] and `[False]` [0, 6, 3]. With "np" (and
+    "dlpack") it is safe_open's own slicing: ints (a bool is 0 or 1) within the dimension, slices
+    with a positive step whose start is inside it and whose stop is not past its end, one '...',
+    and a bare [] (no rows); it refuses None, lists of indices, np.bool_ and the rest. A refused
+    index raises an IndexError, TypeError or ValueError that is also an hbmio.Error and a
+    safetensors.SafetensorError (see _slice_error). Two failures of safe_open's NumPy mode are
+    not copied: a negative slice bound (OverflowError there) and a stop before the start
+    (SystemError there) select what NumPy selects."""
 
     # A slice is read as one range per contiguous run of its bytes while runs are at least this
     # long (or the rows covering them would be much larger); shorter runs (a column of a matrix)
@@ -583,7 +622,9 @@ class _Slice:
 
     def __getitem__(self, key):
         owner = self._owner
-        dims = _normalize(key, self._shape, self._name)
+        if owner._resolved == "torch" and not _plain_torch_index(key, len(self._shape)):
+            return self._torch_index(key)
+        dims = _normalize(key, self._shape, self._name, strict=owner._resolved != "torch")
         target = owner._own_target()
         if not target.can(self._dtype):
             raise TypeError(f"tensor {self._name!r} ({self._dtype}): get_slice needs a dtype that "
@@ -625,6 +666,21 @@ class _Slice:
         # A copy of its own: a view would keep all the covering rows alive.
         return result.clone(memory_format=target.torch.contiguous_format) if target.torch is not None else result.copy()
 
+    def _torch_index(self, key):
+        # An index form beyond ints, slices and one '...' (True/False, None, lists, tensors, ...):
+        # safe_open's torch mode gives what torch gives for the whole tensor, errors included, so
+        # hbmio does the same, reading the whole tensor (as safe_open does).
+        tensor = self._owner._tensor(self._name)
+        try:
+            result = tensor[key]
+        except (IndexError, TypeError, ValueError) as e:  # torch's refusal, as one of get_slice's
+            kind = next(k for k in (IndexError, TypeError, ValueError) if isinstance(e, k))
+            raise _slice_error(kind, f"tensor {self._name!r}: index {key!r}: {e}") from e
+        # A copy of its own where it is a part: a view would keep the whole tensor alive.
+        if result.numel() < tensor.numel():
+            result = result.clone()
+        return result
+
 
 def _prod(values) -> int:
     out = 1
@@ -633,35 +689,113 @@ def _prod(values) -> int:
     return out
 
 
-def _normalize(key, shape, name):
-    """(start, stop, step, is_int) per dimension, as safetensors (and NumPy) read `key`."""
+_INT64 = range(-(1 << 63), 1 << 63)
+
+
+def _plain_torch_index(key, ndim) -> bool:
+    """Whether torch reads `key` as get_slice's own path does: ints (not bools, within int64),
+    slices and at most one '...', no more of them than `ndim` (torch refuses more, as _normalize
+    does). Anything else goes to torch itself (_Slice._torch_index)."""
+    items = key if isinstance(key, tuple) else (key,)
+    if sum(k is Ellipsis for k in items) > 1:
+        return False  # torch takes several
+    for k in items:
+        if k is Ellipsis or isinstance(k, slice):
+            continue
+        if isinstance(k, bool) or not isinstance(k, int) and type(k).__module__ != "numpy":
+            return False
+        try:
+            if _operator.index(k) not in _INT64:
+                return False
+        except TypeError:  # np.bool_, floats: torch's error
+            return False
+    return True
+
+
+def _normalize(key, shape, name, strict=True):
+    """(start, stop, step, is_int) per dimension, as safetensors reads `key`. strict (NumPy mode):
+    safe_open's own rules (see _Slice); otherwise (torch mode, given only ints, slices and '...')
+    torch's: slice bounds are clamped. Refusals are _slice_error's."""
+    if isinstance(key, list) and not key and strict:
+        key = slice(0, 0)  # safe_open's NumPy mode reads a bare [] as no rows
     if not isinstance(key, tuple):
         key = (key,)
     if sum(k is Ellipsis for k in key) > 1:
-        raise IndexError(f"tensor {name!r}: an index can only have a single ellipsis ('...')")
+        raise _slice_error(IndexError, f"tensor {name!r}: an index can only have a single ellipsis ('...')")
     if Ellipsis in key:
         at = key.index(Ellipsis)
-        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
+        key = key[:at] + (slice(None),) * max(0, len(shape) - len(key) + 1) + key[at + 1:]
+    # Both safe_open's NumPy mode and torch convert every slice (bounds, then step) before they
+    # look at the shape: a bad slice is named as such even where there are too many indices.
+    for k in key:
+        if isinstance(k, slice):
+            for b in (k.start, k.stop, k.step):
+                try:
+                    b is None or _operator.index(b)
+                except TypeError:
+                    raise _slice_error(TypeError, f"tensor {name!r}: slice {k!r}: its bounds and step must be ints "
+                                                  f"or None, not {type(b).__name__}") from None
+            if k.step is not None and _operator.index(k.step) <= 0:
+                raise _slice_error(ValueError, f"tensor {name!r}: slice {k!r}: its step must be positive")
     if len(key) > len(shape):
-        raise IndexError(f"tensor {name!r}: too many indices ({len(key)}) for its {len(shape)} dimension(s)")
+        raise _slice_error(IndexError, f"tensor {name!r}: too many indices ({len(key)}) for its {len(shape)} dimension(s)")
+    given = len(key)  # safe_open checks the slices of the index (with '...' spelled out), not the rest
+    if strict and any(isinstance(k, slice) and _negative_bound(k) for k in key):
+        # safe_open's NumPy mode fails converting the index before it checks any slice of it: the
+        # whole index is then read as NumPy reads it (see _Slice).
+        given = 0
     key = key + (slice(None),) * (len(shape) - len(key))
     dims = []
     for d, (k, n) in enumerate(zip(key, shape)):
         if isinstance(k, slice):
-            start, stop, step = k.indices(n)
+            try:
+                start, stop, step = k.indices(n)
+            except TypeError as e:
+                raise _slice_error(TypeError, f"tensor {name!r}: slice {k!r} of dimension {d}: {e}") from None
+            except ValueError as e:  # a step of 0
+                raise _slice_error(ValueError, f"tensor {name!r}: slice {k!r} of dimension {d}: {e}") from None
             if step <= 0:
-                raise ValueError(f"tensor {name!r}: slice steps must be positive (dimension {d})")
+                raise _slice_error(ValueError, f"tensor {name!r}: slice steps must be positive (dimension {d}: {k!r})")
+            if strict and d < given and _strict_slice_refused(k, n):
+                raise _slice_error(IndexError, f"tensor {name!r}: slice {_slice_text(k)} is out of bounds for dimension {d} "
+                                               f"of size {n} (its start must be inside the dimension and its stop at most {n})")
             dims.append((start, max(start, stop), step, False))
             continue
+        if strict and type(k).__module__ == "numpy" and type(k).__name__ == "bool":
+            raise _slice_error(TypeError, f"tensor {name!r}: index {k!r} of dimension {d} is a NumPy bool; "
+                                          "safe_open takes an int, a slice or '...'")
         try:
             i = _operator.index(k)
         except TypeError:
-            raise TypeError(f"tensor {name!r}: index {k!r} is not an int, a slice or '...'") from None
+            what = "an int, a slice, '...' or a bare []" if strict else "an int, a slice or '...'"
+            raise _slice_error(TypeError, f"tensor {name!r}: index {k!r} of dimension {d} is not {what}") from None
         j = i + n if i < 0 else i
         if not 0 <= j < n:
-            raise IndexError(f"tensor {name!r}: index {i} is out of bounds for dimension {d} of size {n}")
+            raise _slice_error(IndexError, f"tensor {name!r}: index {i} is out of bounds for dimension {d} of size {n}")
         dims.append((j, j + 1, 1, True))
     return dims
+
+
+def _negative_bound(k: slice) -> bool:
+    try:
+        return any(b is not None and _operator.index(b) < 0 for b in (k.start, k.stop))
+    except TypeError:
+        return False  # refused as it is by slice.indices
+
+
+def _strict_slice_refused(k: slice, n: int) -> bool:
+    """safe_open's NumPy mode refuses a slice whose start is not inside the dimension or whose stop
+    is past its end (it does not clamp). A negative bound is NumPy's (see _Slice)."""
+    start = 0 if k.start is None else _operator.index(k.start)
+    stop = n if k.stop is None else _operator.index(k.stop)
+    if start < 0 or stop < 0:
+        return False
+    return start >= n or stop > n
+
+
+def _slice_text(k: slice) -> str:
+    text = ("" if k.start is None else str(k.start)) + ":" + ("" if k.stop is None else str(k.stop))
+    return text + (f":{k.step}" if k.step is not None else "")
 
 
 def _runs(dims, shape, item):
