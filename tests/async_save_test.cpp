@@ -3,6 +3,8 @@
 // path; errors reach wait(), the next save of the path, or wait_for_all_saves().
 #include <gtest/gtest.h>
 #include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -246,6 +248,106 @@ TEST_F(GpuAsyncSave, DeviceTensorsStagedOnTheHostOrTheDevice) {
     EXPECT_TRUE(read_all(dir.file("async.safetensors")) == read_all(dir.file("sync.safetensors")));
   }
   EXPECT_EQ(memory_counters().device_buffers, 0);
+}
+
+
+// A stop request (Ctrl-C in Python) while the snapshot blocks: the call throws ECANCELED, nothing
+// is published, and the path holds the previous file. The request is made before the call, so
+// the snapshot meets it at its first piece whatever the timing; the writer, already started,
+// must end without publishing.
+TEST(AsyncSave, AStopRequestDuringTheSnapshotPublishesNothing) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  State old({MemoryKind::host}, 1, false);
+  save_checkpoint(path, old.tensors);
+  const auto before = read_all(path);
+  State state({MemoryKind::host}, 2);  // 83 MiB over a pool of one block
+  std::atomic<bool> stop{true};
+  try {
+    save_checkpoint_async(path, state.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20, .cancel = &stop});
+    ADD_FAILURE() << "a save stopped during its snapshot returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code().value(), ECANCELED) << e.what();
+    EXPECT_NE(std::string(e.what()).find("nothing was published"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(read_all(path) == before);
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path()), fs::directory_iterator()), 1);
+  EXPECT_TRUE(wait_for_all_saves().empty()) << "the caller saw the error: the exit handler must not report it";
+  EXPECT_EQ(staging_pool_stats().in_use, 0u);
+  // The path is free again: the next save of it runs.
+  save_checkpoint_async(path, state.tensors).wait();
+  EXPECT_TRUE(read_all(path) != before);
+}
+
+// cancel() after the call: the save stops before it publishes (wait() throws ECANCELED and the
+// path holds the previous file) or had published already (wait() returns and the path holds the
+// new file). Either is right; a mix, or ECANCELED with the new file, is not.
+TEST(AsyncSave, CancelStopsTheSaveBeforeItPublishesOrNotAtAll) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  State old({MemoryKind::host}, 1, false);
+  save_checkpoint(path, old.tensors);
+  const auto before = read_all(path);
+  State state({MemoryKind::host}, 2);
+  save_checkpoint(dir.file("expected.safetensors"), state.tensors);
+  const auto expected = read_all(dir.file("expected.safetensors"));
+  SaveInProgress save = save_checkpoint_async(path, state.tensors);
+  save.cancel();
+  try {
+    save.wait();
+    EXPECT_TRUE(read_all(path) == expected);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code().value(), ECANCELED) << e.what();
+    EXPECT_TRUE(read_all(path) == before);
+  }
+}
+
+// fork() while a save is in flight: the child has none of its threads. It starts with no saves
+// in flight (saves_inherited_at_fork names the inherited one when it was still running), a fresh
+// staging pool and engine pool: it saves to the same path and another, with a pool smaller than
+// its state, and exits. alarm() bounds a hang in the child (it then dies by SIGALRM). Whether
+// the parent's save is still in flight at the fork is timing; the test holds either way.
+TEST(AsyncSave, AChildOfForkStartsWithNoSavesInFlight) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  State state({MemoryKind::host}, 3);
+  SaveInProgress save = save_checkpoint_async(path, state.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20});
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(60);
+    int code = 0;
+    try {
+      const std::vector<std::string> inherited = saves_inherited_at_fork();
+      if (inherited.size() > 1 || (inherited.size() == 1 && inherited[0] != path)) code = 2;
+      State mine({MemoryKind::host}, 4);
+      save_checkpoint_async(path, mine.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20}).wait();
+      save_checkpoint_async(dir.file("child.safetensors"), mine.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20}).wait();
+      if (!wait_for_all_saves().empty()) code = 3;
+      // The parent's handle, in the child: it raises instead of waiting for a thread that is not here.
+      if (!inherited.empty()) {
+        try {
+          save.wait();
+          code = 4;
+        } catch (const Error& e) {
+          if (e.code().value() != ECHILD) code = 5;
+        }
+      }
+    } catch (...) {
+      code = 6;
+    }
+    save.detach();  // (the parent's save: never waited for here)
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status)) << "the child did not exit (SIGALRM: it hung)";
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  save.wait();
+  EXPECT_TRUE(saves_inherited_at_fork().empty()) << "the parent is no child";
+  State expected({MemoryKind::host}, 4);
+  save_checkpoint(dir.file("expected.safetensors"), expected.tensors);
+  EXPECT_TRUE(read_all(dir.file("child.safetensors")) == read_all(dir.file("expected.safetensors")));
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // background with exactly the guarantees of save_checkpoint.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -32,6 +33,13 @@ struct AsyncSaveOptions {
   std::uint64_t pool_bytes = 0;
   // Another save of the same path still in flight: wait for it (true) or throw Error(EBUSY).
   bool wait_if_busy = true;
+  // Optional: a stop request read during the call only (the snapshot, and the wait for an earlier
+  // save of the path), so it need live only as long as the call. Once it reads true the call stops
+  // between pieces of its copies (or while it waits for staging room), the save ends with nothing
+  // published and the previous file untouched, and the call throws Error(ECANCELED). Ctrl-C during
+  // a snapshot that blocks (a state larger than the pool) uses it; after the call, cancel() stops
+  // the save.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // What a background save did, for the caller's log and the benchmark.
@@ -66,6 +74,11 @@ class SaveInProgress {
   Stats wait();
   AsyncSaveReport report() const;
   const std::string& path() const;
+  // Asks the save to stop at its next safe point before it publishes, as SaveOptions::cancel does
+  // (which, where the caller gave one, is the save's stop request instead: then this does
+  // nothing). Returns at once; wait() then throws Error(ECANCELED) with the path as it was, or
+  // returns if the save had published already.
+  void cancel() noexcept;
   // Lets the save go on without this handle (the destructor then does not wait): it still runs
   // to the end, wait_for_all_saves() waits for it, and its error, if any, is thrown by the next
   // save of the path or returned by wait_for_all_saves().
@@ -87,6 +100,13 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
 // Waits for every background save of this process; returns the errors of those that failed and
 // were never waited for, as "path: message" (for an exit handler to print).
 std::vector<std::string> wait_for_all_saves();
+
+// In a child of fork(): the background saves that were in flight in the parent when it forked, as
+// "path" each (empty in the parent, and in a child of a parent that had none). The child has none
+// of their threads, so it starts with no saves in flight, a fresh staging pool and a fresh engine
+// pool: those saves go on in the parent only, and a handle to one of them that the child holds
+// reports it as failed (ECHILD) instead of waiting for a thread that does not exist there.
+std::vector<std::string> saves_inherited_at_fork();
 
 // The pinned pool behind Staging::pinned, for reports and tests.
 struct StagingPoolStats {

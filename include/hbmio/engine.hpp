@@ -129,7 +129,8 @@ class EnginePool {
   std::map<std::string, std::size_t> idle_counts() const;  // {backend: idle engines}
 
   // The process's pool. Never destroyed: a static destructor would free CUDA memory after the
-  // CUDA runtime's own teardown at exit; call release_all() to free its engines before then.
+  // CUDA runtime's own teardown at exit; call release_all() to free its engines before then. A
+  // child of fork() gets an empty one (the parent's engines' worker threads are not in it).
   static EnginePool& shared();
 
  private:

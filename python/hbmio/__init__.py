@@ -23,6 +23,8 @@ from __future__ import annotations
 import atexit as _atexit
 import contextlib as _contextlib
 import errno as _errno
+import math as _math
+import numbers as _numbers
 import os as _os
 import re as _re
 import sys as _sys
@@ -576,7 +578,12 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max
     staging="device" copies CUDA tensors into one spare device buffer instead (falls back to
     pinned without the room). One save per path at a time: another waits for it, or raises
     hbmio.Error (EBUSY) with wait_if_busy=False. An error nobody asked for is raised by the next
-    save of the path; at exit, saves in flight are finished, and failures nobody saw are printed."""
+    save of the path; at exit, saves in flight are finished, and failures nobody saw are printed
+    and make the exit status 1. Ctrl-C while the call blocks (copying a state larger than the
+    pool, or waiting for an earlier save of the path) stops the save as it stops a blocking one:
+    nothing is published and KeyboardInterrupt is raised (no handle is returned). A child of
+    os.fork() has none of the parent's saves in flight (they go on in the parent only; it warns
+    if there were some) and may save at once, to any path."""
     shard = 0 if max_shard_size is None else _parse_size(max_shard_size)
     if max_shard_size is not None and shard == 0:
         raise ValueError("max_shard_size must be at least 1 byte")
@@ -630,7 +637,16 @@ class SaveHandle:
     def result(self, timeout=None):
         """Waits until the save is durable (raises TimeoutError after `timeout` seconds) and
         raises its error: hbmio.Error naming the path and the step, as a synchronous save does.
-        The previous file at the path is then untouched."""
+        The previous file at the path is then untouched. timeout: seconds (int or float, inf
+        meaning no limit, as None does); NaN is a ValueError (it would never compare as passed,
+        so the wait would never end), a negative one waits no more than 0."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, _numbers.Real):
+                raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+            timeout = float(timeout)
+            if _math.isnan(timeout):
+                raise ValueError(f"timeout must be a number of seconds or None, not NaN (the background save of {self.path})")
+            timeout = max(timeout, 0.0)
         if not self._save._wait(timeout):
             raise TimeoutError(f"the background save of {self.path} is still running after {timeout} s")
         self._save._result()
@@ -648,12 +664,35 @@ class SaveHandle:
 
 def _finish_saves():
     # Background saves still running at exit finish (nothing is left half-published); a failure
-    # nobody asked about is said rather than lost.
-    for failure in _hbmio._wait_for_all_saves():
+    # nobody asked about is said rather than lost, and the process exits with status 1, as it would
+    # had the error been raised (a job runner must not take a lost checkpoint for success).
+    failures = _hbmio._wait_for_all_saves()
+    for failure in failures:
         print(f"hbmio: a background save failed and nobody waited for it: {failure}", file=_sys.stderr)
+    if failures:
+        # Python's exit status cannot be changed from an exit handler; the library's C exit hook
+        # turns a status of 0 into 1 once Python has finished (every other exit handler has run
+        # and the streams are flushed). A status already non-zero is kept.
+        _hbmio._fail_exit_status()
 
 
 _atexit.register(_finish_saves)  # after _release_engines: atexit runs it first
+
+
+def _after_fork_in_child():
+    # The library gave this child empty registries and pools already (pthread_atfork in C++): the
+    # parent's background saves have no thread here and go on in the parent only. Waiting for them
+    # at exit or before another save of their path would hang forever, so the child has none;
+    # it says so once, since a handle to one of them now raises instead of waiting.
+    paths = _hbmio._saves_inherited_at_fork()
+    if paths:
+        import warnings
+        warnings.warn(f"hbmio: this process was forked while {len(paths)} background save(s) were in flight "
+                      f"({', '.join(paths)}); they go on in the parent only, and this process starts with none "
+                      "(a handle to one of them raises hbmio.Error, ECHILD)", RuntimeWarning, stacklevel=2)
+
+
+_os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def __getattr__(name):

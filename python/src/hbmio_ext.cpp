@@ -9,6 +9,9 @@
 // Engines (io_uring rings, worker threads, pinned bounce buffers) take tens of milliseconds to set
 // up, more than a small load takes, so loads, saves and raw reads/writes borrow one from the
 // library's pool (hbmio::EnginePool) instead of making their own; see EngineLease.
+#include <stdlib.h>  // on_exit
+#include <unistd.h>  // _exit
+
 #include <cstdio>
 
 #include <nanobind/nanobind.h>
@@ -868,8 +871,43 @@ std::unique_ptr<BackgroundSave> save_async(nb::dict tensors, const std::string& 
   }
   async.pool_bytes = pool_bytes;
   async.wait_if_busy = wait_if_busy;
-  nb::gil_scoped_release release;  // the snapshot: copies out of the arrays, which `input` keeps alive
-  return std::make_unique<BackgroundSave>(hbmio::save_checkpoint_async(path, input.list, options, async));
+  // The snapshot (copies out of the arrays, which `input` keeps alive) blocks while a state larger
+  // than the pool waits for the writer to drain it, or while an earlier save of the path finishes:
+  // it runs on a thread of its own while this one checks for Ctrl-C every 50 ms, as a blocking save
+  // does. On one the snapshot stops (AsyncSaveOptions::cancel), or, if it had just finished, the
+  // save is cancelled (SaveInProgress::cancel); either way it stops before it publishes, and the
+  // KeyboardInterrupt is raised once it has: `path` then holds what it held before. A save that had
+  // published already finishes, and the KeyboardInterrupt follows it.
+  std::atomic<bool> stop{false};
+  async.cancel = &stop;
+  std::future<hbmio::SaveInProgress> started;
+  {
+    nb::gil_scoped_release release;
+    started = std::async(std::launch::async, [&] { return hbmio::save_checkpoint_async(path, input.list, options, async); });
+  }
+  bool interrupted = false;
+  for (;;) {
+    // Checked before the first wait: a Ctrl-C that came while the arrays were collected stops the
+    // snapshot before its first copy.
+    if (!interrupted && PyErr_CheckSignals() != 0) {  // the KeyboardInterrupt stays set, raised below
+      interrupted = true;
+      stop = true;
+    }
+    nb::gil_scoped_release release;
+    if (started.wait_for(std::chrono::milliseconds(50)) == std::future_status::ready) break;
+  }
+  if (!interrupted && PyErr_CheckSignals() != 0) interrupted = true;  // one during the last copies
+  if (interrupted) {
+    try {
+      hbmio::SaveInProgress save = started.get();
+      save.cancel();
+      nb::gil_scoped_release release;
+      (void)save.wait();
+    } catch (const hbmio::Error&) {  // ECANCELED, or a failure: the KeyboardInterrupt says it all
+    }
+    throw nb::python_error();
+  }
+  return std::make_unique<BackgroundSave>(started.get());
 }
 
 // Safetensors bytes in memory (hbmio.torch.save/load, as safetensors.torch.save/load): the
@@ -1180,6 +1218,22 @@ NB_MODULE(_hbmio, m) {
     nb::gil_scoped_release release;
     return hbmio::wait_for_all_saves();
   }, "Waits for every background save; returns 'path: error' for those that failed unseen.");
+  m.def("_fail_exit_status", [] {
+    // Python decides its exit status before the C runtime's exit() runs, and an exit handler of
+    // Python's cannot change it; a handler of the C runtime's sees it and may end the process with
+    // another, after Python has run every exit handler of its own and flushed its streams. Only a
+    // status of 0 becomes 1: a process already failing keeps its own.
+    static std::once_flag registered;
+    std::call_once(registered, [] {
+      ::on_exit([](int status, void*) {
+        if (status != 0) return;
+        std::fflush(nullptr);
+        ::_exit(1);
+      }, nullptr);
+    });
+  }, "Makes the process exit with status 1 where it would exit with 0 (a background save failed unseen).");
+  m.def("_saves_inherited_at_fork", &hbmio::saves_inherited_at_fork,
+        "In a child of fork(): the paths of the parent's background saves in flight when it forked.");
   m.def("_staging_pool", [] {
     const hbmio::StagingPoolStats s = hbmio::staging_pool_stats();
     return std::make_tuple(s.capacity, s.allocated, s.in_use);

@@ -9,7 +9,10 @@
 // the copies to an ordinary save.
 #include "hbmio/async_save.hpp"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <filesystem>
 #include <map>
@@ -36,6 +39,9 @@ struct AsyncSaveState {
   std::optional<Buffer> device_copy;  // Staging::device
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
 
+  // The writer's stop request (options.cancel points to it unless the caller gave one); cancel().
+  std::atomic<bool> cancelled{false};
+
   mutable std::mutex mutex;
   std::condition_variable finished_cv;
   bool finished = false;
@@ -53,9 +59,51 @@ struct Registry {
   std::condition_variable changed;
   std::map<std::string, std::shared_ptr<AsyncSaveState>> by_target;
 };
+Registry* current_registry = nullptr;  // never destroyed: saves may finish during static destruction
+std::vector<std::string> inherited_at_fork;  // set in a child of fork() (see saves_inherited_at_fork)
+
+// fork() while saves are in flight: the child has only the forking thread, so the writers of those
+// saves do not exist there. Left registered, the child's exit handler (wait_for_all_saves) and any
+// save of the same path would wait for them forever. The registry's lock and every registered
+// save's are held across fork(), so the child sees them consistent and may take them again; the
+// child then gets an empty registry, and each inherited save that had not finished is marked
+// failed (ECHILD) there, so a handle to it in the child raises instead of waiting.
+void before_fork() {
+  current_registry->mutex.lock();
+  for (auto& [target, state] : current_registry->by_target) state->mutex.lock();
+}
+void after_fork_in_parent() {
+  for (auto& [target, state] : current_registry->by_target) state->mutex.unlock();
+  current_registry->mutex.unlock();
+}
+void after_fork_in_child() {
+  Registry* inherited = current_registry;
+  inherited_at_fork.clear();
+  for (auto& [target, state] : inherited->by_target) {
+    if (!state->finished) {
+      inherited_at_fork.push_back(state->path);
+      state->error = std::make_exception_ptr(
+          Error(errno_code(ECHILD), {.op = "save", .path = state->path},
+                "this process is a child forked while the save was in flight; the save goes on in the parent only"));
+      state->observed = true;  // the parent reports its own saves: the child says nothing at exit
+      state->finished = true;
+    }
+    state->mutex.unlock();
+  }
+  inherited->by_target.clear();
+  inherited->mutex.unlock();
+  // A fresh registry all the same: the old condition variable may have had waiters (threads the
+  // child does not have) registered in it.
+  current_registry = new Registry();
+}
+
 Registry& registry() {
-  static Registry* r = new Registry();  // never destroyed: saves may finish during static destruction
-  return *r;
+  static std::once_flag made;
+  std::call_once(made, [] {
+    current_registry = new Registry();
+    ::pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child);
+  });
+  return *current_registry;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -96,7 +144,7 @@ void persist(std::shared_ptr<AsyncSaveState> state) {
 // Waits for a save of the same target still in flight, then registers `state` as the one in
 // flight, under the same lock (two saves waiting for one must not both start); throws the error
 // of one that failed unseen. Returns the seconds waited.
-double take_turn(const std::shared_ptr<AsyncSaveState>& state, bool wait_if_busy) {
+double take_turn(const std::shared_ptr<AsyncSaveState>& state, bool wait_if_busy, const std::atomic<bool>* cancel) {
   const std::string& target = state->target;
   const std::string& path = state->path;
   Registry& r = registry();
@@ -128,7 +176,15 @@ double take_turn(const std::shared_ptr<AsyncSaveState>& state, bool wait_if_busy
     state_lock.unlock();
     if (!wait_if_busy)
       throw Error(errno_code(EBUSY), {.op = "save", .path = path}, "a background save of this path is still in flight");
-    r.changed.wait(lock);
+    if (cancel == nullptr) {
+      r.changed.wait(lock);
+      continue;
+    }
+    // A stop request is a flag, not a notification: look at it every few milliseconds.
+    r.changed.wait_for(lock, std::chrono::milliseconds(5));
+    if (cancel->load())
+      throw Error(errno_code(ECANCELED), {.op = "save", .path = path},
+                  "stopped while waiting for an earlier background save of this path; this save was not started");
   }
 }
 
@@ -159,8 +215,15 @@ std::optional<int> one_device(const std::vector<TensorToSave>& tensors) {
   return device;
 }
 
+bool stop_requested(const std::atomic<bool>* cancel) { return cancel != nullptr && cancel->load(std::memory_order_relaxed); }
+
+[[noreturn]] void throw_stopped(const AsyncSaveState& state) {
+  throw Error(errno_code(ECANCELED), {.op = "save", .path = state.path},
+              "stopped during its snapshot (a stop request: Ctrl-C); nothing was published and the previous file is untouched");
+}
+
 // Staging::device: one buffer, each tensor at a 256-byte boundary, filled by device copies.
-bool stage_on_device(AsyncSaveState& state, const std::vector<TensorToSave>& tensors) {
+bool stage_on_device(AsyncSaveState& state, const std::vector<TensorToSave>& tensors, const std::atomic<bool>* cancel) {
   const std::optional<int> device = one_device(tensors);
   if (!device) return false;
   std::uint64_t bytes = 0;
@@ -172,6 +235,7 @@ bool stage_on_device(AsyncSaveState& state, const std::vector<TensorToSave>& ten
   }
   std::uint64_t at = 0;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (stop_requested(cancel)) throw_stopped(state);
     const MemorySpan into = state.device_copy->span().subspan(at, tensors[i].data.size);
     if (into.size > 0) copy_memory(into, tensors[i].data);
     state.tensors[i].data = into;
@@ -184,8 +248,9 @@ bool stage_on_device(AsyncSaveState& state, const std::vector<TensorToSave>& ten
 
 // Staging::pinned: the caller's tensors in file order, into pool blocks back to back (a block
 // holds the end of one tensor and the start of the next), each piece queued once copied.
-// Returns the seconds spent waiting for blocks. Stops early when the writer failed.
-double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& tensors) {
+// Returns the seconds spent waiting for blocks. Stops early when the writer failed; throws
+// ECANCELED once `cancel` reads true (checked before each piece and while waiting for a block).
+double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& tensors, const std::atomic<bool>* cancel) {
   StagingPool& pool = StagingPool::shared();
   double waited = 0;
   std::shared_ptr<Buffer> block;
@@ -194,11 +259,13 @@ double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& ten
     const TensorToSave& t = tensors[i];
     for (std::uint64_t at = 0; at < t.data.size;) {
       if (state.stream.failed()) return waited;  // the writer stopped: nothing more is written
+      if (stop_requested(cancel)) throw_stopped(state);
       if (!block || used == block->size()) {
         block.reset();
         const auto start = std::chrono::steady_clock::now();
-        block = pool.acquire([&] { return state.stream.failed(); });
+        block = pool.acquire([&] { return state.stream.failed() || stop_requested(cancel); });
         waited += seconds_since(start);
+        if (stop_requested(cancel)) throw_stopped(state);
         if (!block) return waited;
         used = 0;
       }
@@ -225,10 +292,11 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
     state->path = path;
     state->target = detail::check_save(path, tensors, options);
     state->options = options;
+    if (state->options.cancel == nullptr) state->options.cancel = &state->cancelled;  // cancel()
     state->tensors = tensors;
     for (auto& t : state->tensors) t.data = {nullptr, t.data.size, {MemoryKind::host}};  // sizes only, until staged
 
-    double stalled = detail::take_turn(state, async.wait_if_busy);
+    double stalled = detail::take_turn(state, async.wait_if_busy, async.cancel);
     // From here the path is this save's: every way out must finish() it, or later saves of the
     // path (and the exit handler) would wait for it forever.
     const auto give_up = [&state](std::exception_ptr error) {
@@ -238,7 +306,7 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
     };
     bool on_device = false;
     try {
-      on_device = async.staging == Staging::device && detail::stage_on_device(*state, tensors);
+      on_device = async.staging == Staging::device && detail::stage_on_device(*state, tensors, async.cancel);
       if (on_device) std::thread(detail::persist, state).detach();
     } catch (...) {
       give_up(std::current_exception());
@@ -255,7 +323,7 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
         throw;
       }
       try {
-        stalled += detail::stage_in_pool(*state, tensors);
+        stalled += detail::stage_in_pool(*state, tensors, async.cancel);
         state->stream.finish();
       } catch (...) {
         state->stream.abandon();  // the writer stops with nothing published; the caller gets this error
@@ -313,6 +381,10 @@ AsyncSaveReport SaveInProgress::report() const {
   return state_->report;
 }
 
+void SaveInProgress::cancel() noexcept {
+  if (state_) state_->cancelled = true;
+}
+
 void SaveInProgress::detach() noexcept { state_.reset(); }
 
 const std::string& SaveInProgress::path() const {
@@ -347,6 +419,11 @@ std::vector<std::string> wait_for_all_saves() {
     if (!in_flight) return errors;
     r.changed.wait(lock);
   }
+}
+
+std::vector<std::string> saves_inherited_at_fork() {
+  detail::registry();  // (the fork handlers are installed with the registry)
+  return detail::inherited_at_fork;
 }
 
 StagingPoolStats staging_pool_stats() { return detail::StagingPool::shared().stats(); }

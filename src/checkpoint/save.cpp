@@ -2,6 +2,7 @@
 // fsync of the directory. A crash at any point leaves either the old file or the new one under
 // the final name, never a mix (rename is atomic; the data is durable before it).
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <future>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -54,6 +56,45 @@ fs::path temp_name(const fs::path& target, std::random_device& random) {
   return target.parent_path() / fmt::format("{}{:08x}{:08x}", own_prefix(target), random(), random());
 }
 
+// Descriptors whose open file descriptions carry a save's flock (FileLock's, and the new file's own,
+// which shares the lock's description). A child of fork() inherits them, and the lock with them,
+// but not the threads that would close them: the lock would outlive the parent's save, and a save
+// of the same path in the child (which waits for the lock of the file at the path before it
+// publishes) would wait for itself forever. The child closes them. The mutex is held across fork()
+// and every registered descriptor is closed under it, so none is missed or closed twice.
+struct HeldDescriptors {
+  std::mutex mutex;
+  std::set<int> fds;
+};
+HeldDescriptors& held_descriptors() {
+  static HeldDescriptors* held = [] {
+    auto* made = new HeldDescriptors();  // never destroyed: saves may finish during static destruction
+    ::pthread_atfork([] { held_descriptors().mutex.lock(); }, [] { held_descriptors().mutex.unlock(); },
+                     [] {
+                       HeldDescriptors& h = held_descriptors();
+                       for (const int fd : h.fds) ::close(fd);  // the parent's saves': none is this thread's
+                       h.fds.clear();
+                       h.mutex.unlock();
+                     });
+    return made;
+  }();
+  return *held;
+}
+void hold_descriptor(int fd) {
+  if (fd < 0) return;
+  HeldDescriptors& h = held_descriptors();
+  std::lock_guard lock(h.mutex);
+  h.fds.insert(fd);
+}
+// Forgets `fd` and runs `close` (which closes it) under the same lock.
+template <class Close>
+void close_held_descriptor(int fd, Close close) {
+  HeldDescriptors& h = held_descriptors();
+  std::lock_guard lock(h.mutex);
+  h.fds.erase(fd);
+  close();
+}
+
 // A descriptor with an exclusive flock(2): on a save's temporary file or directory, so a second
 // save of the same name, from this process or another, sees the lock and leaves that temporary
 // alone (the lock dies with the process, so a crashed save's temporary is unlocked and is removed
@@ -64,6 +105,7 @@ class FileLock {
   FileLock() = default;
   // Takes a lock on a descriptor that nobody else can have locked (a file just made).
   explicit FileLock(int fd) : fd_(fd) {
+    hold_descriptor(fd_);
     if (fd_ >= 0) (void)::flock(fd_, LOCK_EX | LOCK_NB);
   }
   // Waits for the lock on the file open as `fd` (a descriptor of its own is made).
@@ -73,7 +115,7 @@ class FileLock {
     return lock;
   }
   ~FileLock() {
-    if (fd_ >= 0) ::close(fd_);
+    if (fd_ >= 0) close_held_descriptor(fd_, [this] { ::close(fd_); });
   }
   FileLock(FileLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
   FileLock& operator=(FileLock&& other) noexcept {
@@ -82,7 +124,7 @@ class FileLock {
   }
 
  private:
-  FileLock(int fd, int /*no lock yet*/) : fd_(fd) {}
+  FileLock(int fd, int /*no lock yet*/) : fd_(fd) { hold_descriptor(fd_); }
   int fd_ = -1;
 };
 
@@ -290,8 +332,11 @@ class PendingFile {
       file_ = File::open_at(AT_FDCWD, temp_.string(), shown, OpenMode::create_new);
     }
     lock_ = FileLock(::fcntl(file_.fd(), F_DUPFD_CLOEXEC, 0));  // held past the file's close, to the rename
+    hold_descriptor(file_.fd());  // it shares the lock's description (see HeldDescriptors)
   }
   ~PendingFile() {
+    const int fd = file_.fd();
+    if (fd >= 0) close_held_descriptor(fd, [this] { file_ = File(); });
     std::error_code ec;
     if (!published_ && !temp_.empty()) fs::remove(temp_, ec);
   }

@@ -1,8 +1,10 @@
 #include "checkpoint/staging.hpp"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <mutex>
 
 namespace hbmio::detail {
 
@@ -23,9 +25,20 @@ std::uint64_t whole_blocks(std::uint64_t bytes) {
 
 StagingPool::StagingPool() : capacity_(whole_blocks(default_capacity())) {}
 
+namespace {
+StagingPool* shared_pool = nullptr;  // set once; replaced in a child of fork()
+}  // namespace
+
 StagingPool& StagingPool::shared() {
-  static StagingPool* pool = new StagingPool();  // leaked on purpose: see the header
-  return *pool;
+  static std::once_flag made;
+  std::call_once(made, [] {
+    shared_pool = new StagingPool();  // leaked on purpose: see the header
+    // In the child the parent's pool is left as it is (leaked): its mutex may have been held by a
+    // thread that the child does not have, and its blocks are lent to saves that go on in the
+    // parent only. The child handler runs with one thread, so the plain store is safe.
+    ::pthread_atfork(nullptr, nullptr, [] { shared_pool = new StagingPool(); });
+  });
+  return *shared_pool;
 }
 
 void StagingPool::set_capacity(std::uint64_t bytes) {

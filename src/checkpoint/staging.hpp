@@ -31,7 +31,9 @@ class StagingPool {
  public:
   static constexpr std::size_t kBlockBytes = std::size_t{64} << 20;
 
-  // The process's pool (never destroyed: saves may finish during static destruction).
+  // The process's pool (never destroyed: saves may finish during static destruction). A child of
+  // fork() gets a fresh one: the parent's may have blocks lent to saves whose threads the child
+  // does not have, which would never come back (a small pool would then wait for them forever).
   static StagingPool& shared();
 
   // Sets the capacity (rounded up to a whole block, at least one); frees blocks above it that

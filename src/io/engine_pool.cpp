@@ -1,4 +1,7 @@
 // EnginePool: idle engines kept for reuse (see engine.hpp).
+#include <pthread.h>
+
+#include <mutex>
 #include <utility>
 
 #include "hbmio/engine.hpp"
@@ -73,9 +76,21 @@ std::map<std::string, std::size_t> EnginePool::idle_counts() const {
   return counts;
 }
 
+namespace {
+EnginePool* shared_pool = nullptr;  // set once; replaced in a child of fork()
+}  // namespace
+
 EnginePool& EnginePool::shared() {
-  static auto* pool = new EnginePool();
-  return *pool;
+  static std::once_flag made;
+  std::call_once(made, [] {
+    shared_pool = new EnginePool();
+    // A child of fork() has none of the idle engines' worker threads: a save or load there that
+    // reused one would wait for workers that do not exist, and freeing one would join them. The
+    // child starts with an empty pool and leaves the parent's as it is (leaked); the child handler
+    // runs with one thread, so the plain store is safe.
+    ::pthread_atfork(nullptr, nullptr, [] { shared_pool = new EnginePool(); });
+  });
+  return *shared_pool;
 }
 
 }  // namespace hbmio
