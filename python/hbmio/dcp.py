@@ -261,7 +261,15 @@ class StorageReader(_StorageReader):
     only the bytes of the chunks it asks for, straight into the device of the tensors it loads into.
 
     verify=True loads each stored tensor a rank needs whole and checks it against its stored
-    checksum (and the file's header checksum) before it is used."""
+    checksum (and the file's header checksum) before it is used.
+
+    Why verify defaults to False although StorageWriter's files carry checksums: a checksum covers
+    a whole stored tensor, so checking it means reading the whole tensor, while a DCP load usually
+    needs a part of each (a rank of a resharded load asks for its rows only): with N ranks each
+    sharding a tensor, verifying reads N times the bytes the load needs, far beyond a cost worth
+    paying on every load. The files are written crash-safe (a reader never sees a half-written
+    one), so what verify adds is detection of corruption at rest; ask for it where storage is not
+    trusted, or check a checkpoint once with `hbmio ckpt verify`."""
 
     def __init__(self, path=None, *, verify=False, backend=None):
         super().__init__()
