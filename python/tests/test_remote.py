@@ -605,6 +605,22 @@ def test_a_failed_part_aborts_the_upload_and_keeps_the_old_object(s3_proxy, s3):
     same(st_torch.load(_object(s3, key)), new)
 
 
+def test_uploads_left_by_a_killed_save_are_aborted_by_the_next_save_of_the_key(s3_proxy, s3):
+    """A save killed mid-upload (SIGKILL: no chance to abort) leaves an open multipart upload whose
+    parts S3 keeps and bills; the next multipart save of the same key aborts it once it has
+    published. Uploads of other keys, even ones the key is a prefix of, are left alone."""
+    key = "saved/killed.safetensors"
+    left = s3.create_multipart_upload(Bucket="hbmio-test", Key=key)["UploadId"]
+    s3.upload_part(Bucket="hbmio-test", Key=key, UploadId=left, PartNumber=1, Body=b"x" * (5 << 20))
+    other = s3.create_multipart_upload(Bucket="hbmio-test", Key=key + ".other")["UploadId"]
+    tensors = _tensors(4, 12)
+    hbmio.save_file(tensors, f"s3://hbmio-test/{key}")
+    same(st_torch.load(_object(s3, key)), tensors)
+    still = {(u["Key"], u["UploadId"]) for u in s3.list_multipart_uploads(Bucket="hbmio-test").get("Uploads", [])}
+    assert (key, left) not in still and (key + ".other", other) in still
+    s3.abort_multipart_upload(Bucket="hbmio-test", Key=key + ".other", UploadId=other)
+
+
 def test_sharded_save_to_an_s3_prefix_writes_the_index_last(s3_proxy, s3):
     tensors = {f"layer.{i}": torch.full((1024, 256), float(i)) for i in range(4)}  # 1 MiB each
     hbmio.save_file(tensors, "s3://hbmio-test/sharded-save/", max_shard_size="2MiB")

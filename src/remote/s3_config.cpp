@@ -80,6 +80,7 @@ Target resolve(const std::string& url, const RemoteOptions& options) {
   if (bucket.empty() || key.empty()) throw bad_url(url, "an S3 URL is s3://BUCKET/KEY");
   t.s3 = true;
   t.shown = "s3://" + bucket + "/" + key;
+  t.key = key;
 
   const std::string profile = !options.profile.empty() ? options.profile : !env("AWS_PROFILE").empty() ? env("AWS_PROFILE") : "default";
   // The region: the option, the environment, the config file's profile, then AWS's default.
@@ -115,9 +116,11 @@ Target resolve(const std::string& url, const RemoteOptions& options) {
   if (!endpoint.empty()) {
     if (!endpoint.starts_with("http://") && !endpoint.starts_with("https://"))
       throw bad_url(url, fmt::format("the S3 endpoint '{}' is not an http:// or https:// URL", shown_path(endpoint)));
-    t.request_url = endpoint + "/" + bucket + "/" + encode_key(key);
+    t.bucket_url = endpoint + "/" + bucket;
+    t.request_url = t.bucket_url + "/" + encode_key(key);
   } else {
-    t.request_url = fmt::format("https://{}.s3.{}.amazonaws.com/{}", bucket, t.region, encode_key(key));
+    t.bucket_url = fmt::format("https://{}.s3.{}.amazonaws.com", bucket, t.region);
+    t.request_url = t.bucket_url + "/" + encode_key(key);
   }
   return t;
 }

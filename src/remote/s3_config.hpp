@@ -19,6 +19,7 @@ struct Target {
   std::string request_url;  // what is fetched (S3: the endpoint's URL of the object)
   std::string shown;        // for messages: s3://bucket/key, or the URL without query or user info
   bool s3 = false;
+  std::string bucket_url, key;             // S3 only: the bucket's URL (for bucket-level requests) and the key
   std::string region;                      // S3 only
   std::optional<Credentials> credentials;  // S3 with credentials: SigV4-signed requests
 };

@@ -157,6 +157,49 @@ class PartBuffer {
   Buffer buffer_;
 };
 
+// Multipart uploads of the key that are still open although they started before ours, which has
+// just published: left by saves that were killed (SIGKILL, a lost node) before they could abort
+// them. S3 keeps, and bills, their parts until they are aborted. Aborted here, best effort (the
+// save has succeeded whatever happens); a slower concurrent save of the same key that started
+// earlier is aborted too and fails cleanly, leaving this newer object. Returns how many.
+unsigned abort_leftover_uploads(const Target& target, const RemoteOptions& options, const std::string& own_id) {
+  Target bucket = target;
+  bucket.request_url = target.bucket_url;
+  const ErrorContext context{.op = "list open multipart uploads", .path = target.shown};
+  struct Open {
+    std::string id, initiated;
+  };
+  std::vector<Open> open;
+  std::string own_initiated;
+  try {
+    const Response listing = perform(bucket, options, {.method = "GET", .query = "prefix=" + encode_value(target.key) + "&uploads=", .keep = 1 << 20},
+                                     context, nullptr);
+    for (std::size_t at = listing.body.find("<Upload>"); at != std::string::npos; at = listing.body.find("<Upload>", at + 8)) {
+      const std::size_t end = listing.body.find("</Upload>", at);
+      const std::string one = listing.body.substr(at, end == std::string::npos ? std::string::npos : end - at);
+      if (remote::xml_field(one, "Key") != target.key) continue;  // a prefix matches longer keys too
+      Open u{remote::xml_field(one, "UploadId"), remote::xml_field(one, "Initiated")};
+      if (u.id == own_id) own_initiated = u.initiated;
+      else open.push_back(std::move(u));
+    }
+  } catch (const Error&) {
+    return 0;  // a listing refused (permissions) leaves cleaning to the bucket's lifecycle rule
+  }
+  unsigned aborted = 0;
+  for (const Open& u : open) {
+    // ISO 8601 times of one server compare as text; without our own (already completed on
+    // servers that drop it from the list), every older open upload of the key is a leftover.
+    if (!own_initiated.empty() && !(u.initiated < own_initiated)) continue;
+    try {
+      perform(target, options, {.method = "DELETE", .query = "uploadId=" + encode_value(u.id)},
+              {.op = "abort a multipart upload left by an earlier save", .path = target.shown}, nullptr);
+      ++aborted;
+    } catch (const Error&) {
+    }
+  }
+  return aborted;
+}
+
 }  // namespace
 
 Stats write_remote(const std::string& url, std::uint64_t size, const FillFunction& fill, const UploadOptions& upload,
@@ -189,6 +232,7 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
       throw Error(errno_code(EPROTO), {.op = "start a multipart upload", .path = target.shown}, "the answer holds no UploadId");
     const std::string id_query = "uploadId=" + encode_value(upload_id);
     std::vector<std::string> etags(parts);
+    unsigned leftovers = 0;
     std::atomic<std::uint64_t> next{0};
     std::atomic<bool> failed{false};
     std::exception_ptr first_error;
@@ -233,6 +277,7 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
       try {
         perform(target, options, {.method = "POST", .query = id_query, .body = bytes_of(xml), .keep = 4096, .content_type = "application/xml"},
                 {.op = "complete the multipart upload", .path = target.shown}, nullptr);
+        leftovers = abort_leftover_uploads(target, options, upload_id);
       } catch (...) {
         first_error = std::current_exception();
       }
@@ -248,11 +293,12 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
       std::rethrow_exception(first_error);
     }
     stats.workers = workers;
+    if (leftovers > 0) stats.note = fmt::format("; aborted {} multipart upload(s) of this key left by earlier saves", leftovers);
   }
   stats.bytes = size;
   stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   stats.cpu_seconds = process_cpu_seconds() - cpu_start;
-  stats.note = parts == 1 ? "one PUT" : fmt::format("multipart upload: {} parts of up to {}", parts, format_size(part));
+  stats.note = (parts == 1 ? std::string("one PUT") : fmt::format("multipart upload: {} parts of up to {}", parts, format_size(part))) + stats.note;
   return stats;
 }
 
