@@ -988,6 +988,31 @@ PyObject* error_type_for(int err) {
   return g_error_type;
 }
 
+// hbmio.HeaderError: a malformed safetensors header or index. An hbmio.Error and, where
+// safetensors is installed, a safetensors.SafetensorError, which is what the reference raises for
+// one: code written for it (`except SafetensorError`) catches hbmio's too. Made at first use, so
+// that safetensors is imported only when such an error happens.
+PyObject* header_error_type() {
+  static PyObject* type = nullptr;  // lives as long as the process, as the module's types do
+  if (type != nullptr) return type;
+  nb::object bases = nb::make_tuple(nb::handle(g_error_type));
+  if (PyObject* module = PyImport_ImportModule("safetensors")) {
+    if (PyObject* reference = PyObject_GetAttrString(module, "SafetensorError"))
+      bases = nb::make_tuple(nb::handle(g_error_type), nb::steal(reference));
+    Py_DECREF(module);
+  }
+  PyErr_Clear();  // without safetensors: an hbmio.Error alone
+  type = PyErr_NewExceptionWithDoc("hbmio.HeaderError",
+                                   "A malformed safetensors header or index (hbmio.Error; also safetensors.SafetensorError where "
+                                   "safetensors is installed).",
+                                   bases.ptr(), nullptr);
+  if (type == nullptr) {
+    PyErr_Clear();
+    return g_error_type;
+  }
+  return type;
+}
+
 // Raises `type`(args) with hbmio's attributes; a failure of the constructor stays set instead.
 void raise_error(PyObject* type, nb::object args, const hbmio::Error* e) {
   PyObject* instance = PyObject_CallObject(type, args.ptr());
@@ -1021,7 +1046,11 @@ void translate(const std::exception_ptr& p, void*) {
     // read: its own type (errno stays EIO, what the category maps it to).
     const bool verify_failed =
         category == hbmio::hbmio_category() && e.code().value() == static_cast<int>(hbmio::Errc::verify_failed);
-    PyObject* type = verify_failed ? g_verify_error_type : err != 0 ? error_type_for(err) : g_error_type;
+    const bool malformed = e.context().op.starts_with("parse safetensors");
+    PyObject* type = verify_failed ? g_verify_error_type
+                     : malformed   ? header_error_type()
+                     : err != 0    ? error_type_for(err)
+                                   : g_error_type;
     nb::object args = err != 0 ? nb::make_tuple(err, e.what()) : nb::make_tuple(e.what());
     raise_error(type, args, &e);
   } catch (const std::system_error& e) {

@@ -40,3 +40,35 @@ def test_a_missing_file_is_the_references_exception_type(tmp_path):
             our_call()
         assert "notafile" in str(ref.value) and "notafile" in str(ours.value)
         assert "No such file or directory" in str(ours.value)
+
+
+def _file(header: bytes, data: bytes = b"", length=None) -> bytes:
+    return (len(header) if length is None else length).to_bytes(8, "little") + header + data
+
+
+MALFORMED = {
+    "invalid JSON": _file(b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}', b"\0" * 4),
+    "unknown dtype": _file(b'{"a":{"dtype":"F33","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+    "offsets past the data": _file(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', b"\0" * 4),
+    "shape and size disagree": _file(b'{"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}', b"\0" * 8),
+    "overlapping tensors": _file(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+                                 b'"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}', b"\0" * 12),
+    "header length past the file": _file(b'{}', length=10**6),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_files_are_safetensor_errors_as_in_the_reference(tmp_path, case):
+    """A malformed file the reference refuses with SafetensorError: hbmio refuses it with an error
+    that is a SafetensorError too (and an hbmio.Error naming the file)."""
+    import safetensors
+    from safetensors import safe_open
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(MALFORMED[case])
+    with pytest.raises(safetensors.SafetensorError):
+        with safe_open(str(path), "pt") as f:
+            [f.get_tensor(k) for k in f.keys()]
+    for call in (lambda: hbmio.open(path, "pt"), lambda: hbmio.load_file(path), lambda: hbmio.torch.load_file(path)):
+        with pytest.raises(safetensors.SafetensorError) as ours:
+            call()
+        assert isinstance(ours.value, hbmio.Error) and "bad.safetensors" in str(ours.value), str(ours.value)
