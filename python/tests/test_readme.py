@@ -2,7 +2,8 @@
 
 Which blocks run (docs/testing.md says the same):
   ```python      every block, with this test's interpreter; a block whose imports are not installed
-                 is skipped, naming the module.
+                 FAILS, naming the module: the README's install step (`pip install ".[torch]"`)
+                 must install what its examples import, and a skip would hide that it does not.
   ```sh          only a block marked `<!-- test: run -->` on the line before its fence, with bash
                  (-e, -u, pipefail); it needs the `hbmio` command on PATH or beside this
                  interpreter (where `pip install .` puts it), and is skipped otherwise.
@@ -135,12 +136,18 @@ def test_readme_has_examples_to_run():
 
 
 def test_setup_commands_come_first():
+    # The README says what hbmio is and when not to use it, then gives exactly the two set-up
+    # commands, before any other code and before any section.
     first = _snippets()[0]
-    assert first.lang == "sh" and first.line == 3, first
-    assert first.code.splitlines()[:2] == [
+    assert first.lang == "sh", first
+    assert first.code.splitlines() == [
         "bash scripts/quickstart.sh     # install, build, run `hbmio bench` on a generated 1 GiB sample file",
         "bash scripts/test.sh           # install, build (with CUDA, without, under ASan+UBSan, under TSan) and run every test",
     ]
+    before = README.read_text(encoding="utf-8").splitlines()[:first.line - 1]
+    assert before[0] == "# hbmio", before[0]
+    assert not any(line.startswith("## ") for line in before[1:]), "a section comes before the set-up commands"
+    assert any("not" in line.lower() for line in before), "no 'when not to use it' before the set-up commands"
 
 
 @pytest.mark.parametrize("snippet", SNIPPETS, ids=[s.id for s in SNIPPETS])
@@ -154,7 +161,10 @@ def test_readme_snippet(snippet: Snippet, tmp_path: Path):
     if snippet.lang == "python":
         missing = _missing_imports(snippet.code)
         if missing:
-            pytest.skip(f"README.md:{snippet.line}: needs {', '.join(missing)}, which is not installed")
+            pytest.fail(f"README.md:{snippet.line}: the block imports {', '.join(missing)}, which is not installed "
+                        f"in {sys.executable}; the README's install step (pip install \".[torch]\") should have "
+                        "installed it: add it to that step (or to pyproject.toml's extra), or drop the import",
+                        pytrace=False)
         _sample_checkpoint(tmp_path)
         script = tmp_path / "readme_snippet.py"
         script.write_text(snippet.code, encoding="utf-8")
