@@ -84,12 +84,14 @@ def test_other_errno_values_are_their_oserror_subclasses(tmp_path):
         with pytest.raises(PermissionError) as info:
             hbmio.load_file(locked)
         assert isinstance(info.value, hbmio.Error) and info.value.filename == str(locked)
-    # Errors without an errno subclass stay plain hbmio.Error.
+    # A malformed header: hbmio.HeaderError (an hbmio.Error with EINVAL and, as the reference
+    # raises, a safetensors.SafetensorError), not an OSError subclass of its errno.
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\xff" * 64)
     with pytest.raises(hbmio.Error) as info:
         hbmio.load_file(garbage)
-    assert type(info.value) is hbmio.Error and info.value.errno == errno.EINVAL
+    assert type(info.value).__name__ == "HeaderError" and info.value.errno == errno.EINVAL
+    assert isinstance(info.value, safetensors.SafetensorError) and not isinstance(info.value, ValueError)
 
 
 # --- 2. hbmio.torch: load/save of bytes, save_model/load_model --------------------------------
