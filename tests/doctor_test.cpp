@@ -410,6 +410,114 @@ TEST(DoctorConstructed, MalformedTreeGivesWarningsNotCrashes) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// GDS modes: P2PDMA beside nvidia-fs and compatibility mode
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+const Check& check_in(const std::vector<Check>& checks, const std::string& id) {
+  static const Check none{};
+  const Check* c = find_check(checks, id);
+  EXPECT_NE(c, nullptr) << id;
+  return c ? *c : none;
+}
+
+// The constructed server without nvidia-fs, its NVMe bound to the kernel's nvme driver.
+void build_p2pdma_server(const Tree& t) {
+  build_gds_server(t);
+  fs::remove_all(t.path() / "proc/driver/nvidia-fs");
+  fs::remove_all(t.path() / "sys/module/nvidia_fs");
+  t.mkdir("sys/bus/pci/drivers/nvme");
+  t.link("sys/devices/" + kNvmePath + "/driver", "../../../../../../bus/pci/drivers/nvme");
+  t.write("sys/module/nvme_core/parameters/multipath", "N\n");
+  t.write("proc/driver/nvidia/params", "ResmanDebugLevel: 4294967295\nRegistryDwords: \"RMForceStaticBar1=1;RmForceDisableIomapWC=1;\"\n");
+  t.write("etc/cufile.json", "{ \"properties\": { \"use_pci_p2pdma\": true, \"allow_compat_mode\": true } }\n");
+}
+
+}  // namespace
+
+TEST(DoctorModes, P2pdmaCapableKernelSelectedInCufileJson) {
+  Tree tree;
+  build_p2pdma_server(tree);
+  const auto checks = hbmio::run_doctor({.root = tree.path().string()});
+  SCOPED_TRACE(dump(checks));
+  const Check& c = check_in(checks, "gds.p2pdma_mode");
+  EXPECT_EQ(c.status, CheckStatus::pass) << c.found;
+  for (const char* part : {"P2PDMA mode on", "kernel P2PDMA yes (p2pdma_pgmap_ops in /proc/kallsyms)", "GPU module yes (open 580.95.05)",
+                           "NVMe yes (nvme0 bound to nvme, nvme1 bound to no driver, nvme_core multipath N)",
+                           "driver registry yes", "use_pci_p2pdma true"})
+    EXPECT_NE(c.found.find(part), std::string::npos) << part << " in " << c.found;
+
+  // The kernel configuration is read too: /boot/config-<release> says y, kallsyms hidden.
+  fs::remove(tree.path() / "proc/kallsyms");
+  tree.write("proc/sys/kernel/osrelease", "6.8.0-test\n");
+  tree.write("boot/config-6.8.0-test", "CONFIG_PCI=y\nCONFIG_PCI_P2PDMA=y\n");
+  const auto from_config = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_EQ(check_in(from_config, "gds.p2pdma_mode").status, CheckStatus::pass);
+  EXPECT_NE(check_in(from_config, "gds.p2pdma_mode").found.find("CONFIG_PCI_P2PDMA=y in /boot/config-6.8.0-test"), std::string::npos);
+
+  // ... and /proc/config.gz where no /boot config is.
+  fs::remove(tree.path() / "boot/config-6.8.0-test");
+  const std::string gz = (tree.path() / "proc/config.gz").string();
+  ASSERT_EQ(std::system(fmt::format("printf 'CONFIG_PCI_P2PDMA=y\\n' | gzip -c > '{}'", gz).c_str()), 0);
+  const auto from_gz = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_NE(check_in(from_gz, "gds.p2pdma_mode").found.find("CONFIG_PCI_P2PDMA=y in /proc/config.gz"), std::string::npos)
+      << check_in(from_gz, "gds.p2pdma_mode").found;
+}
+
+TEST(DoctorModes, P2pdmaIncapableKernelSaysWhatIsMissing) {
+  Tree tree;
+  build_p2pdma_server(tree);
+  tree.write("proc/kallsyms", "ffffffff81000000 T _text\n");
+  tree.write("proc/sys/kernel/osrelease", "5.15.0-test\n");
+  tree.write("boot/config-5.15.0-test", "CONFIG_PCI=y\n# CONFIG_PCI_P2PDMA is not set\n");
+  tree.write("proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.14  Thu Feb 22 01:44:30 UTC 2024\n");
+  tree.write("sys/module/nvme_core/parameters/multipath", "Y\n");
+  tree.write("proc/driver/nvidia/params", "RegistryDwords: \"\"\n");
+  const auto checks = hbmio::run_doctor({.root = tree.path().string()});
+  SCOPED_TRACE(dump(checks));
+  const Check& c = check_in(checks, "gds.p2pdma_mode");
+  EXPECT_EQ(c.status, CheckStatus::warn);
+  EXPECT_NE(c.found.find("selected but unavailable (compatibility mode instead)"), std::string::npos) << c.found;
+  EXPECT_NE(c.found.find("kernel P2PDMA no (CONFIG_PCI_P2PDMA=n in /boot/config-5.15.0-test)"), std::string::npos) << c.found;
+  EXPECT_NE(c.found.find("GPU module no (proprietary 550.54.14)"), std::string::npos) << c.found;
+  EXPECT_NE(c.found.find("driver registry no (RegistryDwords empty)"), std::string::npos) << c.found;
+  for (const char* fix : {"CONFIG_PCI_P2PDMA=y", "open GPU kernel modules, 565 or later", "nvme_core.multipath=N", "RMForceStaticBar1=1"})
+    EXPECT_NE(c.fix.find(fix), std::string::npos) << fix << " in " << c.fix;
+  EXPECT_EQ(c.fix.find("use_pci_p2pdma"), std::string::npos) << "already selected: " << c.fix;
+
+  // Selected, unavailable, no nvidia-fs and compatibility mode forbidden: no mode is left.
+  tree.write("etc/cufile.json", "{ \"properties\": { \"use_pci_p2pdma\": true, \"allow_compat_mode\": false } }\n");
+  const auto stuck = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_EQ(check_in(stuck, "gds.p2pdma_mode").status, CheckStatus::fail) << check_in(stuck, "gds.p2pdma_mode").found;
+  EXPECT_TRUE(hbmio::any_failed(stuck));
+
+  // With nvidia-fs loaded the same machine is served by nvidia-fs: a warning, not a failure.
+  tree.write("proc/driver/nvidia-fs/version", "version: 2.26\n");
+  const auto with_nvfs = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_EQ(check_in(with_nvfs, "gds.p2pdma_mode").status, CheckStatus::warn);
+  EXPECT_NE(check_in(with_nvfs, "gds.p2pdma_mode").found.find("(nvidia-fs instead)"), std::string::npos);
+}
+
+TEST(DoctorModes, P2pdmaOnTheCapturedMachines) {
+  std::string why;
+  const fs::path h200 = unpack_archive(fs::path(HBMIO_TEST_DATA) / "doctor" / "gpu-h200.tar.xz", "local-gpu-h200", why);
+  ASSERT_FALSE(h200.empty()) << why;
+  const auto checks = hbmio::run_doctor({.root = h200.string()});
+  const Check& c = check_in(checks, "gds.p2pdma_mode");
+  // The lent GPU machine: open 580 modules, but no P2PDMA kernel and no NVMe.
+  EXPECT_EQ(c.status, CheckStatus::warn);
+  EXPECT_NE(c.found.find("GPU module yes (open 580.159.04)"), std::string::npos) << c.found;
+  EXPECT_NE(c.found.find("NVMe no (no local NVMe controller)"), std::string::npos) << c.found;
+  EXPECT_NE(c.found.find("use_pci_p2pdma false"), std::string::npos) << c.found;
+
+  const fs::path dev = unpack_archive(fs::path(HBMIO_TEST_DATA) / "doctor" / "dev-vm.tar.xz", "local-dev-vm", why);
+  ASSERT_FALSE(dev.empty()) << why;
+  const auto dev_checks = hbmio::run_doctor({.root = dev.string()});
+  EXPECT_EQ(check_in(dev_checks, "gds.p2pdma_mode").status, CheckStatus::info);  // no GPU
+}
+
+// ---------------------------------------------------------------------------------------------
 // Pieces
 // ---------------------------------------------------------------------------------------------
 

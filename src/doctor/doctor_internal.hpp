@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "doctor/pci.hpp"
 #include "platform/sysfs.hpp"
 #include "hbmio/doctor.hpp"
@@ -106,6 +108,38 @@ void check_topology(const Root& root, const Inventory& inventory, std::vector<Ch
 // gds.cpp
 // cufile.json allows // comments, which JSON does not: removes them (outside strings).
 std::string strip_json_comments(const std::string& text);
+
+// The cufile.json libcufile reads: CUFILE_ENV_PATH_JSON (live machine only), else /etc/cufile.json.
+struct CufileConfig {
+  std::string shown;                       // the path as cuFile would name it
+  bool from_env = false;                   // named by CUFILE_ENV_PATH_JSON
+  std::optional<std::string> text;         // nothing: not there or unreadable
+  std::optional<nlohmann::json> json;      // nothing: no text, or not valid JSON (parse_error says why)
+  std::string parse_error;
+  // The value at "properties.use_pci_p2pdma"; nothing when absent.
+  const nlohmann::json* find(std::string_view dotted) const;
+  // A boolean setting; nothing when absent or not a boolean.
+  std::optional<bool> flag(std::string_view dotted) const;
+};
+CufileConfig load_cufile_config(const Root& root);
+
+// PCI P2PDMA, the GDS mode without nvidia-fs (CUDA 12.8+): each requirement, nothing when unknown.
+struct P2pdmaFacts {
+  std::optional<bool> kernel;       // CONFIG_PCI_P2PDMA
+  std::string kernel_evidence;
+  std::optional<bool> open_module;  // the open GPU kernel modules, >= 565
+  std::string module_evidence;
+  std::optional<bool> registry;     // RegistryDwords RMForceStaticBar1=1;RmForceDisableIomapWC=1 (x86)
+  std::string registry_evidence;
+  std::optional<bool> nvme;         // a local NVMe controller bound to the kernel's nvme driver, nvme_core multipath off
+  std::string nvme_evidence;
+  bool requested = false;           // cufile.json: properties.use_pci_p2pdma true
+  bool forced_compat = false;       // cufile.json: properties.force_compat_mode true
+  // Every requirement but the request is met (or unknown only for the registry).
+  bool capable() const { return kernel == true && open_module == true && nvme == true && registry != false; }
+  bool ready() const { return capable() && requested && !forced_compat; }
+};
+P2pdmaFacts find_p2pdma_facts(const Root& root, const Inventory& inventory, const CufileConfig& cufile);
 void check_gds(const Root& root, const Inventory& inventory, const std::vector<PathFacts>& paths, std::vector<Check>& out);
 
 // doctor.cpp

@@ -1,8 +1,12 @@
 // GDS: libcufile, cufile.json, nvidia-fs, PCI P2PDMA, udev, and cuFile's verdict on each PATH.
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
+#include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "doctor/doctor_internal.hpp"
@@ -50,19 +54,54 @@ bool kernel_has_symbol(const Root& root, std::string_view symbol, bool& readable
   return false;
 }
 
-void check_cufile_json(const Root& root, const Inventory& inventory, std::vector<Check>& out) {
+}  // namespace
+
+CufileConfig load_cufile_config(const Root& root) {
+  CufileConfig config;
   // CUFILE_ENV_PATH_JSON is this process's environment: it names a file on the live machine only.
   const char* env = root.is_live() ? std::getenv("CUFILE_ENV_PATH_JSON") : nullptr;
-  const std::string shown = env && *env ? std::string(env) : "/etc/cufile.json";
-  std::optional<std::string> text;
-  if (env && *env) {
+  config.from_env = env && *env;
+  config.shown = config.from_env ? std::string(env) : "/etc/cufile.json";
+  if (config.from_env) {
     std::ifstream in(env, std::ios::binary);
-    if (in) text = std::string(std::istreambuf_iterator<char>(in), {});
+    if (in) config.text = std::string(std::istreambuf_iterator<char>(in), {});
   } else {
-    text = root.read_file("etc/cufile.json");
+    config.text = root.read_file("etc/cufile.json");
   }
-  if (!text) {
-    if (env && *env)
+  if (!config.text) return config;
+  try {
+    config.json = nlohmann::json::parse(strip_json_comments(*config.text));
+  } catch (const nlohmann::json::exception& e) {
+    config.parse_error = e.what();
+  }
+  return config;
+}
+
+const nlohmann::json* CufileConfig::find(std::string_view dotted) const {
+  if (!json) return nullptr;
+  const nlohmann::json* node = &*json;
+  while (!dotted.empty()) {
+    const auto dot = dotted.find('.');
+    const std::string key(dotted.substr(0, dot));
+    if (!node->is_object() || !node->contains(key)) return nullptr;
+    node = &(*node)[key];
+    dotted = dot == std::string_view::npos ? std::string_view() : dotted.substr(dot + 1);
+  }
+  return node;
+}
+
+std::optional<bool> CufileConfig::flag(std::string_view dotted) const {
+  const auto* value = find(dotted);
+  if (!value || !value->is_boolean()) return std::nullopt;
+  return value->get<bool>();
+}
+
+namespace {
+
+void check_cufile_json(const Root& root, const Inventory& inventory, const CufileConfig& cufile, std::vector<Check>& out) {
+  const std::string& shown = cufile.shown;
+  if (!cufile.text) {
+    if (cufile.from_env)
       out.push_back(make_check("gds.cufile_json", kGroupGds, CheckStatus::warn, "CUFILE_ENV_PATH_JSON=" + shown + " cannot be read",
                                "a readable cufile.json", "fix or unset CUFILE_ENV_PATH_JSON"));
     else
@@ -70,14 +109,13 @@ void check_cufile_json(const Root& root, const Inventory& inventory, std::vector
                                "", "install one (it ships with nvidia-gds) to set allow_compat_mode, use_pci_p2pdma, rdma_dev_addr_list"));
     return;
   }
-  nlohmann::json config;
-  try {
-    config = nlohmann::json::parse(strip_json_comments(*text));
-  } catch (const nlohmann::json::exception& e) {
-    out.push_back(make_check("gds.cufile_json", kGroupGds, CheckStatus::fail, fmt::format("{} is not valid JSON: {}", shown, e.what()),
+  if (!cufile.json) {
+    out.push_back(make_check("gds.cufile_json", kGroupGds, CheckStatus::fail, fmt::format("{} is not valid JSON: {}", shown, cufile.parse_error),
                              "valid JSON (// comments allowed)", "correct " + shown + " at the position named"));
     return;
   }
+  const nlohmann::json& config = *cufile.json;
+  (void)root;
   const nlohmann::json properties = config.is_object() && config.contains("properties") && config["properties"].is_object()
                                         ? config["properties"]
                                         : nlohmann::json::object();
@@ -102,6 +140,197 @@ void check_cufile_json(const Root& root, const Inventory& inventory, std::vector
 
 }  // namespace
 
+namespace {
+
+// The running kernel's build configuration: /boot/config-<release>, else /proc/config.gz (through
+// gzip, where readable). Nothing when neither is there; `where` names the one read.
+std::optional<std::string> kernel_config(const Root& root, std::string& where) {
+  const std::string release = root.read_attribute("proc/sys/kernel/osrelease").value_or("");
+  if (!release.empty()) {
+    if (auto text = root.read_file("boot/config-" + release, 16 << 20)) {
+      where = "/boot/config-" + release;
+      return text;
+    }
+  } else {
+    // A tree without the release: the one /boot/config-* it holds, if only one.
+    std::vector<std::string> configs;
+    for (const auto& name : root.list("boot"))
+      if (name.starts_with("config-")) configs.push_back(name);
+    if (configs.size() == 1)
+      if (auto text = root.read_file("boot/" + configs.front(), 16 << 20)) {
+        where = "/boot/" + configs.front();
+        return text;
+      }
+  }
+  const auto gz = root.path("proc/config.gz");
+  if (!root.exists("proc/config.gz")) return std::nullopt;
+  std::string quoted = "'";
+  for (const char c : gz.string()) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  quoted += "'";
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(::popen(("gzip -dc -- " + quoted + " 2>/dev/null").c_str(), "r"), ::pclose);
+  if (!pipe) return std::nullopt;
+  std::string text;
+  char buffer[65536];
+  for (std::size_t n; (n = std::fread(buffer, 1, sizeof buffer, pipe.get())) > 0 && text.size() < (64u << 20);) text.append(buffer, n);
+  if (text.empty()) return std::nullopt;
+  where = "/proc/config.gz";
+  return text;
+}
+
+// "y", "m", "n" (a "# CONFIG_X is not set" line) or nothing (not mentioned) for one option.
+std::optional<std::string> config_option(const std::string& config, std::string_view option) {
+  std::istringstream in(config);
+  for (std::string line; std::getline(in, line);) {
+    if (line.starts_with(option) && line.size() > option.size() && line[option.size()] == '=') return attribute_value(line.substr(option.size() + 1));
+    if (line == "# " + std::string(option) + " is not set") return "n";
+  }
+  return std::nullopt;
+}
+
+// "580.95.05" from "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build ...".
+std::string driver_version_in(const std::string& text) {
+  std::istringstream in(text);
+  for (std::string word; in >> word;) {
+    const auto dot = word.find('.');
+    if (dot >= 3 && dot != std::string::npos && word.find_first_not_of("0123456789.") == std::string::npos) return word;
+  }
+  return {};
+}
+
+}  // namespace
+
+P2pdmaFacts find_p2pdma_facts(const Root& root, const Inventory& inventory, const CufileConfig& cufile) {
+  P2pdmaFacts facts;
+  // The kernel: its build configuration where readable, else the symbols P2PDMA brings.
+  std::string config_where;
+  const auto config = kernel_config(root, config_where);
+  const auto option = config ? config_option(*config, "CONFIG_PCI_P2PDMA") : std::nullopt;
+  bool kallsyms_readable = false;
+  const char* symbol = nullptr;
+  for (const char* name : {"p2pdma_pgmap_ops", "pci_p2pdma_add_resource"})
+    if (!symbol && kernel_has_symbol(root, name, kallsyms_readable)) symbol = name;
+  if (option == "y") {
+    facts.kernel = true;
+    facts.kernel_evidence = "CONFIG_PCI_P2PDMA=y in " + config_where;
+  } else if (symbol) {
+    facts.kernel = true;
+    facts.kernel_evidence = std::string(symbol) + " in /proc/kallsyms";
+  } else if (option) {
+    facts.kernel = false;
+    facts.kernel_evidence = fmt::format("CONFIG_PCI_P2PDMA={} in {}", *option, config_where);
+  } else if (kallsyms_readable) {
+    facts.kernel = false;
+    facts.kernel_evidence = "no p2pdma_pgmap_ops in /proc/kallsyms";
+  } else {
+    facts.kernel_evidence = "unknown (no kernel config, /proc/kallsyms not readable)";
+  }
+
+  // The GPU kernel module: P2PDMA needs the open modules, 565 or later.
+  const auto version_text = root.read_file("proc/driver/nvidia/version");
+  const std::string module_version =
+      version_text ? driver_version_in(*version_text) : root.read_attribute("sys/module/nvidia/version").value_or("");
+  const int major = module_version.empty() ? 0 : std::atoi(module_version.c_str());
+  if (version_text) {
+    const bool open = version_text->find("Open Kernel Module") != std::string::npos;
+    facts.open_module = open && major >= 565;
+    facts.module_evidence = fmt::format("{} {}", open ? "open" : "proprietary", module_version.empty() ? "(version unknown)" : module_version);
+  } else if (!module_version.empty()) {
+    facts.module_evidence = "nvidia " + module_version + " (open or proprietary unknown: no /proc/driver/nvidia/version)";
+    if (major < 565) facts.open_module = false;
+  } else {
+    facts.module_evidence = "not loaded (no /proc/driver/nvidia/version)";
+    facts.open_module = false;
+  }
+
+  // The driver's registry: NVIDIA's gds-diag requires these two on x86 for P2PDMA.
+  if (const auto params = root.read_file("proc/driver/nvidia/params")) {
+    std::istringstream in(*params);
+    std::string registry;
+    for (std::string line; std::getline(in, line);)
+      if (line.starts_with("RegistryDwords:")) registry = attribute_value(line.substr(15));
+    const bool bar1 = registry.find("RMForceStaticBar1=1") != std::string::npos;
+    const bool iomap = registry.find("RmForceDisableIomapWC=1") != std::string::npos;
+    facts.registry = bar1 && iomap;
+    facts.registry_evidence = registry.empty() || registry == "\"\"" ? "RegistryDwords empty" : "RegistryDwords " + registry;
+  } else {
+    facts.registry_evidence = "RegistryDwords unknown (no /proc/driver/nvidia/params)";
+  }
+
+  // The NVMe side: a local controller bound to the kernel's nvme driver, native multipath off.
+  std::vector<std::string> bound, other;
+  for (const auto& c : inventory.nvme) {
+    if (c.fabrics() || !c.pci) continue;
+    if (c.pci->driver == "nvme") bound.push_back(c.name);
+    else other.push_back(fmt::format("{} bound to {}", c.name, c.pci->driver.empty() ? "no driver" : c.pci->driver));
+  }
+  const auto multipath = root.read_attribute("sys/module/nvme_core/parameters/multipath");
+  const bool multipath_on = multipath && (*multipath == "Y" || *multipath == "1");
+  std::string nvme = bound.empty() ? (other.empty() ? "no local NVMe controller" : "") : fmt::format("{} bound to nvme", fmt::join(bound, ", "));
+  for (const auto& o : other) nvme += (nvme.empty() ? "" : ", ") + o;
+  if (multipath) nvme += ", nvme_core multipath " + *multipath;
+  facts.nvme = !bound.empty() && !multipath_on;
+  facts.nvme_evidence = nvme;
+
+  facts.requested = cufile.flag("properties.use_pci_p2pdma") == true;
+  facts.forced_compat = cufile.flag("properties.force_compat_mode") == true;
+  return facts;
+}
+
+namespace {
+
+void check_p2pdma_mode(const Root& root, const Inventory& inventory, const CufileConfig& cufile, const P2pdmaFacts& p,
+                       bool nvidia_fs, std::vector<Check>& out) {
+  (void)root;
+  const auto yes_no = [](const std::optional<bool>& v) { return !v ? "unknown" : *v ? "yes" : "no"; };
+  std::string found = fmt::format("kernel P2PDMA {} ({}); GPU module {} ({}); NVMe {} ({}); driver registry {} ({}); {}: use_pci_p2pdma {}",
+                                  yes_no(p.kernel), p.kernel_evidence, yes_no(p.open_module), p.module_evidence, yes_no(p.nvme),
+                                  p.nvme_evidence, yes_no(p.registry), p.registry_evidence, cufile.shown,
+                                  p.requested ? "true" : "false (or unset)");
+  if (p.forced_compat) found += ", force_compat_mode true";
+  std::vector<std::string> fixes;
+  if (p.kernel != true) fixes.push_back("boot a kernel built with CONFIG_PCI_P2PDMA=y (most distribution kernels from 6.2 on)");
+  if (p.open_module != true) fixes.push_back("install the open GPU kernel modules, 565 or later (nvidia-open)");
+  if (p.nvme != true)
+    fixes.push_back(p.nvme_evidence.find("multipath Y") != std::string::npos
+                        ? "boot with nvme_core.multipath=N (P2PDMA mode does not serve native NVMe multipath)"
+                        : "P2PDMA mode reads local PCIe NVMe bound to the kernel's nvme driver (not NVMe-oF, not vfio/SPDK)");
+  if (p.registry == false)
+    fixes.push_back("options nvidia NVreg_RegistryDwords=\"RMForceStaticBar1=1;RmForceDisableIomapWC=1;\" in /etc/modprobe.d, then reboot");
+  if (!p.requested) fixes.push_back("set \"use_pci_p2pdma\": true in the properties of " + cufile.shown);
+  if (p.forced_compat) fixes.push_back("set force_compat_mode to false in " + cufile.shown);
+  std::string fix;
+  for (const auto& f : fixes) fix += (fix.empty() ? "" : "; ") + f;
+  const std::string expected = "kernel with CONFIG_PCI_P2PDMA, open GPU kernel modules >= 565, local NVMe on the nvme driver "
+                               "(nvme_core multipath=N), properties.use_pci_p2pdma true";
+  const bool have_gpu = !inventory.gpus.empty();
+  const bool compat_allowed = cufile.flag("properties.allow_compat_mode") != false;
+  if (p.ready()) {
+    out.push_back(make_check("gds.p2pdma_mode", kGroupGds, CheckStatus::pass, "P2PDMA mode on: " + found));
+  } else if (!have_gpu) {
+    out.push_back(make_check("gds.p2pdma_mode", kGroupGds, CheckStatus::info, "P2PDMA mode off (no NVIDIA GPU): " + found));
+  } else if (p.requested && !nvidia_fs && !compat_allowed) {
+    // Asked for P2PDMA, cannot have it, no nvidia-fs and compatibility mode forbidden: cuFile has no mode left.
+    out.push_back(make_check("gds.p2pdma_mode", kGroupGds, CheckStatus::fail,
+                             "P2PDMA mode selected but unavailable, nvidia-fs absent and allow_compat_mode false: cuFile cannot read files here: " + found,
+                             expected, fix));
+  } else if (p.requested) {
+    out.push_back(make_check("gds.p2pdma_mode", kGroupGds, CheckStatus::warn,
+                             fmt::format("P2PDMA mode selected but unavailable ({} instead): {}", nvidia_fs ? "nvidia-fs" : "compatibility mode", found),
+                             expected, fix));
+  } else if (nvidia_fs) {
+    out.push_back(make_check("gds.p2pdma_mode", kGroupGds, CheckStatus::info,
+                             fmt::format("P2PDMA mode off ({}; nvidia-fs serves GDS): {}", p.capable() ? "this machine could use it" : "not needed", found),
+                             "", p.capable() ? fix : ""));
+  } else {
+    out.push_back(make_check("gds.p2pdma_mode", kGroupGds, CheckStatus::warn,
+                             fmt::format("P2PDMA mode off ({}), and no nvidia-fs: cuFile runs in compatibility mode: {}",
+                                         p.capable() ? "only cufile.json keeps it off" : "requirements missing", found),
+                             expected, fix));
+  }
+}
+
+}  // namespace
+
 void check_gds(const Root& root, const Inventory& inventory, const std::vector<PathFacts>& paths, std::vector<Check>& out) {
   const bool have_gpu = !inventory.gpus.empty();
   if (root.is_live()) {
@@ -117,7 +346,8 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
     out.push_back(make_check("gds.libcufile", kGroupGds, CheckStatus::info, kSkippedForRoot));
   }
 
-  check_cufile_json(root, inventory, out);
+  const CufileConfig cufile = load_cufile_config(root);
+  check_cufile_json(root, inventory, cufile, out);
 
   const auto nvidia_fs = root.read_file("proc/driver/nvidia-fs/version");
   if (nvidia_fs) {
@@ -144,6 +374,9 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
                              "kernel without PCI P2PDMA (no p2pdma_pgmap_ops in /proc/kallsyms)", "CONFIG_PCI_P2PDMA=y",
                              "cuFile's P2PDMA mode (no nvidia-fs) needs a kernel built with CONFIG_PCI_P2PDMA"));
   }
+
+  const P2pdmaFacts p2pdma_facts = find_p2pdma_facts(root, inventory, cufile);
+  check_p2pdma_mode(root, inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
 
   if (!root.is_live() && !root.exists("run")) {
     out.push_back(make_check("gds.udev", kGroupGds, CheckStatus::info, "no /run in this tree: udev unknown"));
