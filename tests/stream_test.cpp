@@ -637,3 +637,104 @@ TEST(GpuStream, BatchesLandOnTheDeviceIntact) {
   }
   EXPECT_EQ(memory_counters().device_buffers, before.device_buffers);
 }
+
+namespace {
+
+// Batches (ids each) of a stream until its end.
+std::vector<std::vector<std::uint64_t>> batches_of(BatchStream& stream) {
+  std::vector<std::vector<std::uint64_t>> out;
+  while (auto batch = stream.next()) out.push_back(ids_of(*batch));
+  return out;
+}
+
+}  // namespace
+
+TEST(Stream, ResumesExactlyOnTheSameOrAnotherNumberOfRanks) {
+  TempDir dir;
+  const auto files = raw_shards(dir, {37, 0, 101, 5, 64});  // 207 records
+  const auto options = [](unsigned rank, unsigned world, bool drop_last) {
+    StreamOptions o = raw_options(16);
+    o.rank = rank, o.world = world, o.shuffle = true, o.seed = 3, o.shuffle_window = 50, o.drop_last = drop_last;
+    return o;
+  };
+  for (const bool drop_last : {false, true})
+    for (const unsigned before : {1u, 3u})
+      for (const std::uint64_t k : {0u, 2u, 4u}) {
+        SCOPED_TRACE(fmt::format("drop_last {}, {} ranks, resumed after {} batches", drop_last, before, k));
+        std::vector<std::vector<std::vector<std::uint64_t>>> full;
+        std::optional<StreamPosition> saved;
+        std::set<std::uint64_t> given, all;
+        for (unsigned r = 0; r < before; ++r) {
+          BatchStream stream(files, options(r, before, drop_last));
+          full.push_back(batches_of(stream));
+          for (std::size_t b = 0; b < full.back().size(); ++b)
+            for (std::uint64_t id : full.back()[b]) {
+              all.insert(id);
+              if (b < k) given.insert(id);
+            }
+          BatchStream again(files, options(r, before, drop_last));
+          for (std::uint64_t b = 0; b < k; ++b) ASSERT_TRUE(again.next());
+          const StreamPosition p = again.position();
+          EXPECT_EQ(p.batches, std::vector<std::uint64_t>{k});
+          if (saved) EXPECT_EQ(p.fingerprint, saved->fingerprint);
+          saved = p;  // every rank's is the same: the last one stands for all
+        }
+        // The same ranks: each goes on with exactly its own batches, their indices continuing.
+        for (unsigned r = 0; r < before; ++r) {
+          StreamOptions o = options(r, before, drop_last);
+          o.resume = saved;
+          BatchStream stream(files, o);
+          if (auto first = stream.next()) EXPECT_EQ(first->index, k);
+          BatchStream again(files, o);
+          const auto rest = batches_of(again);
+          EXPECT_EQ(rest, std::vector<std::vector<std::uint64_t>>(full[r].begin() + static_cast<std::ptrdiff_t>(k), full[r].end()));
+        }
+        // Two ranks: what no rank delivered, each record once.
+        std::set<std::uint64_t> got = given;
+        std::size_t count = given.size();
+        for (unsigned r = 0; r < 2; ++r) {
+          StreamOptions o = options(r, 2, drop_last);
+          o.resume = saved;
+          BatchStream stream(files, o);
+          for (const auto& batch : batches_of(stream)) {
+            got.insert(batch.begin(), batch.end());
+            count += batch.size();
+          }
+        }
+        EXPECT_EQ(count, got.size()) << "a record delivered twice";
+        if (!drop_last) EXPECT_EQ(got.size(), 207u);
+        else EXPECT_TRUE(std::includes(all.begin(), all.end(), got.begin(), got.end()));
+      }
+}
+
+TEST(Stream, AResumeFromOtherShardsOrOptionsIsRefused) {
+  TempDir dir;
+  const auto files = raw_shards(dir, {37, 101});
+  StreamOptions o = raw_options(16);
+  o.seed = 1;
+  BatchStream stream(files, o);
+  ASSERT_TRUE(stream.next());
+  const StreamPosition p = stream.position();
+  StreamOptions other = o;
+  other.seed = 2;
+  other.resume = p;
+  EXPECT_THROW(
+      {
+        try {
+          BatchStream s(files, other);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("seed 1; this stream's is 2"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+  StreamOptions same = o;
+  same.resume = p;
+  BatchStream s({files.front()}, same);
+  try {
+    s.next();
+    ADD_FAILURE() << "resumed over other shards";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("other shards"), std::string::npos) << e.what();
+  }
+}

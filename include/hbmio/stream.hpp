@@ -15,6 +15,12 @@
 //   hbmio::BatchStream stream(files, {.device = MemoryLocation::parse("cuda:0"), .batch_records = 4096});
 //   while (auto batch = stream.next()) train_step(batch->fields[0]);   // valid until the next call
 //
+// A stream resumes exactly: position() after any batch says where this rank is (the epoch, the part
+// of the epoch's record order being divided, among how many ranks, and how many batches this rank
+// delivered of its part); a stream opened with it as `resume` delivers exactly the records not
+// delivered yet, in the same order on every rank when the world is the same, and, with another
+// world, divides the records no rank delivered among the new ranks (each read once, none repeated).
+//
 // Errors (a missing file, a shard that is not a whole number of records, a shard whose dtype or
 // record shape differs from the first one's, a read failure) are hbmio::Error naming the file and
 // byte, thrown by the next() that asks for the batch they stop; batches before it are delivered.
@@ -27,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hbmio/engine.hpp"
@@ -37,6 +44,25 @@
 namespace hbmio {
 
 enum class ShardFormat { automatic, npy, safetensors, raw };  // automatic: .npy, .safetensors, else raw
+
+// Where a stream is in its epochs: small (no record lists), the same on every rank that delivered as
+// many batches (what ranks in lockstep save), and checked against the stream it resumes.
+struct StreamPosition {
+  std::uint64_t epoch = 0;  // the epoch in progress
+  // The part of the epoch's record order divided among ranks: intervals [first, end) of positions
+  // in it, in order. Empty: the whole epoch (a resumed epoch with another world divides what is left).
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> pool;
+  unsigned world = 1;  // ranks the pool is divided among (by the rules of StreamOptions::drop_last)
+  // Batches delivered (returned by next()) from each rank's part of the pool: one per rank of
+  // `world`, or one for all of them (ranks in lockstep: a rank with fewer batches delivered all).
+  std::vector<std::uint64_t> batches{0};
+  // What the position belongs to, checked on resume (an error naming the mismatch). fingerprint
+  // and fields are checked when not empty, batch_records when not 0; the rest always.
+  std::string fingerprint;  // BatchStream::fingerprint(): the shards' names, sizes and headers
+  std::string fields;       // BatchStream::fields_text(): every field's name, dtype and record shape
+  std::uint64_t batch_records = 0, seed = 0, shuffle_window = 0;
+  bool shuffle = false, drop_last = false;
+};
 
 struct StreamOptions {
   ShardFormat format = ShardFormat::automatic;
@@ -58,6 +84,10 @@ struct StreamOptions {
   // order (0: 16 batches). A window is one permutation; memory: 8 bytes per record of it.
   std::uint64_t shuffle_window = 0;
   unsigned rank = 0, world = 1;
+
+  // Continue from this position (BatchStream::position() of this stream or of any rank of one over
+  // the same shards with the same options; another world divides what is left of its epoch).
+  std::optional<StreamPosition> resume;
 
   std::string backend = "auto";
   Engine* engine = nullptr;  // the caller's engine (kept for the stream's life); else one is leased
@@ -111,6 +141,12 @@ class BatchStream {
   // Records this rank gets per epoch (waits for the headers).
   std::uint64_t records_per_epoch();
   std::uint64_t batch_records();  // records of a full batch (waits for the headers)
+
+  // Where this rank is: after the batches next() returned (the one the caller holds included).
+  // Waits for the headers.
+  StreamPosition position();
+  std::string fingerprint();  // of the shards' names, sizes and headers (waits for them)
+  std::string fields_text();  // "name:F32[5];..." (waits for the headers)
 
   StreamStats stats() const;                    // the whole stream so far
   std::vector<StreamStats> epoch_stats() const;  // one per completed epoch

@@ -120,6 +120,64 @@ struct Run {
   std::uint64_t first = 0, count = 0, at = 0;
 };
 
+using Interval = std::pair<std::uint64_t, std::uint64_t>;  // [first, end) of positions in an epoch's order
+
+// A rank's part of `total` records divided among `world` ranks: contiguous, in rank order; without
+// drop_last the shares differ by one record at most (the first ranks one more), with it every rank
+// gets the same whole batches (what DDP needs: as many steps on every rank) and the rest is dropped.
+struct Part {
+  std::uint64_t first = 0, records = 0, batches = 0;
+};
+
+Part part_of(std::uint64_t total, unsigned world, unsigned rank, std::uint64_t batch, bool drop_last) {
+  const std::uint64_t base = total / world;
+  const std::uint64_t extra = total % world;
+  const std::uint64_t share = drop_last ? base : base + (rank < extra ? 1 : 0);
+  const std::uint64_t batches = drop_last ? share / batch : share / batch + (share % batch != 0);  // no share + batch - 1: it wraps
+  return {.first = drop_last ? rank * base : rank * base + std::min<std::uint64_t>(rank, extra),
+          .records = drop_last ? batches * batch : share,
+          .batches = batches};
+}
+
+// What an epoch divides among ranks: the whole of its order, or (an epoch resumed with another
+// world) the pieces of it that no rank had delivered. Offsets into the pool count its records in order.
+struct Split {
+  std::vector<Interval> pool;              // non-empty, increasing, not touching
+  std::vector<std::uint64_t> pool_starts;  // offset of each piece
+  std::uint64_t records = 0;
+  unsigned world = 1;
+  std::uint64_t start_batch = 0;  // this rank's first batch to deliver (a resume with the same world)
+
+  Split(std::vector<Interval> pieces, unsigned w) : world(w) {
+    for (const Interval& piece : pieces) {
+      if (piece.first == piece.second) continue;
+      if (!pool.empty() && pool.back().second == piece.first) {
+        pool.back().second = piece.second;
+      } else {
+        pool_starts.push_back(records);
+        pool.push_back(piece);
+      }
+      records += piece.second - piece.first;
+    }
+  }
+  // The position at pool offset `o`, and how many consecutive positions follow it in its piece.
+  std::pair<std::uint64_t, std::uint64_t> locate(std::uint64_t o) const {
+    const std::size_t j = static_cast<std::size_t>(std::upper_bound(pool_starts.begin(), pool_starts.end(), o) - pool_starts.begin() - 1);
+    const std::uint64_t p = pool[j].first + (o - pool_starts[j]);
+    return {p, pool[j].second - p};
+  }
+  // The pieces of pool offsets [lo, hi), appended to `out` (touching pieces merged).
+  void pieces(std::uint64_t lo, std::uint64_t hi, std::vector<Interval>& out) const {
+    while (lo < hi) {
+      const auto [p, avail] = locate(lo);
+      const std::uint64_t n = std::min(avail, hi - lo);
+      if (!out.empty() && out.back().second == p) out.back().second += n;
+      else out.emplace_back(p, p + n);
+      lo += n;
+    }
+  }
+};
+
 struct BatchPlan {
   std::uint64_t epoch = 0, index = 0, records = 0;
   bool last_of_epoch = false;
@@ -158,6 +216,20 @@ std::uint64_t record_bytes(st::Dtype dtype, const std::vector<std::uint64_t>& re
                                    : "is not a whole number of bytes"));
 }
 
+std::string fnv_hex(const std::string& text) {  // FNV-1a, 64 bits: the same everywhere
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
+  return fmt::format("{:016x}", h);
+}
+
+std::string pool_text(const std::vector<Interval>& pool) {
+  std::string out;
+  for (const auto& [a, b] : pool) out += fmt::format("{}{}:{}", out.empty() ? "" : ",", a, b);
+  return out.empty() ? "the whole epoch" : out;
+}
+
+Error state_mismatch(const std::string& why) { return Error(errno_code(EINVAL), {.op = "resume stream"}, "the stream state " + why); }
+
 }  // namespace
 
 struct BatchStream::State {
@@ -168,6 +240,11 @@ struct BatchStream::State {
   std::vector<StreamField> fields;
   std::vector<Shard> shards;
   std::uint64_t total_records = 0, records_per_rank = 0, batch_records = 0, batches_per_epoch = 0;
+  std::string fingerprint, fields_text;
+  // Where the epochs start: a resumed stream at options.resume's epoch, divided as `resumed` says
+  // (or, when nothing of it was left, at the next epoch, whole).
+  std::uint64_t first_epoch = 0;
+  std::optional<Split> resumed;
 
   struct Slot {
     Buffer buffer;
@@ -190,6 +267,9 @@ struct BatchStream::State {
   std::deque<int> free_slots;
   std::deque<Ready> ready;
   int held = -1;
+  // The last batch next() returned (position()).
+  bool delivered_any = false;
+  std::uint64_t delivered_epoch = 0, delivered_index = 0;
 
   // Statistics, under the mutex.
   std::optional<Clock::time_point> first_call, epoch_started;
@@ -201,7 +281,8 @@ struct BatchStream::State {
   void run() noexcept;
   void scan();
   Shard scan_one(const File& file, ShardFormat format, std::vector<StreamField>& fields_out) const;
-  void plan_epoch(std::uint64_t number, const std::function<bool(BatchPlan&&)>& emit) const;
+  void plan_epoch(std::uint64_t number, const Split& split, const std::function<bool(BatchPlan&&)>& emit) const;
+  void resume_from(const StreamPosition& position);
   void read_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine);
   int take_slot(bool wait);
   void wait_scanned(std::unique_lock<std::mutex>& lock) const;
@@ -227,6 +308,21 @@ void check_options(const std::vector<std::string>& files, const StreamOptions& o
     throw bad_option(fmt::format("a record dtype is for raw shards, not {} ones", format_name(o.format)));
   if (!o.tensors.empty() && o.format != ShardFormat::safetensors && o.format != ShardFormat::automatic)
     throw bad_option("tensor names are for safetensors shards");
+  if (o.resume) {
+    const StreamPosition& r = *o.resume;
+    if (r.seed != o.seed) throw state_mismatch(fmt::format("is of seed {}; this stream's is {}", r.seed, o.seed));
+    if (r.shuffle != o.shuffle) throw state_mismatch(fmt::format("is of shuffle={}; this stream's is shuffle={}", r.shuffle, o.shuffle));
+    if (r.drop_last != o.drop_last)
+      throw state_mismatch(fmt::format("is of drop_last={}; this stream's is drop_last={}", r.drop_last, o.drop_last));
+    if (r.shuffle_window != o.shuffle_window)
+      throw state_mismatch(fmt::format("is of shuffle_window {}; this stream's is {}", r.shuffle_window, o.shuffle_window));
+    if (o.batch_records != 0 && r.batch_records != 0 && r.batch_records != o.batch_records)
+      throw state_mismatch(fmt::format("is of batches of {} records; this stream's are {}", r.batch_records, o.batch_records));
+    if (r.world == 0) throw state_mismatch("is of a world of 0 ranks");
+    if (r.batches.size() != 1 && r.batches.size() != r.world)
+      throw state_mismatch(fmt::format("gives the batches of {} ranks for a world of {} (give one for all, or one per rank)",
+                                       r.batches.size(), r.world));
+  }
 }
 
 }  // namespace
@@ -279,6 +375,43 @@ std::uint64_t BatchStream::batch_records() {
   return state_->batch_records;
 }
 
+std::string BatchStream::fingerprint() {
+  std::unique_lock lock(state_->mutex);
+  state_->wait_scanned(lock);
+  return state_->fingerprint;
+}
+
+std::string BatchStream::fields_text() {
+  std::unique_lock lock(state_->mutex);
+  state_->wait_scanned(lock);
+  return state_->fields_text;
+}
+
+StreamPosition BatchStream::position() {
+  State& s = *state_;
+  std::unique_lock lock(s.mutex);
+  s.wait_scanned(lock);
+  const StreamOptions& o = s.options;
+  StreamPosition p{.world = o.world, .fingerprint = s.fingerprint, .fields = s.fields_text, .batch_records = s.batch_records,
+                   .seed = o.seed, .shuffle_window = o.shuffle_window, .shuffle = o.shuffle, .drop_last = o.drop_last};
+  if (!s.delivered_any) {
+    if (o.resume) {  // nothing delivered since: where it resumed, as given
+      p.epoch = o.resume->epoch;
+      p.pool = o.resume->pool;
+      p.world = o.resume->world;
+      p.batches = o.resume->batches;
+    }
+    return p;
+  }
+  p.epoch = s.delivered_epoch;
+  p.batches = {s.delivered_index + 1};  // a resumed part's batch indices continue from where it resumed
+  if (s.resumed && s.delivered_epoch == s.first_epoch) {
+    p.world = s.resumed->world;
+    if (!(s.resumed->pool.size() == 1 && s.resumed->pool[0] == Interval{0, s.total_records})) p.pool = s.resumed->pool;
+  }
+  return p;
+}
+
 StreamStats BatchStream::stats() const {
   std::lock_guard lock(state_->mutex);
   return state_->total_stats;
@@ -321,6 +454,9 @@ std::optional<Batch> BatchStream::next(void* cuda_stream) {
   State::Ready r = std::move(s.ready.front());
   s.ready.pop_front();
   s.held = r.slot;
+  s.delivered_any = true;
+  s.delivered_epoch = r.batch.epoch;
+  s.delivered_index = r.batch.index;
   std::uint64_t bytes = 0;
   for (const auto& f : r.batch.fields) bytes += f.size;
   for (StreamStats* st : {&s.total_stats, &s.epoch_stats}) {
@@ -373,8 +509,13 @@ void BatchStream::State::run() noexcept {
       if (group_bytes >= kGroupBytes) flush();
       return !stop;
     };
-    for (std::uint64_t e = 0; (options.epochs == 0 || e < options.epochs) && !stop; ++e) {
-      plan_epoch(e, emit);
+    const Split whole({{0, total_records}}, options.world);
+    for (std::uint64_t e = first_epoch; (options.epochs == 0 || e < options.epochs) && !stop; ++e) {
+      if (resumed && e == first_epoch) {
+        plan_epoch(e, *resumed, emit);
+        continue;
+      }
+      plan_epoch(e, whole, emit);
       if (batches_per_epoch == 0) break;  // an endless stream of nothing ends at once
     }
     if (!stop) flush();
@@ -595,16 +736,34 @@ void BatchStream::State::scan() {
     if (batch == 0)
       throw bad_option(fmt::format("batch_bytes {} is less than one record ({} bytes)", options.batch_bytes, record_total));
   }
-  const std::uint64_t base = total / options.world;
-  const std::uint64_t extra = total % options.world;
-  // drop_last: every rank the same number of whole batches (what DDP needs: as many steps on
-  // every rank); else each rank its share (they differ by one record at most), the last batch short.
-  const std::uint64_t share = options.drop_last ? base : base + (options.rank < extra ? 1 : 0);
-  const std::uint64_t batches = options.drop_last ? share / batch : share / batch + (share % batch != 0);  // no share + batch - 1: it wraps
-  const std::uint64_t per_rank = options.drop_last ? batches * batch : share;
+  const Part mine = part_of(total, options.world, options.rank, batch, options.drop_last);
+  const std::uint64_t batches = mine.batches;
+  const std::uint64_t per_rank = mine.records;
+
+  // The shards' identity for a resume: their names (not directories: a copied dataset resumes),
+  // sizes and headers, and the fields.
+  std::string text;
+  for (const auto& f : first) text += fmt::format("{}{}:{}{}", text.empty() ? "" : ";", f.name, st::to_string(f.dtype), shape_text(f.record_shape));
+  std::string identity = fmt::format("{} shards;", found.size());
+  for (const Shard& sh : found)
+    identity += fmt::format("{}|{}|{}|{};", std::filesystem::path(sh.path).filename().string(), sh.identity.size, sh.records,
+                            fmt::join(sh.field_offset, ","));
+  {
+    std::lock_guard lock(mutex);
+    fields_text = text;
+    fingerprint = fnv_hex(identity + text);
+    shards = std::move(found);
+    total_records = total;
+    batch_records = batch;
+  }
+  std::uint64_t most = per_rank;
+  if (options.resume) {
+    resume_from(*options.resume);
+    if (resumed) most = std::max(most, part_of(resumed->records, resumed->world, options.rank, batch, options.drop_last).records);
+  }
   // No batch holds more than this rank's records: a batch size beyond them sizes the ring by them
   // (batch_records = 2^62 is one batch of everything, not 2^62 records' bytes that wrap).
-  const std::uint64_t slot_records = std::min(batch, per_rank);
+  const std::uint64_t slot_records = std::min(batch, most);
 
   // The ring: the batch the caller holds plus read_ahead being read or waiting.
   std::vector<Slot> ring(options.read_ahead + 1);
@@ -620,10 +779,7 @@ void BatchStream::State::scan() {
   }
   std::lock_guard lock(mutex);
   fields = std::move(first);
-  shards = std::move(found);
-  total_records = total;
   records_per_rank = per_rank;
-  batch_records = batch;
   batches_per_epoch = batches;
   slots = std::move(ring);
   for (std::size_t i = 0; i < slots.size(); ++i) free_slots.push_back(static_cast<int>(i));
@@ -631,7 +787,46 @@ void BatchStream::State::scan() {
   changed.notify_all();
 }
 
-void BatchStream::State::plan_epoch(std::uint64_t number, const std::function<bool(BatchPlan&&)>& emit) const {
+void BatchStream::State::resume_from(const StreamPosition& r) {
+  // Checked here, where the shards are known; the options were checked at the constructor.
+  if (!r.fields.empty() && r.fields != fields_text)
+    throw state_mismatch(fmt::format("is of records {}; these shards' are {}", r.fields, fields_text));
+  if (!r.fingerprint.empty() && r.fingerprint != fingerprint)
+    throw state_mismatch(fmt::format("is from other shards (fingerprint {}; these {} shards' is {}): other files, sizes or headers",
+                                     r.fingerprint, shards.size(), fingerprint));
+  if (r.batch_records != 0 && r.batch_records != batch_records)
+    throw state_mismatch(fmt::format("is of batches of {} records; this stream's are {}", r.batch_records, batch_records));
+  std::uint64_t end = 0;
+  for (const auto& [a, b] : r.pool)
+    if (a >= b || a < end || b > total_records)
+      throw state_mismatch(fmt::format("divides positions {} of an epoch of {} records: not increasing pieces inside it",
+                                       pool_text(r.pool), total_records));
+    else
+      end = b;
+  first_epoch = r.epoch;
+  const Split old(r.pool.empty() ? std::vector<Interval>{{0, total_records}} : r.pool, r.world);
+  // What no rank delivered: the rest of every rank's part, in rank order (positions in order).
+  std::vector<Interval> left;
+  std::uint64_t mine = 0;
+  for (unsigned k = 0; k < r.world; ++k) {
+    const Part part = part_of(old.records, r.world, k, batch_records, options.drop_last);
+    const std::uint64_t done = std::min(r.batches.size() == 1 ? r.batches[0] : r.batches[k], part.batches);
+    if (k == options.rank) mine = done;
+    old.pieces(part.first + (done == part.batches ? part.records : done * batch_records), part.first + part.records, left);
+  }
+  if (left.empty()) {
+    first_epoch = r.epoch + 1;  // the epoch was delivered whole: the next one, whole
+    return;
+  }
+  if (r.world == options.world) {  // the same parts: every rank goes on with its own
+    resumed.emplace(old);
+    resumed->start_batch = mine;
+  } else {  // another world: what is left, divided among the new ranks
+    resumed.emplace(std::move(left), options.world);
+  }
+}
+
+void BatchStream::State::plan_epoch(std::uint64_t number, const Split& split, const std::function<bool(BatchPlan&&)>& emit) const {
   // This epoch's shard order and where each shard starts in it.
   std::vector<std::size_t> order(shards.size());
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
@@ -659,35 +854,39 @@ void BatchStream::State::plan_epoch(std::uint64_t number, const std::function<bo
     }
     return w * window + permutation[p - w * window];
   };
-  const std::uint64_t base = total_records / options.world;
-  const std::uint64_t extra = total_records % options.world;
-  const std::uint64_t first = options.drop_last ? options.rank * base : options.rank * base + std::min<std::uint64_t>(options.rank, extra);
-  for (std::uint64_t b = 0; b < batches_per_epoch; ++b) {
-    BatchPlan plan{.epoch = number, .index = b, .last_of_epoch = b + 1 == batches_per_epoch};
+  // This rank's part of what the epoch divides (the pool: all of it, or what a resume left).
+  const Part part = part_of(split.records, split.world, options.rank, batch_records, options.drop_last);
+  for (std::uint64_t b = split.start_batch; b < part.batches; ++b) {
+    BatchPlan plan{.epoch = number, .index = b, .last_of_epoch = b + 1 == part.batches};
     const std::uint64_t lo = b * batch_records;
-    plan.records = std::min(batch_records, records_per_rank - lo);
-    if (!options.shuffle) {
-      // In order: the batch is one run per shard it crosses.
-      for (std::uint64_t i = 0; i < plan.records;) {
-        const std::uint64_t q = first + lo + i;
-        const std::size_t k = static_cast<std::size_t>(std::upper_bound(starts.begin(), starts.end(), q) - starts.begin() - 1);
-        const std::uint64_t local = q - starts[k];
-        const std::uint64_t n = std::min(plan.records - i, shards[order[k]].records - local);
-        plan.runs.push_back({.shard = order[k], .first = local, .count = n, .at = i});
-        i += n;
+    plan.records = std::min(batch_records, part.records - lo);
+    for (std::uint64_t i = 0; i < plan.records;) {
+      // A piece of the pool: consecutive positions.
+      const auto [p, avail] = split.locate(part.first + lo + i);
+      const std::uint64_t n = std::min(plan.records - i, avail);
+      if (!options.shuffle) {
+        // In order: one run per shard the piece crosses.
+        for (std::uint64_t j = 0; j < n;) {
+          const std::uint64_t q = p + j;
+          const std::size_t k = static_cast<std::size_t>(std::upper_bound(starts.begin(), starts.end(), q) - starts.begin() - 1);
+          const std::uint64_t local = q - starts[k];
+          const std::uint64_t m = std::min(n - j, shards[order[k]].records - local);
+          plan.runs.push_back({.shard = order[k], .first = local, .count = m, .at = i + j});
+          j += m;
+        }
+      } else {
+        for (std::uint64_t j = 0; j < n; ++j) {
+          const std::uint64_t q = record_at(p + j);
+          const std::size_t k = static_cast<std::size_t>(std::upper_bound(starts.begin(), starts.end(), q) - starts.begin() - 1);
+          const std::size_t shard = order[k];
+          const std::uint64_t local = q - starts[k];
+          if (!plan.runs.empty() && plan.runs.back().shard == shard && plan.runs.back().first + plan.runs.back().count == local)
+            ++plan.runs.back().count;
+          else
+            plan.runs.push_back({.shard = shard, .first = local, .count = 1, .at = i + j});
+        }
       }
-      if (!emit(std::move(plan))) return;
-      continue;
-    }
-    for (std::uint64_t i = 0; i < plan.records; ++i) {
-      const std::uint64_t q = record_at(first + lo + i);
-      const std::size_t k = static_cast<std::size_t>(std::upper_bound(starts.begin(), starts.end(), q) - starts.begin() - 1);
-      const std::size_t shard = order[k];
-      const std::uint64_t local = q - starts[k];
-      if (!plan.runs.empty() && plan.runs.back().shard == shard && plan.runs.back().first + plan.runs.back().count == local)
-        ++plan.runs.back().count;
-      else
-        plan.runs.push_back({.shard = shard, .first = local, .count = 1, .at = i});
+      i += n;
     }
     if (!emit(std::move(plan))) return;
   }
