@@ -13,6 +13,12 @@ A yielded batch is a view of a ring buffer: it stays valid until the next batch 
 which its buffer is read into again (once the work queued on the current CUDA stream by then has
 finished, so kernels still reading it are safe). Keep a batch longer with `copy=True` (every
 batch is a fresh tensor) or `batch.clone()`.
+
+A stream resumes exactly: `stream.state_dict()` after any batch is a small dict of ints and strings
+(torch.save and DCP's Stateful take it); `hbmio.stream(..., state=it)` or
+`stream.load_state_dict(it)` continues with exactly the records not delivered yet, in the same
+order on every rank, or, on another number of ranks, with the records no rank delivered divided
+among the new ones (each once, none repeated).
 """
 
 from __future__ import annotations
@@ -156,13 +162,79 @@ def _rank_world(rank, world, group):
     return rank, world
 
 
+_STATE_FORMAT = "hbmio.stream 1"
+# key -> type of a state_dict's values (all ints and strings: torch.save, DCP and JSON take them).
+_STATE_KEYS = {"format": str, "epoch": int, "world": int, "pool": str, "batches": int, "rank": int, "rank_batches": str,
+               "batch_size": int, "seed": int, "shuffle": int, "drop_last": int, "shuffle_window": int, "fields": str,
+               "fingerprint": str}
+
+
+class StateError(_hbmio.Error, ValueError):
+    """A stream state that does not belong to the stream it is loaded into (other shards, other
+    options) or is not a stream state: a ValueError naming the mismatch, and an hbmio.Error (EINVAL)."""
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(":", ",").split(",")] if text else []
+    except ValueError:
+        raise StateError(_errno.EINVAL, f"the stream state's {what} {text!r} is not integers separated by commas") from None
+
+
+def _state_value(v):
+    # DCP may give back a 0-d tensor or a NumPy int for an int; strings stay strings.
+    if not isinstance(v, (int, str)) and hasattr(v, "item") and tuple(getattr(v, "shape", (0,))) == ():
+        v = v.item()
+    return v
+
+
+def _check_state(state) -> dict:
+    if not isinstance(state, dict):
+        raise StateError(_errno.EINVAL, f"a stream state is a dict (stream.state_dict()), not {type(state).__name__}")
+    if state.get("format") != _STATE_FORMAT:
+        raise StateError(_errno.EINVAL, f"not a stream state of this hbmio: its format is {state.get('format')!r}, not "
+                         f"{_STATE_FORMAT!r}")
+    out = {}
+    for key, kind in _STATE_KEYS.items():
+        value = _state_value(state.get(key))
+        if key not in state or not isinstance(value, kind) or (kind is int and isinstance(value, str)):
+            raise StateError(_errno.EINVAL, f"the stream state's {key!r} is {'missing' if key not in state else repr(value)}, "
+                             f"not {'a string' if kind is str else 'an int'}")
+        out[key] = int(value) if kind is int else value
+    return out
+
+
+def _merge_states(states) -> dict:
+    """The states every rank of one world saved at one moment -> one, with every rank's batches."""
+    states = [_check_state(s) for s in states]
+    if not states:
+        raise StateError(_errno.EINVAL, "no stream states given")
+    first = states[0]
+    world = first["world"]
+    counts = [None] * world
+    for s in states:
+        for key in _STATE_KEYS:
+            if key not in ("batches", "rank", "rank_batches") and s[key] != first[key]:
+                raise StateError(_errno.EINVAL, f"the stream states disagree on {key!r}: {first[key]!r} (rank {first['rank']}) "
+                                 f"and {s[key]!r} (rank {s['rank']}): they are not of one moment of one stream")
+        if not 0 <= s["rank"] < world:
+            raise StateError(_errno.EINVAL, f"a stream state of rank {s['rank']} in a world of {world}")
+        counts[s["rank"]] = s["batches"]
+    if None in counts:
+        raise StateError(_errno.EINVAL, f"stream states of ranks {[r for r, c in enumerate(counts) if c is not None]} of a "
+                         f"world of {world}: give every rank's (or one, for ranks in lockstep)")
+    return dict(first, rank_batches=",".join(map(str, counts)))
+
+
 class Stream:
-    """An iterable of training batches over shard files; see hbmio.stream."""
+    """An iterable of training batches over shard files; see hbmio.stream.
+
+    Also a DCP Stateful: state_dict() and load_state_dict() save and resume where it is."""
 
     def __init__(self, files, device="cpu", batch_size=None, *, batch_bytes=None, shuffle=False, seed=None,
                  shuffle_window=None, drop_last=False, epochs=1, read_ahead=2, format="auto", tensors=None, dtype=None,
                  record_shape=None, rank=None, world=None, group=None, framework="auto", copy=False, backend=None,
-                 progress=False):
+                 progress=False, state=None):
         from . import _backend, _device_text, _framework, _parse_size, _require_gpu, _torch
         if (batch_size is None) == (batch_bytes is None):
             raise ValueError("give batch_size (records) or batch_bytes, one of them")
@@ -197,17 +269,98 @@ class Stream:
         if fmt == "raw" and dtype is None:
             _dtype_name(None)  # says what to give
         self._rank, self._world = _rank_world(rank, world, group)
-        self._stream = _hbmio._Stream(
-            self._files, "pinned" if device == "pinned" else device, batch_size or 0, batch_bytes or 0, fmt, names,
-            _dtype_name(dtype) if dtype is not None else None, record_shape, read_ahead, drop_last, epochs, shuffle, seed,
-            shuffle_window, self._rank, self._world, _backend(backend))
+        self._args = (self._files, "pinned" if device == "pinned" else device, batch_size or 0, batch_bytes or 0, fmt, names,
+                      _dtype_name(dtype) if dtype is not None else None, record_shape, read_ahead, drop_last, epochs, shuffle,
+                      seed, shuffle_window, self._rank, self._world, _backend(backend))
+        self._options = {"seed": seed, "shuffle": int(shuffle), "drop_last": int(drop_last), "shuffle_window": shuffle_window}
         self._copy = copy
         self._progress = progress
         self._held = False
         self._closed = False
+        self._stream = None
         self.epoch = None  # the epoch and index (within the epoch, on this rank) of the last batch
         self.index = None
+        self._open(None if state is None else self._resume_of(state))
         _live.add(self)
+
+    def _open(self, resume) -> None:
+        self._stream = None
+        try:
+            self._stream = _hbmio._Stream(*self._args, resume)
+            if resume is not None:
+                self._stream.sizes()  # waits for the headers: the state is checked against them
+        except _hbmio.Error as e:
+            if self._stream is not None:
+                self._stream.close()
+            text = str(e)
+            if "the stream state" in text:  # the library's check against the headers: "... (the stream state ...)"
+                text = text[text.index("the stream state"):]
+                raise StateError(_errno.EINVAL, text[:-1] if text.endswith(")") else text) from None
+            raise
+
+    # ---- resuming ----
+    def _resume_of(self, state) -> dict:
+        s = _merge_states(state) if isinstance(state, (list, tuple)) else _check_state(state)
+        for key, mine in self._options.items():  # named here, before the headers are read
+            if s[key] != mine:
+                raise StateError(_errno.EINVAL, f"the stream state is of {key}={s[key]!r}; this stream's is {key}={mine!r}")
+        pool = _ints(s["pool"], "pool")
+        counts = _ints(s["rank_batches"], "rank_batches") or [s["batches"]]
+        if len(pool) % 2:
+            raise StateError(_errno.EINVAL, f"the stream state's pool {s['pool']!r} is not pieces first:end")
+        if s["world"] < 1 or len(counts) not in (1, s["world"]):
+            raise StateError(_errno.EINVAL, f"the stream state gives the batches of {len(counts)} ranks for a world of "
+                             f"{s['world']}")
+        if min([s["epoch"], s["batch_size"], s["seed"], s["shuffle_window"], *pool, *counts]) < 0:
+            raise StateError(_errno.EINVAL, "the stream state holds a negative number")
+        return {"epoch": s["epoch"], "pool": pool, "world": s["world"], "batches": counts, "fingerprint": s["fingerprint"],
+                "fields": s["fields"], "batch_records": s["batch_size"], "seed": s["seed"],
+                "shuffle_window": s["shuffle_window"], "shuffle": bool(s["shuffle"]), "drop_last": bool(s["drop_last"])}
+
+    def state_dict(self, rank_batches=None) -> dict:
+        """Where this rank is, after the batches yielded so far (the one in hand included): a small
+        dict of ints and strings (no record lists) for torch.save, DCP (a Stream is a Stateful) or
+        JSON. Loaded by hbmio.stream(..., state=) or load_state_dict into a stream over the same
+        shards (names, sizes and headers: its "fingerprint") with the same batch_size, shuffle,
+        seed, shuffle_window and drop_last, on any number of ranks.
+
+        "epoch" is the epoch in progress, "pool" the part of its record order divided among
+        "world" ranks ("": all of it; after a resume on another number of ranks, the pieces no
+        rank had delivered), "batches" how many batches this rank yielded of its part. The state
+        is the same on every rank that yielded as many batches (ranks in lockstep, as DDP's are;
+        "rank" says which saved it and is not used), so any one rank's state resumes them all
+        (DCP keeps one). For ranks not in lockstep, give rank_batches (every rank's batches
+        yielded in this epoch, e.g. all-gathered), or load the list of every rank's states."""
+        if self._closed:
+            raise ValueError("the stream is closed: take its state_dict before closing it")
+        p = self._stream.position()
+        counts = list(p["batches"])
+        if rank_batches is not None:
+            counts = [_int_option(f"rank_batches[{i}]", c, 0, _U64, "a number of batches") for i, c in enumerate(rank_batches)]
+            if len(counts) != p["world"]:
+                raise ValueError(f"rank_batches gives {len(counts)} ranks' batches; the epoch is divided among {p['world']}")
+        mine = counts[self._rank] if len(counts) > 1 and self._rank < len(counts) else counts[0]
+        return {"format": _STATE_FORMAT, "epoch": p["epoch"], "world": p["world"],
+                "pool": ",".join(f"{a}:{b}" for a, b in zip(p["pool"][::2], p["pool"][1::2])),
+                "batches": mine, "rank": self._rank, "rank_batches": ",".join(map(str, counts)) if len(counts) > 1 else "",
+                "batch_size": p["batch_records"], **self._options, "fields": p["fields"], "fingerprint": p["fingerprint"]}
+
+    def load_state_dict(self, state) -> None:
+        """Continue from `state` (a state_dict() of this stream or of any rank of one over the same
+        shards and options, or the list of every rank's states of one moment): the batches after
+        it, from the next one asked for. The batch in hand goes back to the ring. StateError (a
+        ValueError) names what does not match."""
+        if self._closed:
+            raise ValueError("the stream is closed")
+        resume = self._resume_of(state)
+        self._stream.close()
+        self._held = False
+        self.epoch = self.index = None
+        try:
+            self._open(resume)
+        except BaseException:
+            self._closed = True  # the old stream is gone and the new one refused the state
+            raise
 
     # ---- what the shards hold ----
     @property
@@ -292,7 +445,8 @@ class Stream:
         memory, but the stream yields no more. Idempotent; also at the end of a `with` block."""
         if not self._closed:
             self._closed = True
-            self._stream.close()
+            if self._stream is not None:
+                self._stream.close()
 
     def __enter__(self):
         return self
@@ -333,6 +487,11 @@ def stream(files, device="cpu", batch_size=None, **options) -> Stream:
         rank and world size when it is initialised, else all of it). Across ranks every record is
         read once per epoch.
     copy: yield batches of their own (a copy each) instead of views valid until the next batch.
+    state: a stream.state_dict() to continue from (see Stream.state_dict): exactly the records not
+        delivered yet, in the same order on every rank; with another number of ranks, the records
+        no rank delivered divided among the new ones (with drop_last, as whole batches: what does
+        not make one on every rank is dropped). A state of other shards or options raises
+        StateError (a ValueError) naming the difference.
     framework: "torch" (default where installed), "numpy" (host memory) or "dlpack".
     progress: print each epoch's rate and the time waited for data to stderr.
 

@@ -423,6 +423,51 @@ class PyStream {
     return d;
   }
   nb::dict stats() const { return to_dict(stream_->stats()); }
+
+  // position() as a dict (hbmio/_stream.py makes it the state_dict): pool as [first, end, ...].
+  nb::dict position() {
+    hbmio::StreamPosition p;
+    {
+      nb::gil_scoped_release release;
+      p = stream_->position();
+    }
+    nb::dict d;
+    d["epoch"] = p.epoch;
+    std::vector<std::uint64_t> pool;
+    for (const auto& [a, b] : p.pool) {
+      pool.push_back(a);
+      pool.push_back(b);
+    }
+    d["pool"] = pool;
+    d["world"] = p.world;
+    d["batches"] = p.batches;
+    d["fingerprint"] = p.fingerprint;
+    d["fields"] = p.fields;
+    d["batch_records"] = p.batch_records;
+    return d;
+  }
+  std::string fingerprint() {
+    nb::gil_scoped_release release;
+    return stream_->fingerprint();
+  }
+  static hbmio::StreamPosition position_of(const nb::dict& d) {
+    hbmio::StreamPosition p;
+    p.epoch = nb::cast<std::uint64_t>(d["epoch"]);
+    const auto pool = nb::cast<std::vector<std::uint64_t>>(d["pool"]);
+    if (pool.size() % 2 != 0) throw nb::value_error("a stream state's pool is pairs of positions");
+    for (std::size_t i = 0; i < pool.size(); i += 2) p.pool.emplace_back(pool[i], pool[i + 1]);
+    p.world = nb::cast<unsigned>(d["world"]);
+    p.batches = nb::cast<std::vector<std::uint64_t>>(d["batches"]);
+    p.fingerprint = nb::cast<std::string>(d["fingerprint"]);
+    p.fields = nb::cast<std::string>(d["fields"]);
+    p.batch_records = nb::cast<std::uint64_t>(d["batch_records"]);
+    p.seed = nb::cast<std::uint64_t>(d["seed"]);
+    p.shuffle_window = nb::cast<std::uint64_t>(d["shuffle_window"]);
+    p.shuffle = nb::cast<bool>(d["shuffle"]);
+    p.drop_last = nb::cast<bool>(d["drop_last"]);
+    return p;
+  }
+
   nb::list epoch_stats() const {
     nb::list out;
     for (const auto& s : stream_->epoch_stats()) out.append(to_dict(s));
@@ -1352,7 +1397,7 @@ NB_MODULE(_hbmio, m) {
                           std::uint64_t batch_bytes, const std::string& format, std::vector<std::string> tensors,
                           std::optional<std::string> dtype, std::vector<std::uint64_t> record_shape, unsigned read_ahead,
                           bool drop_last, std::uint64_t epochs, bool shuffle, std::uint64_t seed, std::uint64_t shuffle_window,
-                          unsigned rank, unsigned world, const std::string& backend) {
+                          unsigned rank, unsigned world, const std::string& backend, std::optional<nb::dict> resume) {
         hbmio::StreamOptions o{.format = shard_format(format), .tensors = std::move(tensors), .raw_record_shape = std::move(record_shape),
                                .device = parse_device(device), .batch_records = batch_records, .batch_bytes = batch_bytes,
                                .read_ahead = read_ahead, .drop_last = drop_last, .epochs = epochs, .shuffle = shuffle, .seed = seed,
@@ -1361,17 +1406,22 @@ NB_MODULE(_hbmio, m) {
           o.raw_dtype = hbmio::safetensors::parse_dtype(*dtype);
           if (!o.raw_dtype) throw nb::value_error(("unknown record dtype '" + *dtype + "'").c_str());
         }
+        if (resume) o.resume = PyStream::position_of(*resume);
         new (self) PyStream(std::move(files), std::move(o));
       }, nb::arg("files"), nb::arg("device"), nb::arg("batch_records"), nb::arg("batch_bytes"), nb::arg("format"),
          nb::arg("tensors"), nb::arg("dtype").none(), nb::arg("record_shape"), nb::arg("read_ahead"), nb::arg("drop_last"),
          nb::arg("epochs"), nb::arg("shuffle"), nb::arg("seed"), nb::arg("shuffle_window"), nb::arg("rank"), nb::arg("world"),
-         nb::arg("backend"))
+         nb::arg("backend"), nb::arg("resume").none() = nb::none())
       .def("next", &PyStream::next, nb::arg("cuda_stream") = 0,
            "The next batch as (epoch, index, records, last_of_epoch, [arrays]), or None after the last one; the batch "
            "before it goes back to the ring (after the work queued on cuda_stream, a cudaStream_t, when on a GPU).")
       .def("fields", &PyStream::fields, "[(name, dtype, record_shape, record_bytes)] (waits for the shards' headers).")
       .def("sizes", &PyStream::sizes, "(records per epoch on this rank, records per full batch).")
       .def("stats", &PyStream::stats)
+      .def("position", &PyStream::position,
+           "Where this rank is after the batches next() returned: {epoch, pool, world, batches, fingerprint, fields, "
+           "batch_records} (waits for the shards' headers).")
+      .def("fingerprint", &PyStream::fingerprint, "The shards' names, sizes and headers, hashed (waits for the headers).")
       .def("epoch_stats", &PyStream::epoch_stats)
       .def("close", &PyStream::close);
 

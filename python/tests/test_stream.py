@@ -410,3 +410,219 @@ def test_directory_entries_that_are_not_files_are_named(tmp_path):
     os.symlink(tmp_path / "gone.npy", tmp_path / "shard-002.npy")
     with pytest.raises(FileNotFoundError, match=r"shard-002\.npy"):
         next(hbmio.stream(str(tmp_path / "shard-*.npy"), batch_size=4))
+
+
+# ---- resuming: state_dict / state= / load_state_dict ----
+
+RESUME_COUNTS = [17, 23, 11]  # 51 records; batches of 4; shuffle windows of 12 (several per epoch)
+RESUME_OPTIONS = dict(batch_size=4, seed=7, shuffle_window=12, framework="numpy")
+
+
+@pytest.fixture(scope="module")
+def id_shards(tmp_path_factory):
+    """Shards whose records are their global index (int64, shape (1,)): a batch names its records exactly."""
+    d = tmp_path_factory.mktemp("resume")
+    paths, start = [], 0
+    for i, n in enumerate(RESUME_COUNTS):
+        paths.append(str(d / f"ids-{i}.npy"))
+        np.save(paths[-1], np.arange(start, start + n, dtype=np.int64).reshape(n, 1))
+        start += n
+    return paths
+
+
+def batch_ids(b):
+    return [int(x) for x in b[:, 0]]
+
+
+def walk(paths, rank, world, **options):
+    """Every batch of a rank (as id lists) and the state_dict after each: states[k] after k batches."""
+    s = hbmio.stream(paths, rank=rank, world=world, **RESUME_OPTIONS, **options)
+    batches, states = [], [s.state_dict()]
+    for b in s:
+        batches.append(batch_ids(b))
+        states.append(s.state_dict())
+    return batches, states
+
+
+def resumed(paths, state, rank, world, **options):
+    return [batch_ids(b) for b in hbmio.stream(paths, rank=rank, world=world, state=state, **RESUME_OPTIONS, **options)]
+
+
+def flat(batches):
+    return [i for b in batches for i in b]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("before", [1, 2, 3, 4, 5])
+def test_a_resume_at_every_batch_continues_the_epoch_exactly(id_shards, before, shuffle, drop_last):
+    opts = dict(shuffle=shuffle, drop_last=drop_last)
+    runs = [walk(id_shards, r, before, **opts) for r in range(before)]
+    full = [batches for batches, _ in runs]
+    whole = flat(b for batches in full for b in batches)
+    assert len(whole) == len(set(whole))
+    if not drop_last:
+        assert sorted(whole) == list(range(sum(RESUME_COUNTS)))
+    most = max(len(b) for b in full)
+    assert len(full[0]) == most  # rank 0 has the most batches: its state speaks for all
+    for k in range(most + 1):
+        # Ranks in lockstep save the same state (but for who saved it).
+        lockstep = [{**states[k], "rank": 0} for _, states in runs if len(states) > k]
+        assert all(s == lockstep[0] for s in lockstep)
+        source = k % before if len(full[k % before]) >= k else 0
+        state = runs[source][1][k]
+        given = [batches[:k] for batches in full]
+        for after in range(1, 6):
+            rest = [resumed(id_shards, state, r, after, **opts) for r in range(after)]
+            if after == before:  # every rank goes on with exactly its own batches
+                assert [g + r for g, r in zip(given, rest)] == full, (k, after)
+                continue
+            got = flat(b for batches in given + rest for b in batches)
+            assert len(got) == len(set(got)), (k, after)  # none twice
+            if not drop_last:
+                assert sorted(got) == sorted(whole), (k, after)  # every record once
+            else:
+                assert set(got) <= set(whole), (k, after)
+                # Only what does not make a whole batch on every new rank is dropped; every rank as many.
+                assert len(whole) - len(got) < after * 4, (k, after)
+                assert len({len(r) for r in rest}) == 1 and all(len(b) == 4 for r in rest for b in r), (k, after)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_resume_across_epochs(id_shards, drop_last):
+    opts = dict(shuffle=True, drop_last=drop_last, epochs=2)
+    for before, after in [(2, 3), (3, 2), (2, 2), (4, 1)]:
+        fresh = [[], []]  # epoch 1 of an uninterrupted run of `after` ranks, per rank
+        for r in range(after):
+            s = hbmio.stream(id_shards, rank=r, world=after, **RESUME_OPTIONS, **opts)
+            fresh[1].append([batch_ids(b) for b in s if s.epoch == 1])
+        runs = [walk(id_shards, r, before, **opts) for r in range(before)]
+        per_epoch = len(runs[0][0]) // 2
+        for k in range(len(runs[0][0]) + 1):  # every batch of both epochs, the boundary included
+            state = runs[0][1][k]
+            assert state["epoch"] == (0 if k <= per_epoch else 1)
+            rest = []
+            for r in range(after):
+                s = hbmio.stream(id_shards, rank=r, world=after, state=state, **RESUME_OPTIONS, **opts)
+                rest.append([(s.epoch, batch_ids(b)) for b in s])
+            if k >= per_epoch:  # at the boundary or in epoch 1
+                if k == per_epoch or after == before:
+                    expected = [batches[k - per_epoch:] if after == before else batches for batches in fresh[1]]
+                    if after == before:  # the same ranks: each continues its own epoch 1
+                        expected = [full[per_epoch:][k - per_epoch:] for full, _ in runs]
+                    assert [[b for _, b in r] for r in rest] == expected, (before, after, k)
+                continue
+            # Mid epoch 0: its rest once, then epoch 1 as an uninterrupted run of `after` ranks has it.
+            assert [[b for e, b in r if e == 1] for r in rest] == fresh[1], (before, after, k)
+            got = flat(b for full, _ in runs for b in full[:k]) + flat(b for r in rest for e, b in r if e == 0)
+            assert len(got) == len(set(got))
+            if not drop_last:
+                assert sorted(got) == list(range(sum(RESUME_COUNTS)))
+
+
+def test_elastic_resumes_chain_and_ranks_out_of_lockstep_give_every_state(id_shards):
+    n = sum(RESUME_COUNTS)
+    opts = dict(shuffle=True)
+    # 3 ranks -> 2 -> 5: every record once.
+    got, states = [], []
+    for r in range(3):
+        batches, st = walk(id_shards, r, 3, **opts)
+        got += flat(batches[:2])
+        states.append(st[2])
+    mid = []
+    for r in range(2):
+        s = hbmio.stream(id_shards, rank=r, world=2, state=states[r % 3], **RESUME_OPTIONS, **opts)
+        got += batch_ids(next(s))
+        mid.append(s.state_dict())
+    assert mid[0]["pool"] != ""  # the pieces of the epoch no rank had delivered
+    assert {**mid[0], "rank": 0} == {**mid[1], "rank": 0}
+    for r in range(5):
+        got += flat(resumed(id_shards, mid[r % 2], r, 5, **opts))
+    assert sorted(got) == list(range(n))
+    # Ranks not in lockstep: rank 0 took 3 batches, rank 1 one. Every rank's state (or one with
+    # rank_batches) resumes them: on the same ranks each goes on with its own, on 3 all once.
+    full = [walk(id_shards, r, 2, **opts)[0] for r in range(2)]
+    s0 = walk(id_shards, 0, 2, **opts)[1][3]
+    s1 = walk(id_shards, 1, 2, **opts)[1][1]
+    for state in ([s0, s1], (s1, s0)):
+        assert [resumed(id_shards, state, r, 2, **opts) for r in range(2)] == [full[0][3:], full[1][1:]]
+    s = hbmio.stream(id_shards, rank=0, world=2, **RESUME_OPTIONS, **opts)
+    for _ in range(3):
+        next(s)
+    one = s.state_dict(rank_batches=[3, 1])
+    assert one["rank_batches"] == "3,1"
+    got = flat(full[0][:3] + full[1][:1]) + flat(b for r in range(3) for b in resumed(id_shards, one, r, 3, **opts))
+    assert sorted(got) == list(range(n))
+    with pytest.raises(ValueError, match="every rank"):
+        resumed(id_shards, [s0], 0, 2, **opts)
+
+
+def test_the_state_is_small_plain_and_survives_torch_save_and_load_state_dict(id_shards, tmp_path):
+    import json
+    s = hbmio.stream(id_shards, shuffle=True, **RESUME_OPTIONS)
+    first = [batch_ids(next(s)) for _ in range(3)]
+    state = s.state_dict()
+    assert all(isinstance(v, (int, str)) for v in state.values()) and len(json.dumps(state)) < 600
+    torch.save(state, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt")
+    rest = [batch_ids(b) for b in s]
+    assert resumed(id_shards, json.loads(json.dumps(loaded)), 0, 1, shuffle=True) == rest
+    # load_state_dict on a stream part-way: from the next batch it asks for.
+    t = hbmio.stream(id_shards, shuffle=True, **RESUME_OPTIONS)
+    next(t)
+    t.load_state_dict(loaded)
+    assert [batch_ids(b) for b in t] == rest
+    assert len(first + rest) == 13
+
+
+def test_a_stream_is_a_dcp_stateful(id_shards, tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    import warnings
+    s = hbmio.stream(id_shards, shuffle=True, **RESUME_OPTIONS)
+    next(s), next(s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"stream": s}, checkpoint_id=str(tmp_path / "ckpt"))
+        rest = [batch_ids(b) for b in s]
+        t = hbmio.stream(id_shards, shuffle=True, **RESUME_OPTIONS)
+        dcp.load({"stream": t}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert [batch_ids(b) for b in t] == rest
+
+
+def test_a_state_of_other_shards_or_options_is_refused(id_shards, tmp_path):
+    s = hbmio.stream(id_shards, shuffle=True, **RESUME_OPTIONS)
+    next(s)
+    state = s.state_dict()
+    opts = dict(RESUME_OPTIONS, shuffle=True)
+
+    def refused(paths=id_shards, state=state, says="", **change):
+        with pytest.raises(ValueError, match=says):
+            hbmio.stream(paths, state=state, **dict(opts, **change))
+
+    refused(says="seed=7; this stream's is seed=8", seed=8)
+    refused(says="shuffle=1; this stream's is shuffle=0", shuffle=False)
+    refused(says="drop_last", drop_last=True)
+    refused(says="shuffle_window", shuffle_window=0)
+    refused(says="batches of 4 records; this stream's are 5", batch_size=5)
+    # Other shards: one fewer, another size, other records of the same bytes, the same sizes with another header.
+    refused(id_shards[:2], says="other shards")
+    other = tmp_path / "other"
+    other.mkdir()
+    for i, n in enumerate(RESUME_COUNTS):
+        np.save(other / f"ids-{i}.npy", np.arange(n + (i == 1), dtype=np.int64).reshape(-1, 1))
+    refused(sorted(str(p) for p in other.iterdir()), says="other shards")
+    for i, n in enumerate(RESUME_COUNTS):
+        np.save(other / f"ids-{i}.npy", np.arange(2 * n, dtype=np.int32).reshape(n, 2))
+    refused(sorted(str(p) for p in other.iterdir()), says="records :I32\\[2\\]|is of records")
+    # Not a state, or a damaged one.
+    refused(state={"epoch": 0}, says="not a stream state")
+    refused(state=dict(state, batches="x"), says="'batches'")
+    refused(state=dict(state, pool="5:3"), says="pieces")
+    refused(state=dict(state, rank_batches="1,2,3"), says="3 ranks for a world of 1")
+    # The same shards copied elsewhere resume (names, sizes and headers, not directories).
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in id_shards:
+        (copy / os.path.basename(p)).write_bytes(open(p, "rb").read())
+    rest = [batch_ids(b) for b in s]
+    assert resumed(sorted(str(p) for p in copy.iterdir()), state, 0, 1, shuffle=True) == rest
