@@ -517,6 +517,80 @@ TEST(DoctorModes, P2pdmaOnTheCapturedMachines) {
   EXPECT_EQ(check_in(dev_checks, "gds.p2pdma_mode").status, CheckStatus::info);  // no GPU
 }
 
+TEST(DoctorModes, CufileJsonThatForbidsCompatibilityMode) {
+  Tree tree;
+  build_gds_server(tree);
+  fs::remove_all(tree.path() / "proc/driver/nvidia-fs");
+  tree.write("etc/cufile.json",
+             "// forbids compatibility mode, with a misspelt key, a key of a later libcufile and values out of range\n"
+             "{\n"
+             "  \"logging\": { \"level\": \"VERBOSE\" },\n"
+             "  \"execution\": { \"max_io_threads\": 0, \"parallel_io\": true },\n"
+             "  \"properties\": {\n"
+             "    \"allow_compat_mode\": false,\n"
+             "    \"use_pci_p2pdma\": false,\n"
+             "    \"allow_compat_mod\": true,\n"
+             "    \"per_buffer_cache_size_kb\": 1000,\n"
+             "    \"posix_pool_slab_size_kb\": [4, 1024],\n"
+             "    \"posix_pool_slab_count\": [128, 64, 64]\n"
+             "  },\n"
+             "  \"block\": { \"nvme\": { \"use_pci_p2pdma\": true } },\n"
+             "  \"fs\": { \"lustre\": { \"posix_gds_min_kb\": 16, \"mount_table\": { \"/lustre/a\": { \"rdma_dev_addr_list\": [] } } } },\n"
+             "  \"denylist\": { \"mounts\": [\"/mnt/slow\"] }\n"
+             "}\n");
+  const auto checks = hbmio::run_doctor({.root = tree.path().string()});
+  SCOPED_TRACE(dump(checks));
+  const Check& forbid = check_in(checks, "gds.cufile_setting:properties.allow_compat_mode");
+  EXPECT_EQ(forbid.status, CheckStatus::warn);  // no nvidia-fs, P2PDMA not selected: nothing left
+  EXPECT_NE(forbid.found.find("forbids compatibility mode"), std::string::npos) << forbid.found;
+  EXPECT_NE(forbid.found.find("no DMA mode is available here"), std::string::npos) << forbid.found;
+  EXPECT_EQ(check_in(checks, "gds.cufile_setting:logging.level").status, CheckStatus::warn);
+  EXPECT_NE(check_in(checks, "gds.cufile_setting:logging.level").found.find("\"VERBOSE\" is not one of NOTICE"), std::string::npos);
+  EXPECT_NE(check_in(checks, "gds.cufile_setting:properties.per_buffer_cache_size_kb").found.find("1000 is not an integer from 1024 to 16384"),
+            std::string::npos);
+  EXPECT_NE(check_in(checks, "gds.cufile_setting:properties.posix_pool_slab_size_kb").found.find("2 entries, but the other posix_pool_slab list has 3"),
+            std::string::npos);
+  EXPECT_EQ(check_in(checks, "gds.cufile_setting:execution.max_io_threads").status, CheckStatus::info);
+  EXPECT_NE(check_in(checks, "gds.cufile_setting:fs.lustre.posix_gds_min_kb").found.find("16 KiB or less on lustre"), std::string::npos);
+  EXPECT_NE(check_in(checks, "gds.cufile_setting:denylist.mounts").found.find("/mnt/slow"), std::string::npos);
+  EXPECT_EQ(find_check(checks, "gds.cufile_setting:properties.use_pci_p2pdma"), nullptr);  // false selects nothing
+  const Check& audit = check_in(checks, "gds.cufile_audit");
+  EXPECT_EQ(audit.status, CheckStatus::warn);
+  EXPECT_NE(audit.found.find("unknown to libcufile (ignored): properties.allow_compat_mod"), std::string::npos) << audit.found;
+  EXPECT_NE(audit.found.find("known only to later libcufile (ignored by 1.15): block.nvme.use_pci_p2pdma"), std::string::npos) << audit.found;
+  EXPECT_EQ(audit.found.find("mount_table."), std::string::npos) << "a mount table's paths are not settings: " << audit.found;
+  EXPECT_FALSE(hbmio::any_failed(checks));
+
+  // With nvidia-fs loaded, forbidding compatibility mode is a choice, not a trap.
+  tree.write("proc/driver/nvidia-fs/version", "version: 2.26\n");
+  EXPECT_EQ(check_in(hbmio::run_doctor({.root = tree.path().string()}), "gds.cufile_setting:properties.allow_compat_mode").status,
+            CheckStatus::info);
+
+  // Forcing compatibility mode, and a malformed file named by its line.
+  tree.write("etc/cufile.json", "{ \"properties\": { \"force_compat_mode\": true } }\n");
+  EXPECT_EQ(check_in(hbmio::run_doctor({.root = tree.path().string()}), "gds.cufile_setting:properties.force_compat_mode").status,
+            CheckStatus::warn);
+  tree.write("etc/cufile.json", "{\n  // a comment keeps its line\n  \"properties\": {\n    \"allow_compat_mode\": tru\n  }\n}\n");
+  const auto broken = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_EQ(check_in(broken, "gds.cufile_json").status, CheckStatus::fail);
+  EXPECT_NE(check_in(broken, "gds.cufile_json").found.find("at line 4: `\"allow_compat_mode\": tru`"), std::string::npos)
+      << check_in(broken, "gds.cufile_json").found;
+  EXPECT_EQ(find_check(broken, "gds.cufile_audit"), nullptr);
+}
+
+TEST(DoctorModes, ShippedCufileJsonPassesTheAudit) {
+  // The lent GPU machine's /etc/cufile.json is the one libcufile 1.15.1 ships: every key known.
+  std::string why;
+  const fs::path h200 = unpack_archive(fs::path(HBMIO_TEST_DATA) / "doctor" / "gpu-h200.tar.xz", "local-gpu-h200", why);
+  ASSERT_FALSE(h200.empty()) << why;
+  const auto checks = hbmio::run_doctor({.root = h200.string()});
+  SCOPED_TRACE(dump(checks));
+  const Check& audit = check_in(checks, "gds.cufile_audit");
+  EXPECT_EQ(audit.status, CheckStatus::pass) << audit.found;
+  EXPECT_NE(audit.found.find("0 out of range, 0 that force or forbid a path"), std::string::npos) << audit.found;
+  for (const auto& c : checks) EXPECT_FALSE(c.id.starts_with("gds.cufile_setting:")) << c.id << ": " << c.found;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pieces
 // ---------------------------------------------------------------------------------------------

@@ -1,4 +1,6 @@
 // GDS: libcufile, cufile.json, nvidia-fs, PCI P2PDMA, udev, and cuFile's verdict on each PATH.
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -69,8 +71,20 @@ CufileConfig load_cufile_config(const Root& root) {
     config.text = root.read_file("etc/cufile.json");
   }
   if (!config.text) return config;
+  const std::string stripped = strip_json_comments(*config.text);  // comments leave their newlines: lines stay the file's
   try {
-    config.json = nlohmann::json::parse(strip_json_comments(*config.text));
+    config.json = nlohmann::json::parse(stripped);
+  } catch (const nlohmann::json::parse_error& e) {
+    // The parser stops after the offending token, often on the next line: name the line of the
+    // last thing it read that is not white space, and show it.
+    std::size_t at = std::min<std::size_t>(e.byte > 0 ? e.byte - 1 : 0, stripped.size());
+    while (at > 0 && (at >= stripped.size() || std::isspace(static_cast<unsigned char>(stripped[at])))) --at;
+    const auto line = 1 + std::count(stripped.begin(), stripped.begin() + static_cast<std::ptrdiff_t>(at), '\n');
+    const auto begin = stripped.rfind('\n', at == 0 ? 0 : at - (stripped[at] == '\n' ? 1 : 0));
+    const auto start = begin == std::string::npos || at == 0 ? 0 : begin + 1;
+    const auto end = stripped.find('\n', start);
+    config.parse_error = fmt::format("line {}: `{}`: {}", line, attribute_value(stripped.substr(start, end == std::string::npos ? end : end - start)),
+                                     e.what());
   } catch (const nlohmann::json::exception& e) {
     config.parse_error = e.what();
   }
@@ -110,7 +124,7 @@ void check_cufile_json(const Root& root, const Inventory& inventory, const Cufil
     return;
   }
   if (!cufile.json) {
-    out.push_back(make_check("gds.cufile_json", kGroupGds, CheckStatus::fail, fmt::format("{} is not valid JSON: {}", shown, cufile.parse_error),
+    out.push_back(make_check("gds.cufile_json", kGroupGds, CheckStatus::fail, fmt::format("{} is not valid JSON at {}", shown, cufile.parse_error),
                              "valid JSON (// comments allowed)", "correct " + shown + " at the position named"));
     return;
   }
@@ -331,6 +345,228 @@ void check_p2pdma_mode(const Root& root, const Inventory& inventory, const Cufil
 
 }  // namespace
 
+namespace {
+
+// The keys libcufile 1.15 reads. Source: the cufile.json libcufile 1.15.1 ships (CUDA 13.0; the
+// copy in tests/data/doctor/gpu-h200.tar.xz, /etc/cufile.json), its commented-out keys included,
+// plus properties.force_compat_mode and the batch limits (NVIDIA's GDS troubleshooting guide, "JSON
+// Config Parameters Used by GPUDirect Storage") and the older blacklist.* names of denylist.*.
+constexpr std::string_view kCufileKeys115[] = {
+    "logging.dir", "logging.level", "profile.nvtx", "profile.cufile_stats",
+    "execution.max_io_queue_depth", "execution.max_io_threads", "execution.parallel_io", "execution.min_io_threshold_size_kb",
+    "execution.max_request_parallelism",
+    "properties.max_direct_io_size_kb", "properties.max_device_cache_size_kb", "properties.per_buffer_cache_size_kb",
+    "properties.max_device_pinned_mem_size_kb", "properties.posix_pool_slab_size_kb", "properties.posix_pool_slab_count",
+    "properties.use_poll_mode", "properties.poll_mode_max_size_kb", "properties.use_pci_p2pdma", "properties.allow_compat_mode",
+    "properties.force_compat_mode", "properties.gds_rdma_write_support", "properties.io_batchsize", "properties.io_priority",
+    "properties.rdma_dev_addr_list", "properties.rdma_load_balancing_policy", "properties.rdma_dc_key", "properties.rdma_access_mask",
+    "properties.rdma_dynamic_routing", "properties.rdma_dynamic_routing_order", "properties.max_batch_io_size",
+    "properties.max_batch_io_timeout_msecs",
+    "fs.generic.posix_unaligned_writes",
+    "fs.beegfs.posix_gds_min_kb", "fs.beegfs.rdma_dev_addr_list", "fs.beegfs.mount_table",
+    "fs.lustre.posix_gds_min_kb", "fs.lustre.rdma_dev_addr_list", "fs.lustre.mount_table",
+    "fs.nfs.rdma_dev_addr_list", "fs.nfs.mount_table",
+    "fs.gpfs.gds_write_support", "fs.gpfs.gds_async_support", "fs.gpfs.rdma_dev_addr_list", "fs.gpfs.mount_table",
+    "fs.weka.rdma_write_support",
+    "denylist.drivers", "denylist.devices", "denylist.mounts", "denylist.filesystems",
+    "blacklist.drivers", "blacklist.devices", "blacklist.mounts", "blacklist.filesystems",
+    "miscellaneous.api_check_aggressive",
+};
+
+// Keys of later libcufile releases that 1.15 ignores. Source: NVIDIA gds-diag's configuration
+// schema (NVIDIA/MagnumIO gds-diag/checks/cufile_config.py, CONFIG_SCHEMA).
+constexpr std::string_view kCufileKeysLater[] = {
+    "block.nvme.use_pci_p2pdma", "block.nvmeof.use_pci_p2pdma", "block.raid.use_pci_p2pdma", "block.raid1.use_pci_p2pdma",
+    "block.raid10.use_pci_p2pdma", "fs.virtiofs.use_pci_p2pdma", "fs.lustre.use_pci_p2pdma", "fs.beegfs.use_pci_p2pdma",
+    "fs.gpfs.use_pci_p2pdma", "fs.nfs.use_pci_p2pdma", "fs.scatefs.posix_gds_min_kb", "fs.scatefs.use_pci_p2pdma",
+    "profile.io_batchsize", "properties.use_compat_mode", "properties.force_odirect_mode", "properties.prefer_iouring",
+    "properties.vanilla_posix_io_mode", "properties.gds_fallback_io", "properties.allow_rdma_token_reset",
+    "properties.compat_odirect_unaligned_read_split", "properties.compat_odirect_unaligned_read_split_min_size_kb",
+    "properties.gpu_bounce_buffer_slab_size_kb", "properties.gpu_bounce_buffer_slab_count", "properties.gpu_bounce_buffer_slab_config",
+    "properties.rdma_peer_type", "properties.rdma_peer_affinity_policy", "properties.rdma_topN_ranks", "properties.rdma_transport_type",
+    "sparse.min_p2pdma_threshold_kb", "sparse.p2p_compat_enable",
+};
+
+template <std::size_t N>
+bool listed(const std::string_view (&keys)[N], std::string_view key) {
+  return std::find(std::begin(keys), std::end(keys), key) != std::end(keys);
+}
+
+// Every setting as "a.b.c" -> value; mount tables and slab configs are one value (their keys are
+// paths and sizes, not settings).
+void flatten(const nlohmann::json& node, const std::string& prefix, std::vector<std::pair<std::string, const nlohmann::json*>>& out) {
+  for (auto it = node.begin(); it != node.end(); ++it) {
+    const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
+    if (it->is_object() && it.key() != "mount_table" && it.key() != "gpu_bounce_buffer_slab_config")
+      flatten(*it, key, out);
+    else
+      out.emplace_back(key, &*it);
+  }
+}
+
+// What is wrong with one value, or nothing. Ranges from the comments of the shipped cufile.json.
+std::optional<std::string> out_of_range(const std::string& key, const nlohmann::json& v, const CufileConfig& cufile) {
+  static const std::vector<std::string> bools = {
+      "profile.nvtx", "execution.parallel_io", "properties.use_poll_mode", "properties.use_pci_p2pdma", "properties.allow_compat_mode",
+      "properties.force_compat_mode", "properties.gds_rdma_write_support", "properties.rdma_dynamic_routing",
+      "fs.generic.posix_unaligned_writes", "fs.gpfs.gds_write_support", "fs.gpfs.gds_async_support", "fs.weka.rdma_write_support",
+      "miscellaneous.api_check_aggressive"};
+  if (std::find(bools.begin(), bools.end(), key) != bools.end())
+    return v.is_boolean() ? std::nullopt : std::optional<std::string>(fmt::format("{} is not true or false", v.dump()));
+  const auto one_of = [&](std::initializer_list<const char*> allowed) -> std::optional<std::string> {
+    if (v.is_string())
+      for (const char* a : allowed)
+        if (v.get<std::string>() == a) return std::nullopt;
+    std::string list;
+    for (const char* a : allowed) list += (list.empty() ? "" : ", ") + std::string(a);
+    return fmt::format("{} is not one of {}", v.dump(), list);
+  };
+  if (key == "logging.level") return one_of({"NOTICE", "ERROR", "WARN", "INFO", "DEBUG", "TRACE"});
+  if (key == "properties.io_priority") return one_of({"default", "low", "med", "high"});
+  if (key == "properties.rdma_load_balancing_policy") return one_of({"RoundRobin", "RoundRobinMaxMin"});
+  if (key == "properties.rdma_dynamic_routing_order") {
+    if (!v.is_array()) return "not a list";
+    for (const auto& item : v)
+      if (!item.is_string() || (item != "GPU_MEM_NVLINKS" && item != "GPU_MEM" && item != "SYS_MEM" && item != "P2P"))
+        return fmt::format("{} is not one of GPU_MEM_NVLINKS, GPU_MEM, SYS_MEM, P2P", item.dump());
+    return std::nullopt;
+  }
+  if (key.ends_with("rdma_dev_addr_list") || key.starts_with("denylist.") || key.starts_with("blacklist."))
+    return v.is_array() ? std::nullopt : std::optional<std::string>("not a list");
+  const auto multiple = [&](const nlohmann::json& x, long long unit, long long low, long long high) -> std::optional<std::string> {
+    if (!x.is_number_integer() || x.get<long long>() < low || x.get<long long>() > high)
+      return fmt::format("{} is not an integer from {} to {}", x.dump(), low, high);
+    if (unit > 1 && x.get<long long>() % unit != 0) return fmt::format("{} is not a multiple of {}", x.dump(), unit);
+    return std::nullopt;
+  };
+  constexpr long long kMax = 1LL << 40;
+  if (key == "profile.cufile_stats") return multiple(v, 1, 0, 3);
+  if (key == "properties.max_direct_io_size_kb") return multiple(v, 64, 64, kMax);
+  if (key == "properties.per_buffer_cache_size_kb") return multiple(v, 64, 1024, 16384);
+  if (key == "properties.max_device_cache_size_kb" || key == "properties.max_device_pinned_mem_size_kb" ||
+      key == "properties.poll_mode_max_size_kb" || key.ends_with(".posix_gds_min_kb"))
+    return multiple(v, 4, 0, kMax);
+  if (key == "execution.max_io_queue_depth" || key == "execution.max_request_parallelism" || key == "properties.io_batchsize")
+    return multiple(v, 1, 1, kMax);
+  if (key == "execution.max_io_threads" || key == "execution.min_io_threshold_size_kb") return multiple(v, 1, 0, kMax);
+  if (key == "properties.posix_pool_slab_size_kb" || key == "properties.posix_pool_slab_count") {
+    if (!v.is_array() || v.empty()) return "not a non-empty list";
+    for (const auto& item : v)
+      if (auto bad = multiple(item, key.ends_with("size_kb") ? 4 : 1, 1, kMax)) return "an entry " + *bad;
+    const auto* other = cufile.find(key.ends_with("size_kb") ? "properties.posix_pool_slab_count" : "properties.posix_pool_slab_size_kb");
+    if (other && other->is_array() && other->size() != v.size())
+      return fmt::format("{} entries, but the other posix_pool_slab list has {}", v.size(), other->size());
+  }
+  return std::nullopt;
+}
+
+void check_cufile_audit(const Root& root, const Inventory& inventory, const CufileConfig& cufile, const P2pdmaFacts& p2pdma,
+                        bool nvidia_fs, std::vector<Check>& out) {
+  if (!cufile.json || !cufile.json->is_object()) {
+    if (cufile.json)
+      out.push_back(make_check("gds.cufile_audit", kGroupGds, CheckStatus::fail, cufile.shown + " is not a JSON object", "{ \"properties\": {...} }",
+                               "write the settings as one JSON object, as the shipped cufile.json does"));
+    return;  // no file, or not JSON: gds.cufile_json says so
+  }
+  std::vector<std::pair<std::string, const nlohmann::json*>> settings;
+  flatten(*cufile.json, "", settings);
+  const bool have_gpu = !inventory.gpus.empty();
+  const std::string& file = cufile.shown;
+  const auto setting = [&](const std::string& key, CheckStatus status, const std::string& found, const std::string& expected = {},
+                           const std::string& fix = {}) {
+    out.push_back(make_check("gds.cufile_setting:" + key, kGroupGds, status, found, expected, fix));
+  };
+  std::vector<std::string> unknown, later;
+  int bad = 0, modes = 0;
+  for (const auto& [key, value] : settings) {
+    if (!listed(kCufileKeys115, key)) {
+      (listed(kCufileKeysLater, key) ? later : unknown).push_back(key);
+      continue;
+    }
+    if (const auto why = out_of_range(key, *value, cufile)) {
+      ++bad;
+      setting(key, CheckStatus::warn, fmt::format("{}: {} out of range: {}", file, key, *why), "a value libcufile accepts",
+              "correct it in " + file + " (libcufile falls back to its default or refuses to start)");
+      continue;
+    }
+    const auto is_true = [&] { return value->is_boolean() && value->get<bool>(); };
+    const auto is_false = [&] { return value->is_boolean() && !value->get<bool>(); };
+    if (key == "properties.force_compat_mode" && is_true()) {
+      ++modes;
+      setting(key, have_gpu ? CheckStatus::warn : CheckStatus::info,
+              "forces compatibility mode: every file goes through host memory, nvidia-fs and P2PDMA unused", "false",
+              "set it to false in " + file);
+    } else if (key == "properties.allow_compat_mode" && is_false()) {
+      ++modes;
+      const bool direct = nvidia_fs || p2pdma.ready();
+      setting(key, have_gpu && !direct ? CheckStatus::warn : CheckStatus::info,
+              fmt::format("forbids compatibility mode: a file cuFile cannot move by DMA fails instead of going through host memory{}",
+                          direct ? "" : " (and no DMA mode is available here: nvidia-fs absent, P2PDMA not ready)"),
+              direct ? "" : "true, or a DMA mode (nvidia-fs or P2PDMA)",
+              direct ? "" : "set allow_compat_mode to true in " + file + ", or make nvidia-fs or P2PDMA available");
+    } else if (key == "properties.use_pci_p2pdma" && is_true()) {
+      ++modes;
+      setting(key, CheckStatus::info, "selects P2PDMA mode for NVMe (see gds.p2pdma_mode)");
+    } else if (key == "properties.gds_rdma_write_support" && is_false()) {
+      ++modes;
+      setting(key, CheckStatus::info, "writes to RDMA-backed file systems go through compatibility mode");
+    } else if (key == "fs.generic.posix_unaligned_writes" && is_true()) {
+      ++modes;
+      setting(key, CheckStatus::info, "unaligned writes go through POSIX writes (compatibility), not GDS");
+    } else if (key.ends_with(".posix_gds_min_kb") && value->is_number_integer() && value->get<long long>() > 0) {
+      ++modes;
+      setting(key, CheckStatus::info, fmt::format("I/O of {} KiB or less on {} goes through POSIX (compatibility)", value->dump(),
+                                                  key.substr(3, key.find('.', 3) - 3)));
+    } else if ((key.starts_with("denylist.") || key.starts_with("blacklist.")) && value->is_array() && !value->empty()) {
+      ++modes;
+      setting(key, CheckStatus::info, fmt::format("cuFile does no GDS I/O for these {}: {}", key.substr(key.find('.') + 1), value->dump()));
+    } else if ((key == "execution.parallel_io" && is_false()) ||
+               (key == "execution.max_io_threads" && value->is_number_integer() && value->get<long long>() == 0)) {
+      ++modes;
+      setting(key, CheckStatus::info, fmt::format("{} {}: one request is not split across cuFile's threads", key, value->dump()));
+    }
+  }
+  // max_device_cache_size_kb / per_buffer_cache_size_kb bounce buffers must cover a batch.
+  const auto number = [&](const char* key, long long fallback) {
+    const auto* v = cufile.find(key);
+    return v && v->is_number_integer() && v->get<long long>() > 0 ? v->get<long long>() : fallback;
+  };
+  const long long cache = number("properties.max_device_cache_size_kb", 131072), buffer = number("properties.per_buffer_cache_size_kb", 1024),
+                  batch = number("properties.io_batchsize", 128);
+  if (cache / buffer < batch) {
+    ++bad;
+    setting("properties.io_batchsize", CheckStatus::warn,
+            fmt::format("{}: max_device_cache_size_kb / per_buffer_cache_size_kb = {} / {} = {} bounce buffers, fewer than io_batchsize {}",
+                        file, cache, buffer, cache / buffer, batch),
+            "max_device_cache_size_kb / per_buffer_cache_size_kb >= io_batchsize", "raise max_device_cache_size_kb or lower io_batchsize");
+  }
+
+  std::string version = "1.15";
+  if (root.is_live()) {
+    const auto& api = shim::CufileApi::instance();
+    if (api.loaded()) version = api.version_string();
+  }
+  std::string found = fmt::format("{}: {} settings checked against libcufile 1.15's keys{}; {} out of range, {} that force or forbid a path",
+                                  file, settings.size(), version == "1.15" ? "" : " (installed: " + version + ")", bad, modes);
+  const auto names = [](const std::vector<std::string>& keys) {
+    std::string text;
+    for (const auto& k : keys) text += (text.empty() ? "" : ", ") + k;
+    return text;
+  };
+  if (!unknown.empty()) found += "; unknown to libcufile (ignored): " + names(unknown);
+  if (!later.empty()) found += "; known only to later libcufile (ignored by 1.15): " + names(later);
+  if (!unknown.empty())
+    out.push_back(make_check("gds.cufile_audit", kGroupGds, CheckStatus::warn, found, "only keys libcufile reads",
+                             "correct the misspelt keys or remove them: libcufile ignores them silently"));
+  else if (bad > 0 || !later.empty())
+    out.push_back(make_check("gds.cufile_audit", kGroupGds, CheckStatus::info, found, "",
+                             later.empty() ? "see the gds.cufile_setting lines" : "these keys take effect only with a newer libcufile"));
+  else
+    out.push_back(make_check("gds.cufile_audit", kGroupGds, CheckStatus::pass, found));
+}
+
+}  // namespace
+
 void check_gds(const Root& root, const Inventory& inventory, const std::vector<PathFacts>& paths, std::vector<Check>& out) {
   const bool have_gpu = !inventory.gpus.empty();
   if (root.is_live()) {
@@ -377,6 +613,7 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
 
   const P2pdmaFacts p2pdma_facts = find_p2pdma_facts(root, inventory, cufile);
   check_p2pdma_mode(root, inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
+  check_cufile_audit(root, inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
 
   if (!root.is_live() && !root.exists("run")) {
     out.push_back(make_check("gds.udev", kGroupGds, CheckStatus::info, "no /run in this tree: udev unknown"));
