@@ -46,7 +46,7 @@ _memory_counters = _hbmio._memory_counters
 _idle_engines = _hbmio._idle_engines
 
 __version__ = _hbmio.__version__
-__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "load_file", "save_file", "SaveHandle", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers", "stream", "Stream",
+__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "StateError", "load_file", "save_file", "SaveHandle", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers", "stream", "Stream",
            "cuda_device_count", "cuda_unavailable_reason"]
 
 # Free the pooled engines while the CUDA runtime is still alive (a static destructor would run
@@ -706,4 +706,4 @@ def __getattr__(name):
 
 
 from .integrations import use_in_transformers  # noqa: E402  (it imports from this module)
-from ._stream import Stream, stream  # noqa: E402  (it imports from this module)
+from ._stream import StateError, Stream, stream  # noqa: E402  (it imports from this module)
