@@ -591,6 +591,77 @@ TEST(DoctorModes, ShippedCufileJsonPassesTheAudit) {
   for (const auto& c : checks) EXPECT_FALSE(c.id.starts_with("gds.cufile_setting:")) << c.id << ": " << c.found;
 }
 
+namespace {
+
+// The constructed server seen from inside a Docker container: the GPU nodes passed in by the
+// toolkit, nvidia-fs loaded on the host but its nodes not passed in, no udev database, no
+// CAP_IPC_LOCK, and an image that carries its own (older) libcuda.
+void build_container(const Tree& t) {
+  build_gds_server(t);
+  t.write(".dockerenv", "");
+  t.write("proc/1/cgroup", "0::/system.slice/docker-4f1c2e.scope\n");
+  for (const char* node : {"dev/nvidia0", "dev/nvidiactl", "dev/nvidia-uvm"}) t.write(node, "");
+  fs::remove_all(t.path() / "run");
+  t.write("proc/self/mountinfo",
+          "500 400 0:50 / / rw,relatime - overlay overlay rw,lowerdir=/var/lib/docker/overlay2/l/A\n"
+          "501 500 0:51 / /sys ro,nosuid,nodev,noexec,relatime - sysfs sysfs ro\n"
+          "502 500 259:1 /data /data rw,noatime - ext4 /dev/nvme0n1p1 rw,data=ordered\n");
+  t.write("proc/self/status", "Name:\thbmio\nCapInh:\t0000000000000000\nCapPrm:\t00000000a80425fb\nCapEff:\t00000000a80425fb\n");
+  t.write("proc/self/limits", "Limit                     Soft Limit           Hard Limit           Units\n"
+                              "Max locked memory         8388608              8388608              bytes\n");
+  t.write("usr/lib/x86_64-linux-gnu/libcuda.so.570.86.15", "");
+  t.write("usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.15.1", "");
+}
+
+}  // namespace
+
+TEST(DoctorModes, ContainerWithoutNvidiaFsNodes) {
+  Tree tree;
+  build_container(tree);
+  const auto checks = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data"}});
+  SCOPED_TRACE(dump(checks));
+  EXPECT_NE(check_in(checks, "gds.container").found.find("/.dockerenv (Docker); /proc/1/cgroup names docker"), std::string::npos);
+  const Check& devices = check_in(checks, "gds.container_devices");
+  EXPECT_EQ(devices.status, CheckStatus::warn);
+  EXPECT_NE(devices.found.find("GPU nodes /dev/nvidia-uvm /dev/nvidia0 /dev/nvidiactl; nvidia-fs nodes none (module loaded on the host)"),
+            std::string::npos) << devices.found;
+  EXPECT_NE(devices.fix.find("--device /dev/nvidia-fs0"), std::string::npos) << devices.fix;
+  EXPECT_NE(devices.fix.find("/dev/infiniband/rdma_cm"), std::string::npos) << devices.fix;  // NVMe-oF over RDMA is present
+  const Check& mounts = check_in(checks, "gds.container_mounts");
+  EXPECT_EQ(mounts.status, CheckStatus::warn);
+  EXPECT_NE(mounts.found.find("/run/udev/data absent; /sys sysfs (ro)"), std::string::npos) << mounts.found;
+  EXPECT_NE(mounts.fix.find("-v /run/udev:/run/udev:ro"), std::string::npos);
+  const Check& caps = check_in(checks, "gds.container_capabilities");
+  EXPECT_EQ(caps.status, CheckStatus::warn);
+  EXPECT_NE(caps.found.find("CAP_IPC_LOCK no; Max locked memory 8388608 bytes"), std::string::npos) << caps.found;
+  const Check& libs = check_in(checks, "gds.container_libraries");
+  EXPECT_EQ(libs.status, CheckStatus::fail);  // libcuda 570 against the 580 module: CUDA cannot start
+  EXPECT_NE(libs.found.find("kernel module 580.95.05; libcuda /usr/lib/x86_64-linux-gnu/libcuda.so.570.86.15"), std::string::npos) << libs.found;
+  EXPECT_NE(libs.found.find("libcufile /usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.15.1"), std::string::npos) << libs.found;
+
+  // Launched as it should be: nodes, udev, IPC_LOCK, the host's driver libraries.
+  tree.write("dev/nvidia-fs0", "");
+  tree.write("dev/nvidia-fs1", "");
+  tree.write("dev/infiniband/rdma_cm", "");
+  tree.write("dev/infiniband/uverbs0", "");
+  tree.mkdir("run/udev/data");
+  tree.write("proc/self/status", "CapEff:\t00000000a80465fb\n");
+  fs::remove(tree.path() / "usr/lib/x86_64-linux-gnu/libcuda.so.570.86.15");
+  tree.write("usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05", "");
+  const auto good = hbmio::run_doctor({.root = tree.path().string()});
+  SCOPED_TRACE(dump(good));
+  for (const char* id : {"gds.container_devices", "gds.container_mounts", "gds.container_capabilities", "gds.container_libraries"})
+    EXPECT_EQ(check_in(good, id).status, CheckStatus::pass) << id << ": " << check_in(good, id).found;
+  EXPECT_NE(check_in(good, "gds.container_capabilities").found.find("CAP_IPC_LOCK yes"), std::string::npos);
+
+  // Outside a container: one line.
+  Tree host;
+  build_gds_server(host);
+  const auto on_host = hbmio::run_doctor({.root = host.path().string()});
+  EXPECT_EQ(check_in(on_host, "gds.container").found.substr(0, 20), "not in a container (");
+  EXPECT_EQ(find_check(on_host, "gds.container_devices"), nullptr);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pieces
 // ---------------------------------------------------------------------------------------------

@@ -567,6 +567,156 @@ void check_cufile_audit(const Root& root, const Inventory& inventory, const Cufi
 
 }  // namespace
 
+namespace {
+
+// Whether the tree is a container's view, and why it looks like one.
+std::vector<std::string> container_markers(const Root& root) {
+  std::vector<std::string> markers;
+  if (root.exists(".dockerenv")) markers.push_back("/.dockerenv (Docker)");
+  if (root.exists("run/.containerenv")) markers.push_back("/run/.containerenv (Podman)");
+  if (root.exists("var/run/secrets/kubernetes.io/serviceaccount") || root.exists("run/secrets/kubernetes.io/serviceaccount"))
+    markers.push_back("Kubernetes service account mounted");
+  for (const char* file : {"proc/1/cgroup", "proc/self/cgroup"}) {
+    const std::string text = root.read_file(file, 1 << 16).value_or("");
+    std::string hits;
+    for (const char* word : {"docker", "kubepods", "containerd", "libpod", "lxc", "enroot"})
+      if (text.find(word) != std::string::npos) hits += (hits.empty() ? "" : ", ") + std::string(word);
+    if (!hits.empty()) {
+      markers.push_back(fmt::format("/{} names {}", file, hits));
+      break;
+    }
+  }
+  if (root.is_live())
+    for (const char* variable : {"container", "KUBERNETES_SERVICE_HOST"})
+      if (const char* value = std::getenv(variable); value && *value) markers.push_back(fmt::format("${}={}", variable, value));
+  return markers;
+}
+
+// Library files named `stem`.so.<version> in the usual places; "libcuda.so.580.95.05" -> "580.95.05".
+std::vector<std::pair<std::string, std::string>> find_libraries(const Root& root, std::string_view stem) {
+  std::vector<std::pair<std::string, std::string>> found;
+  const std::string prefix = std::string(stem) + ".so.";
+  for (const char* dir : {"usr/lib/x86_64-linux-gnu", "usr/lib/aarch64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu",
+                          "usr/local/cuda/lib64", "usr/local/cuda/targets/x86_64-linux/lib", "usr/local/cuda/targets/sbsa-linux/lib"})
+    for (const auto& name : root.list(dir))
+      if (name.starts_with(prefix) && name.size() > prefix.size() && std::isdigit(static_cast<unsigned char>(name[prefix.size()])))
+        found.emplace_back("/" + std::string(dir) + "/" + name, name.substr(prefix.size()));
+  return found;
+}
+
+void check_container(const Root& root, const Inventory& inventory, bool nvidia_fs, const CufileConfig& cufile, std::vector<Check>& out) {
+  const auto markers = container_markers(root);
+  std::string why;
+  for (const auto& m : markers) why += (why.empty() ? "" : "; ") + m;
+  if (markers.empty()) {
+    out.push_back(make_check("gds.container", kGroupGds, CheckStatus::info,
+                             "not in a container (no /.dockerenv, /run/.containerenv, Kubernetes account or container cgroup)"));
+    return;
+  }
+  out.push_back(make_check("gds.container", kGroupGds, CheckStatus::info, "in a container: " + why));
+  const bool have_gpu = !inventory.gpus.empty();
+
+  // Device nodes: the GPU's, nvidia-fs's (the host's module is visible in /proc, its nodes only if passed in), RDMA's.
+  std::vector<std::string> gpu_nodes, nvfs_nodes, rdma_nodes;
+  for (const auto& name : root.list("dev")) {
+    if (name.starts_with("nvidia-fs")) nvfs_nodes.push_back("/dev/" + name);
+    else if (name == "nvidiactl" || name == "nvidia-uvm" || (name.starts_with("nvidia") && name.size() > 6 && std::isdigit(static_cast<unsigned char>(name[6]))))
+      gpu_nodes.push_back("/dev/" + name);
+  }
+  for (const auto& name : root.list("dev/infiniband"))
+    if (name == "rdma_cm" || name.starts_with("uverbs")) rdma_nodes.push_back("/dev/infiniband/" + name);
+  const auto list = [](const std::vector<std::string>& items) {
+    if (items.empty()) return std::string("none");
+    std::string text;
+    for (std::size_t i = 0; i < items.size() && i < 4; ++i) text += (text.empty() ? "" : " ") + items[i];
+    return items.size() > 4 ? fmt::format("{} (+{} more)", text, items.size() - 4) : text;
+  };
+  const bool rdma_wanted = !inventory.rdma.empty() ||
+                           std::any_of(inventory.nvme.begin(), inventory.nvme.end(), [](const NvmeController& c) { return c.transport == "rdma"; });
+  const std::string devices = fmt::format("GPU nodes {}; nvidia-fs nodes {} (module {}); RDMA nodes {}", list(gpu_nodes), list(nvfs_nodes),
+                                          nvidia_fs ? "loaded on the host" : "not loaded", list(rdma_nodes));
+  std::vector<std::string> fixes;
+  if (have_gpu && gpu_nodes.empty()) fixes.push_back("run with the NVIDIA container toolkit: docker run --gpus all (or --runtime=nvidia)");
+  if (nvidia_fs && nvfs_nodes.empty())
+    fixes.push_back("pass the nvidia-fs nodes in: --device /dev/nvidia-fs0 ... for each /dev/nvidia-fs* of the host (or NVIDIA_GDS=enabled with the toolkit)");
+  if (rdma_wanted && rdma_nodes.empty()) fixes.push_back("pass /dev/infiniband/rdma_cm and /dev/infiniband/uverbs* in (--device) for NVMe-oF and RDMA file systems");
+  std::string fix;
+  for (const auto& f : fixes) fix += (fix.empty() ? "" : "; ") + f;
+  if (!fixes.empty() && have_gpu)
+    out.push_back(make_check("gds.container_devices", kGroupGds, CheckStatus::warn,
+                             devices + (nvidia_fs && nvfs_nodes.empty() ? ": without the nvidia-fs nodes cuFile cannot use nvidia-fs here and falls back "
+                                                                          "to compatibility mode (or P2PDMA where ready)"
+                                                                        : ""),
+                             "the GPU and nvidia-fs device nodes of the host", fix));
+  else
+    out.push_back(make_check("gds.container_devices", kGroupGds, have_gpu ? CheckStatus::pass : CheckStatus::info, devices, "", fix));
+
+  // Mounts: the host's udev database, sysfs, and the cuFile configuration.
+  const std::string mountinfo = root.read_file("proc/self/mountinfo").value_or("");
+  const auto sys = find_mount(mountinfo, "/sys");
+  const bool udev = root.is_directory("run/udev/data");
+  const std::string mounts = fmt::format("/run/udev/data {}; /sys {}; {} {}", udev ? "present" : "absent",
+                                         sys && sys->fs_type == "sysfs" ? "sysfs (" + sys->options.substr(0, 2) + ")" : "not sysfs",
+                                         cufile.shown, cufile.text ? "visible" : "not visible");
+  std::vector<std::string> mount_fixes;
+  if (!udev) mount_fixes.push_back("bind the host's udev database: -v /run/udev:/run/udev:ro (libcufile refuses files without it)");
+  if (!cufile.text) mount_fixes.push_back("bind the host's cufile.json: -v /etc/cufile.json:/etc/cufile.json:ro");
+  if (!sys || sys->fs_type != "sysfs") mount_fixes.push_back("mount sysfs at /sys (read-only is enough)");
+  std::string mount_fix;
+  for (const auto& f : mount_fixes) mount_fix += (mount_fix.empty() ? "" : "; ") + f;
+  out.push_back(make_check("gds.container_mounts", kGroupGds, !have_gpu ? CheckStatus::info : !udev ? CheckStatus::warn : CheckStatus::pass, mounts,
+                           mount_fix.empty() ? "" : "/run/udev, /sys and cufile.json of the host", mount_fix));
+
+  // Capabilities and the locked-memory limit: pinning buffers needs CAP_IPC_LOCK or a high limit.
+  const std::string status = root.read_file("proc/self/status").value_or("");
+  std::optional<unsigned long long> cap_eff;
+  if (const auto at = status.find("CapEff:"); at != std::string::npos) cap_eff = std::strtoull(status.c_str() + at + 7, nullptr, 16);
+  std::string memlock;
+  if (const auto limits = root.read_file("proc/self/limits")) {
+    std::istringstream in(*limits);
+    for (std::string line; std::getline(in, line);)
+      if (line.starts_with("Max locked memory")) {
+        std::istringstream fields(line.substr(17));
+        fields >> memlock;  // the soft limit
+      }
+  }
+  const bool ipc_lock = cap_eff && (*cap_eff >> 14 & 1);
+  const bool memlock_low = !memlock.empty() && memlock != "unlimited" && std::strtoull(memlock.c_str(), nullptr, 10) < (1ULL << 30);
+  const std::string caps = fmt::format("CAP_IPC_LOCK {}; Max locked memory {}", !cap_eff ? "unknown" : ipc_lock ? "yes" : "no",
+                                       memlock.empty() ? "unknown" : memlock == "unlimited" ? memlock : memlock + " bytes");
+  if (have_gpu && cap_eff && !ipc_lock && memlock_low)
+    out.push_back(make_check("gds.container_capabilities", kGroupGds, CheckStatus::warn, caps + ": pinning (cuFileBufRegister, bounce buffers) is limited",
+                             "CAP_IPC_LOCK, or an unlimited locked-memory limit", "docker run --cap-add=IPC_LOCK (or --ulimit memlock=-1)"));
+  else
+    out.push_back(make_check("gds.container_capabilities", kGroupGds, cap_eff ? CheckStatus::pass : CheckStatus::info, caps));
+
+  // Libraries inside against the driver outside: the user-space driver must match the kernel module.
+  const auto version_text = root.read_file("proc/driver/nvidia/version");
+  const std::string module = version_text ? driver_version_in(*version_text) : "";
+  const auto libcuda = find_libraries(root, "libcuda");
+  const auto libcufile = find_libraries(root, "libcufile");
+  std::string libs = fmt::format("kernel module {}; libcuda", module.empty() ? "unknown" : module);
+  std::vector<std::string> mismatched;
+  for (const auto& [file, version] : libcuda) {
+    libs += " " + file;
+    if (!module.empty() && version != module && version != "1") mismatched.push_back(file);
+  }
+  if (libcuda.empty()) libs += " not found";
+  libs += "; libcufile";
+  for (const auto& [file, version] : libcufile) libs += " " + file;
+  if (libcufile.empty()) libs += " not found in the usual directories";
+  if (!mismatched.empty())
+    out.push_back(make_check("gds.container_libraries", kGroupGds, CheckStatus::fail, libs + ": the user-space driver does not match the kernel module",
+                             "libcuda.so." + module, "use the host's driver libraries (the NVIDIA container toolkit mounts them) instead of ones baked into the image"));
+  else if (have_gpu && libcuda.empty())
+    out.push_back(make_check("gds.container_libraries", kGroupGds, CheckStatus::warn, libs, "libcuda.so." + (module.empty() ? "<driver version>" : module),
+                             "run with the NVIDIA container toolkit (--gpus all), which mounts the driver's libraries"));
+  else
+    out.push_back(make_check("gds.container_libraries", kGroupGds, have_gpu ? CheckStatus::pass : CheckStatus::info, libs));
+}
+
+}  // namespace
+
 void check_gds(const Root& root, const Inventory& inventory, const std::vector<PathFacts>& paths, std::vector<Check>& out) {
   const bool have_gpu = !inventory.gpus.empty();
   if (root.is_live()) {
@@ -614,6 +764,7 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
   const P2pdmaFacts p2pdma_facts = find_p2pdma_facts(root, inventory, cufile);
   check_p2pdma_mode(root, inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
   check_cufile_audit(root, inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
+  check_container(root, inventory, nvidia_fs.has_value(), cufile, out);
 
   if (!root.is_live() && !root.exists("run")) {
     out.push_back(make_check("gds.udev", kGroupGds, CheckStatus::info, "no /run in this tree: udev unknown"));
