@@ -77,6 +77,16 @@ python3 -c "import json,sys; c=[x for x in json.load(open(sys.argv[1]))['checks'
 printf '// comment\n{ "properties": { "allow_compat_mode": true } }\n' > "$work/tree/etc/cufile.json"
 "$hbmio" doctor --root "$work/tree" > "$work/tree.txt" || fail "clean constructed tree exited $?"
 grep -q "skipped: --root given" "$work/tree.txt" || fail "live probes not marked as skipped"
+# --json carries the GDS mode checks: P2PDMA as a mode, the cufile.json audit, the container, each PATH's mode.
+mkdir -p "$work/tree/proc/self" && echo "22 1 254:0 / / rw,relatime - ext4 /dev/vda rw" > "$work/tree/proc/self/mountinfo"
+"$hbmio" doctor --root "$work/tree" / --json "$work/modes.json" > /dev/null || fail "constructed tree with a PATH exited $?"
+check_schema "$work/modes.json"
+python3 - "$work/modes.json" <<'PY' || fail "--json lacks the GDS mode checks"
+import json, sys
+ids = {c["id"] for c in json.load(open(sys.argv[1]))["checks"]}
+for want in ("gds.p2pdma_mode", "gds.cufile_audit", "gds.container", "gds.mode:/"):
+    assert want in ids, (want, sorted(ids))
+PY
 
 # A recorded tree with NVMe controllers.
 archive="$fixtures/sysfs/libnvme/tree-pcie.tar.xz"

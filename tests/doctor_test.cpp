@@ -422,9 +422,9 @@ const Check& check_in(const std::vector<Check>& checks, const std::string& id) {
   return c ? *c : none;
 }
 
-// The constructed server without nvidia-fs, its NVMe bound to the kernel's nvme driver.
-void build_p2pdma_server(const Tree& t) {
-  build_gds_server(t);
+// The constructed server made ready for P2PDMA mode: nvidia-fs gone, its NVMe bound to the
+// kernel's nvme driver, multipath off, the driver registry set, use_pci_p2pdma true.
+void make_p2pdma_ready(const Tree& t) {
   fs::remove_all(t.path() / "proc/driver/nvidia-fs");
   fs::remove_all(t.path() / "sys/module/nvidia_fs");
   t.mkdir("sys/bus/pci/drivers/nvme");
@@ -432,6 +432,11 @@ void build_p2pdma_server(const Tree& t) {
   t.write("sys/module/nvme_core/parameters/multipath", "N\n");
   t.write("proc/driver/nvidia/params", "ResmanDebugLevel: 4294967295\nRegistryDwords: \"RMForceStaticBar1=1;RmForceDisableIomapWC=1;\"\n");
   t.write("etc/cufile.json", "{ \"properties\": { \"use_pci_p2pdma\": true, \"allow_compat_mode\": true } }\n");
+}
+
+void build_p2pdma_server(const Tree& t) {
+  build_gds_server(t);
+  make_p2pdma_ready(t);
 }
 
 }  // namespace
@@ -660,6 +665,85 @@ TEST(DoctorModes, ContainerWithoutNvidiaFsNodes) {
   const auto on_host = hbmio::run_doctor({.root = host.path().string()});
   EXPECT_EQ(check_in(on_host, "gds.container").found.substr(0, 20), "not in a container (");
   EXPECT_EQ(find_check(on_host, "gds.container_devices"), nullptr);
+}
+
+TEST(DoctorModes, WhichModeAFileUnderEachPathGets) {
+  Tree tree;
+  build_gds_server(tree);
+  const std::string nvme0 = "sys/devices/" + kNvmePath + "/nvme/nvme0/nvme0n1";
+  const std::string nvme1 = "sys/devices/" + kRemoteNvmePath + "/nvme/nvme1/nvme1n1";
+  // md0: RAID 0 over both local NVMe drives; dm-0: an LVM volume on nvme0n1p1; dm-1: LVM over md0.
+  tree.write("sys/devices/virtual/block/md0/md/level", "raid0\n");
+  tree.link("sys/devices/virtual/block/md0/slaves/nvme0n1", "../../../../../" + nvme0.substr(4));
+  tree.link("sys/devices/virtual/block/md0/slaves/nvme1n1", "../../../../../" + nvme1.substr(4));
+  tree.link("sys/dev/block/9:0", "../../devices/virtual/block/md0");
+  tree.write("sys/devices/virtual/block/dm-0/dm/name", "vg0-data\n");
+  tree.write("sys/devices/virtual/block/dm-0/dm/uuid", "LVM-Xq2vQ9\n");
+  tree.link("sys/devices/virtual/block/dm-0/slaves/nvme0n1p1", "../../../../../" + nvme0.substr(4) + "/nvme0n1p1");
+  tree.link("sys/dev/block/253:0", "../../devices/virtual/block/dm-0");
+  tree.write("sys/devices/virtual/block/dm-1/dm/name", "vg1-fast\n");
+  tree.write("sys/devices/virtual/block/dm-1/dm/uuid", "LVM-Zz9\n");
+  tree.link("sys/devices/virtual/block/dm-1/slaves/md0", "../../md0");
+  tree.link("sys/dev/block/253:1", "../../devices/virtual/block/dm-1");
+  tree.write("proc/self/mountinfo",
+             "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+             "25 22 259:1 / /data rw,noatime shared:2 - ext4 /dev/nvme0n1p1 rw,data=ordered\n"
+             "26 22 9:0 / /raid rw,noatime - xfs /dev/md0 rw,attr2\n"
+             "27 22 253:0 / /lvm rw,noatime - ext4 /dev/mapper/vg0-data rw\n"
+             "28 22 253:1 / /lvmraid rw,noatime - xfs /dev/mapper/vg1-fast rw\n"
+             "29 22 0:40 / /nfsrdma rw,relatime - nfs4 10.0.0.1:/export rw,vers=4.2,proto=rdma,port=20049\n"
+             "30 22 0:41 / /nfstcp rw,relatime - nfs4 10.0.0.1:/export rw,vers=4.2,proto=tcp\n"
+             "31 22 0:42 / /lustre rw - lustre 10.0.0.2@o2ib:/fs rw,flock\n"
+             "32 22 0:43 / /scratch rw - tmpfs tmpfs rw,size=1g\n"
+             "33 22 0:44 / /journal rw - ext4 /dev/nvme0n1p1 rw,data=journal\n");
+  const std::vector<std::string> paths = {"/data", "/raid", "/lvm", "/lvmraid", "/nfsrdma", "/nfstcp", "/lustre", "/scratch", "/journal"};
+  const auto checks = hbmio::run_doctor({.root = tree.path().string(), .paths = paths});
+  SCOPED_TRACE(dump(checks));
+  const auto expect = [&](const std::string& path, CheckStatus status, const std::string& start, const std::string& part = "") {
+    const Check& c = check_in(checks, "gds.mode:" + path);
+    EXPECT_EQ(c.status, status) << path << ": " << c.found;
+    EXPECT_TRUE(c.found.starts_with(start)) << path << ": " << c.found;
+    EXPECT_NE(c.found.find(part), std::string::npos) << path << ": " << c.found;
+  };
+  // nvidia-fs is loaded on this server.
+  expect("/data", CheckStatus::pass, "nvidia-fs: ext4 on nvme0n1 (NVMe)");
+  expect("/raid", CheckStatus::pass, "nvidia-fs: xfs on md0 (raid0) > nvme0n1, nvme1n1");
+  expect("/lvm", CheckStatus::warn, "compatibility mode (through host memory): ext4 on dm-0 (LVM vg0-data) > nvme0n1",
+         "cuFile does not move data by DMA through device-mapper (LVM)");
+  EXPECT_NE(check_in(checks, "gds.mode:/lvm").fix.find("not on LVM"), std::string::npos);
+  expect("/lvmraid", CheckStatus::warn, "compatibility mode (through host memory): xfs on dm-1 (LVM vg1-fast) > md0 (raid0) > nvme0n1, nvme1n1");
+  expect("/nfsrdma", CheckStatus::pass, "nvidia-fs: nfs4 on /nfsrdma");
+  expect("/nfstcp", CheckStatus::warn, "compatibility mode", "NFS over TCP");
+  expect("/lustre", CheckStatus::pass, "nvidia-fs: lustre");
+  expect("/scratch", CheckStatus::warn, "compatibility mode", "tmpfs has no GDS support");
+  expect("/journal", CheckStatus::warn, "compatibility mode", "data=journal");
+  EXPECT_NE(check_in(checks, "storage.block_device:/lvm").found.find("dm-0 (device-mapper, LVM vg0-data, members nvme0n1p1"), std::string::npos)
+      << check_in(checks, "storage.block_device:/lvm").found;
+
+  // Without nvidia-fs: NVMe goes through P2PDMA where it is ready; RAID and NVMe-oF cannot.
+  make_p2pdma_ready(tree);
+  const auto p2p = hbmio::run_doctor({.root = tree.path().string(), .paths = paths});
+  SCOPED_TRACE(dump(p2p));
+  EXPECT_TRUE(check_in(p2p, "gds.mode:/data").found.starts_with("P2PDMA: ext4 on nvme0n1")) << check_in(p2p, "gds.mode:/data").found;
+  EXPECT_EQ(check_in(p2p, "gds.mode:/data").status, CheckStatus::pass);
+  EXPECT_NE(check_in(p2p, "gds.mode:/raid").found.find("P2PDMA mode does not serve RAID"), std::string::npos);
+  EXPECT_NE(check_in(p2p, "gds.mode:/lustre").found.find("Lustre needs nvidia-fs, which is not loaded"), std::string::npos);
+
+  // Compatibility mode forbidden: files that cannot go by DMA are refused.
+  tree.write("etc/cufile.json", "{ \"properties\": { \"allow_compat_mode\": false, \"use_pci_p2pdma\": true } }\n");
+  const auto strict = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/lvm", "/data"}});
+  EXPECT_TRUE(check_in(strict, "gds.mode:/lvm").found.starts_with("none: ")) << check_in(strict, "gds.mode:/lvm").found;
+  EXPECT_NE(check_in(strict, "gds.mode:/lvm").found.find("cuFile refuses the file"), std::string::npos);
+  EXPECT_TRUE(check_in(strict, "gds.mode:/data").found.starts_with("P2PDMA: "));
+
+  // The development VM: no GPU, ext4 on virtio.
+  std::string why;
+  const fs::path dev = unpack_archive(fs::path(HBMIO_TEST_DATA) / "doctor" / "dev-vm.tar.xz", "local-dev-vm", why);
+  ASSERT_FALSE(dev.empty()) << why;
+  const auto vm = hbmio::run_doctor({.root = dev.string(), .paths = {"/var/tmp"}});
+  const Check& c = check_in(vm, "gds.mode:/var/tmp");
+  EXPECT_EQ(c.status, CheckStatus::info);
+  EXPECT_NE(c.found.find("compatibility mode (through host memory): ext4 on vda (virtio-blk); vda (virtio-blk) is not NVMe"), std::string::npos) << c.found;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -71,6 +71,11 @@ struct PathFacts {
   std::string block_device;                  // "vda", "nvme0n1", "md0"
   std::string block_kind;                    // "NVMe", "virtio-blk", "md RAID", "loop", "none"
   std::vector<std::string> nvme_controllers; // controllers behind it
+  std::string super_options;                 // the file system's own options ("rw,vers=4.2,proto=rdma,...")
+  std::string layers;                        // "dm-0 (LVM vg0-data) > md0 (raid0) > nvme0n1, nvme1n1"; empty for a plain disk
+  std::string dm_kind;                       // "LVM", "dm-crypt", "dm-multipath", "device-mapper" anywhere in the stack
+  std::string md_level;                      // "raid0", ... of an md device in the stack
+  bool all_members_nvme = false;             // every disk at the bottom of the stack is NVMe
   bool direct_io_tried = false, direct_io_works = false;
   bool verdict_tried = false, cufile_usable = false, cufile_direct = false;
   std::string cufile_mode, cufile_reason;

@@ -688,7 +688,7 @@ void check_container(const Root& root, const Inventory& inventory, bool nvidia_f
     out.push_back(make_check("gds.container_capabilities", kGroupGds, CheckStatus::warn, caps + ": pinning (cuFileBufRegister, bounce buffers) is limited",
                              "CAP_IPC_LOCK, or an unlimited locked-memory limit", "docker run --cap-add=IPC_LOCK (or --ulimit memlock=-1)"));
   else
-    out.push_back(make_check("gds.container_capabilities", kGroupGds, cap_eff ? CheckStatus::pass : CheckStatus::info, caps));
+    out.push_back(make_check("gds.container_capabilities", kGroupGds, cap_eff && have_gpu ? CheckStatus::pass : CheckStatus::info, caps));
 
   // Libraries inside against the driver outside: the user-space driver must match the kernel module.
   const auto version_text = root.read_file("proc/driver/nvidia/version");
@@ -713,6 +713,125 @@ void check_container(const Root& root, const Inventory& inventory, bool nvidia_f
                              "run with the NVIDIA container toolkit (--gpus all), which mounts the driver's libraries"));
   else
     out.push_back(make_check("gds.container_libraries", kGroupGds, have_gpu ? CheckStatus::pass : CheckStatus::info, libs));
+}
+
+}  // namespace
+
+namespace {
+
+// Which of the three modes (or a file system's own GDS client) cuFile will use for a file under
+// one PATH, and why: the file system, its options, the block stack below it, and the modes this
+// machine has (nvidia-fs loaded, P2PDMA ready, compatibility allowed).
+void check_path_mode(const Root& root, const Inventory& inventory, const PathFacts& facts, const CufileConfig& cufile,
+                     const P2pdmaFacts& p2pdma, bool nvidia_fs, std::vector<Check>& out) {
+  const std::string id = "gds.mode:" + facts.path;
+  const bool have_gpu = !inventory.gpus.empty();
+  if (facts.fs_type.empty()) {
+    out.push_back(make_check(id, kGroupGds, CheckStatus::info, "unknown: the file system of " + facts.path + " is unknown (see storage.path)"));
+    return;
+  }
+  const bool compat_allowed = cufile.flag("properties.allow_compat_mode") != false;
+  const std::string options = facts.mount_options + "," + facts.super_options;
+  const auto has_option = [&](std::string_view option) {
+    for (std::size_t at = options.find(option); at != std::string::npos; at = options.find(option, at + 1))
+      if ((at == 0 || options[at - 1] == ',') && (at + option.size() == options.size() || options[at + option.size()] == ','))
+        return true;
+    return false;
+  };
+  std::string transport;  // of the NVMe controllers behind the path: "pcie", "rdma", "tcp", mixed
+  for (const auto& name : facts.nvme_controllers)
+    for (const auto& c : inventory.nvme)
+      if (c.name == name && transport.find(c.transport) == std::string::npos) transport += (transport.empty() ? "" : "+") + c.transport;
+  const std::string stack = facts.layers.empty() ? facts.block_device + " (" + facts.block_kind + ")" : facts.layers;
+  const std::string on = fmt::format("{} on {}", facts.fs_type, facts.block_device.empty() ? facts.mount_point : stack);
+
+  std::string direct;     // the DMA mode a file gets, empty for compatibility mode
+  std::string why, fix;   // why not direct, and what would make it direct
+  const auto by_nvidia_fs = [&](const std::string& what, const std::string& missing_fix) {
+    if (nvidia_fs) direct = "nvidia-fs";
+    else {
+      why = what + " needs nvidia-fs, which is not loaded";
+      fix = missing_fix;
+    }
+  };
+  const std::string& fs = facts.fs_type;
+  if (cufile.flag("properties.force_compat_mode") == true) {
+    why = "force_compat_mode is true in " + cufile.shown;
+    fix = "set force_compat_mode to false";
+  } else if (fs == "nfs" || fs == "nfs4") {
+    if (has_option("proto=rdma") || has_option("proto=rdma6")) by_nvidia_fs("NFS over RDMA", "install nvidia-gds and modprobe nvidia-fs (with MOFED's NFS over RDMA)");
+    else {
+      why = "NFS over TCP: GDS reads NFS only over RDMA";
+      fix = "mount with proto=rdma (NFS over RDMA), with nvidia-fs loaded";
+    }
+  } else if (fs == "lustre") {
+    by_nvidia_fs("Lustre", "install nvidia-gds and modprobe nvidia-fs, with a Lustre client built with GDS support (o2ib)");
+  } else if (fs == "beegfs" || fs == "gpfs") {
+    by_nvidia_fs(fs == "gpfs" ? "IBM Storage Scale (GPFS)" : "BeeGFS", "install nvidia-gds and modprobe nvidia-fs, and set up the file system's GDS support");
+  } else if (fs == "wekafs") {
+    if (root.exists("sys/module/nvidia_peermem")) direct = "WekaFS's RDMA client";
+    else {
+      why = "WekaFS moves data to GPU memory by RDMA, and nvidia_peermem is not loaded";
+      fix = "modprobe nvidia_peermem and list the NICs in rdma_dev_addr_list";
+    }
+  } else if (fs == "ext4" || fs == "xfs") {
+    if (facts.super_options.find("data=journal") != std::string::npos) {
+      why = "ext4 data=journal has no O_DIRECT";
+      fix = "remount with data=ordered";
+    } else if (facts.direct_io_tried && !facts.direct_io_works) {
+      why = "O_DIRECT failed here (see storage.o_direct)";
+    } else if (!facts.dm_kind.empty()) {
+      why = fmt::format("cuFile does not move data by DMA through device-mapper ({})", facts.dm_kind);
+      fix = "keep the data on a plain NVMe partition or md RAID 0 over NVMe, not on LVM, dm-crypt or dm-multipath";
+    } else if (facts.block_kind == "md RAID") {
+      if (facts.md_level == "raid0" && facts.all_members_nvme) {
+        by_nvidia_fs("md RAID 0 (P2PDMA mode does not serve RAID)", "install nvidia-gds and modprobe nvidia-fs (P2PDMA mode does not serve md RAID)");
+      } else {
+        why = fmt::format("md {} {}: GDS reads md RAID 0 over NVMe only", facts.md_level.empty() ? "RAID" : facts.md_level,
+                          facts.all_members_nvme ? "over NVMe" : "not all on NVMe");
+        fix = "use RAID 0 over NVMe for data read by GDS";
+      }
+    } else if (facts.block_kind == "NVMe" && (transport == "pcie" || transport.empty())) {
+      if (nvidia_fs) direct = "nvidia-fs";
+      else if (p2pdma.ready()) direct = "P2PDMA";
+      else {
+        why = "local NVMe, but nvidia-fs is not loaded and P2PDMA mode is not ready (see gds.p2pdma_mode)";
+        fix = "load nvidia-fs, or make P2PDMA mode ready (gds.p2pdma_mode)";
+      }
+    } else if (facts.block_kind == "NVMe" && transport == "rdma") {
+      by_nvidia_fs("NVMe over RDMA (P2PDMA mode does not serve NVMe-oF)", "install nvidia-gds and modprobe nvidia-fs, with MOFED's nvme-rdma");
+    } else if (facts.block_kind == "NVMe") {
+      why = fmt::format("NVMe over {}: GDS reads NVMe-oF over RDMA only", transport);
+      fix = "connect the namespace over RDMA (nvme connect -t rdma)";
+    } else {
+      why = fmt::format("{} is not NVMe: cuFile moves data by DMA only from NVMe", facts.block_device.empty() ? "the device" : facts.block_device + " (" + facts.block_kind + ")");
+      fix = "keep the data on NVMe (local, or NVMe-oF over RDMA)";
+    }
+  } else if (fs == "virtiofs") {
+    why = "virtiofs: P2PDMA for virtiofs needs a libcufile later than 1.15 (fs.virtiofs.use_pci_p2pdma)";
+  } else if (fs == "overlay") {
+    why = "overlay (a container's image layers): no GDS";
+    fix = "bind-mount the data from an ext4 or xfs file system on NVMe";
+  } else {
+    why = fs + " has no GDS support (GDS: ext4 and xfs on NVMe, NFS over RDMA, Lustre, GPFS, BeeGFS, WekaFS)";
+    fix = "keep the data on ext4 or xfs on NVMe";
+  }
+
+  std::string found;
+  CheckStatus status;
+  if (!direct.empty()) {
+    found = fmt::format("{}: {}", direct, on);
+    status = CheckStatus::pass;
+  } else if (compat_allowed) {
+    found = fmt::format("compatibility mode (through host memory): {}; {}", on, why);
+    status = have_gpu ? CheckStatus::warn : CheckStatus::info;
+  } else {
+    found = fmt::format("none: {}; {}, and allow_compat_mode is false: cuFile refuses the file (auto reads it another way)", on, why);
+    status = have_gpu ? CheckStatus::warn : CheckStatus::info;
+  }
+  if (!have_gpu) found += "; no NVIDIA GPU here";
+  out.push_back(make_check(id, kGroupGds, status, found, status == CheckStatus::pass || !have_gpu ? "" : "nvidia-fs or P2PDMA",
+                           status == CheckStatus::pass || !have_gpu ? "" : fix));
 }
 
 }  // namespace
@@ -776,6 +895,8 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
                              "libcufile refuses every file (5027) without udev data: run systemd-udevd, or set "
                              "CUFILE_EXPERIMENTAL_FS=1 (compatibility mode only)"));
   }
+
+  for (const auto& facts : paths) check_path_mode(root, inventory, facts, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
 
   for (const auto& facts : paths) {
     const std::string id = "gds.verdict:" + facts.path;

@@ -194,15 +194,53 @@ void describe_block_device(const Root& root, const Inventory& inventory, unsigne
     detail = "backing file " + root.read_attribute(*real + "/loop/backing_file").value_or("unknown");
   } else if (disk.starts_with("md") || disk.starts_with("dm-")) {
     facts.block_kind = disk.starts_with("md") ? "md RAID" : "device-mapper";
-    if (disk.starts_with("md")) detail = root.read_attribute(*real + "/md/level").value_or("");
-    std::vector<std::string> members;
-    for (const auto& slave : root.list(*real + "/slaves")) {
-      members.push_back(slave);
-      if (auto member = root.resolve(*real + "/slaves/" + slave)) {
-        if (root.exists(*member + "/partition")) member = parent_of(*member);
-        for (auto& c : controllers_of(*member)) facts.nvme_controllers.push_back(std::move(c));
+    // What a stacked device is: md's level, device-mapper's target from its uuid prefix.
+    const auto describe = [&](const std::string& dir, const std::string& name) {
+      if (name.starts_with("md")) {
+        const std::string level = root.read_attribute(dir + "/md/level").value_or("");
+        if (facts.md_level.empty()) facts.md_level = level;
+        return level.empty() ? name : fmt::format("{} ({})", name, level);
       }
+      const std::string uuid = root.read_attribute(dir + "/dm/uuid").value_or("");
+      const std::string kind = uuid.starts_with("LVM-") ? "LVM" : uuid.starts_with("CRYPT-") ? "dm-crypt" : uuid.starts_with("mpath-") ? "dm-multipath" : "device-mapper";
+      if (facts.dm_kind.empty()) facts.dm_kind = kind;
+      const std::string dm_name = root.read_attribute(dir + "/dm/name").value_or("");
+      return fmt::format("{} ({}{}{})", name, kind, dm_name.empty() ? "" : " ", dm_name);
+    };
+    if (disk.starts_with("md")) {
+      detail = root.read_attribute(*real + "/md/level").value_or("");
+    } else {
+      const std::string text = describe(*real, disk);  // "dm-0 (LVM vg0-data)": the part in brackets
+      detail = text.substr(disk.size() + 2, text.size() - disk.size() - 3);
     }
+    std::vector<std::string> members;
+    // The stack, level by level, down to the disks (dm over md over NVMe); a few levels at most.
+    std::vector<std::string> level{*real}, layer_text{describe(*real, disk)};
+    bool all_nvme = true, any_disk = false;
+    for (int depth = 0; depth < 4 && !level.empty(); ++depth) {
+      std::vector<std::string> next, names;
+      for (const auto& dir : level)
+        for (const auto& slave : root.list(dir + "/slaves")) {
+          if (depth == 0) members.push_back(slave);
+          auto member = root.resolve(dir + "/slaves/" + slave);
+          if (!member) continue;
+          if (root.exists(*member + "/partition")) member = parent_of(*member);
+          const std::string name = name_of(*member);
+          if (!root.list(*member + "/slaves").empty()) {
+            next.push_back(*member);
+            names.push_back(describe(*member, name));
+          } else {
+            any_disk = true;
+            all_nvme = all_nvme && name.starts_with("nvme");
+            names.push_back(name);
+            for (auto& c : controllers_of(*member)) facts.nvme_controllers.push_back(std::move(c));
+          }
+        }
+      if (!names.empty()) layer_text.push_back(join(names));
+      level = std::move(next);
+    }
+    facts.all_members_nvme = any_disk && all_nvme;
+    facts.layers = join(layer_text, " > ");
     detail += (detail.empty() ? "" : ", ") + std::string("members ") + (members.empty() ? "unknown" : join(members));
   } else if (disk.starts_with("sd")) {
     facts.block_kind = "SCSI/SATA";
@@ -402,6 +440,7 @@ PathFacts check_path(const Root& root, const Inventory& inventory, const std::st
   }
 
   const std::string super = mount ? mount->super_options : "";
+  facts.super_options = super;
   std::string found = fmt::format("{} on {}", facts.fs_type.empty() ? "unknown file system" : facts.fs_type,
                                   facts.mount_point.empty() ? "unknown mount point" : facts.mount_point);
   if (mount) found += fmt::format(" ({}, {}; source {})", mount->options, super, mount->source);
