@@ -459,7 +459,8 @@ TEST(DoctorModes, P2pdmaCapableKernelSelectedInCufileJson) {
   tree.write("boot/config-6.8.0-test", "CONFIG_PCI=y\nCONFIG_PCI_P2PDMA=y\n");
   const auto from_config = hbmio::run_doctor({.root = tree.path().string()});
   EXPECT_EQ(check_in(from_config, "gds.p2pdma_mode").status, CheckStatus::pass);
-  EXPECT_NE(check_in(from_config, "gds.p2pdma_mode").found.find("CONFIG_PCI_P2PDMA=y in /boot/config-6.8.0-test"), std::string::npos);
+  EXPECT_NE(check_in(from_config, "gds.p2pdma_mode").found.find("kernel P2PDMA yes (Linux 6.8.0-test, CONFIG_PCI_P2PDMA=y in /boot/config-6.8.0-test)"),
+            std::string::npos);
 
   // ... and /proc/config.gz where no /boot config is.
   fs::remove(tree.path() / "boot/config-6.8.0-test");
@@ -484,7 +485,7 @@ TEST(DoctorModes, P2pdmaIncapableKernelSaysWhatIsMissing) {
   const Check& c = check_in(checks, "gds.p2pdma_mode");
   EXPECT_EQ(c.status, CheckStatus::warn);
   EXPECT_NE(c.found.find("selected but unavailable (compatibility mode instead)"), std::string::npos) << c.found;
-  EXPECT_NE(c.found.find("kernel P2PDMA no (CONFIG_PCI_P2PDMA=n in /boot/config-5.15.0-test)"), std::string::npos) << c.found;
+  EXPECT_NE(c.found.find("kernel P2PDMA no (Linux 5.15.0-test, CONFIG_PCI_P2PDMA=n in /boot/config-5.15.0-test)"), std::string::npos) << c.found;
   EXPECT_NE(c.found.find("GPU module no (proprietary 550.54.14)"), std::string::npos) << c.found;
   EXPECT_NE(c.found.find("driver registry no (RegistryDwords empty)"), std::string::npos) << c.found;
   for (const char* fix : {"CONFIG_PCI_P2PDMA=y", "open GPU kernel modules, 565 or later", "nvme_core.multipath=N", "RMForceStaticBar1=1"})

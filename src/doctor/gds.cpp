@@ -238,6 +238,8 @@ P2pdmaFacts find_p2pdma_facts(const Root& root, const Inventory& inventory, cons
   } else {
     facts.kernel_evidence = "unknown (no kernel config, /proc/kallsyms not readable)";
   }
+  if (const auto release = root.read_attribute("proc/sys/kernel/osrelease"); release && !release->empty())
+    facts.kernel_evidence = "Linux " + *release + ", " + facts.kernel_evidence;
 
   // The GPU kernel module: P2PDMA needs the open modules, 565 or later.
   const auto version_text = root.read_file("proc/driver/nvidia/version");
