@@ -756,7 +756,7 @@ void check_path_mode(const Root& root, const Inventory& inventory, const PathFac
       fix = missing_fix;
     }
   };
-  const std::string& fs = facts.fs_type;
+  const std::string fs = facts.fs_type == "overlayfs" ? "overlay" : facts.fs_type;  // statfs's name on the live machine
   if (cufile.flag("properties.force_compat_mode") == true) {
     why = "force_compat_mode is true in " + cufile.shown;
     fix = "set force_compat_mode to false";

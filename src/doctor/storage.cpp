@@ -425,7 +425,7 @@ PathFacts check_path(const Root& root, const Inventory& inventory, const std::st
   if (mount) {
     facts.mount_point = mount->mount_point;
     facts.mount_options = mount->options;
-    if (facts.fs_type.empty() || facts.fs_type == "unknown") facts.fs_type = mount->fs_type;
+    if (facts.fs_type.empty() || facts.fs_type.starts_with("unknown")) facts.fs_type = mount->fs_type;  // wekafs: no magic known
     if (!have_device) {
       major = mount->major;
       minor = mount->minor;
