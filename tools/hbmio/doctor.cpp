@@ -99,7 +99,8 @@ void add_doctor_command(CLI::App& app, int& exit_status) {
   auto* doctor = app.add_subcommand(
       "doctor",
       "Check this machine for GPUDirect Storage: GPUs, NVMe (local and NVMe-oF), RDMA and modules, PCIe topology "
-      "(nvidia-smi topo classes), ACS, IOMMU, cufile.json, nvidia-fs, P2PDMA; and for each PATH the file system, "
+      "(nvidia-smi topo classes), ACS, IOMMU, cufile.json (audited key by key), nvidia-fs, the P2PDMA mode, a container's "
+      "devices, mounts and libraries; and for each PATH the file system, the GDS mode a file there gets, "
       "O_DIRECT (tried: a directory gets a 4 KiB probe file, removed again), cuFile's verdict, the path `auto` takes "
       "and the slowest link bounding it. Lines are PASS / WARN / FAIL / INFO, with the fix below anything not PASS. "
       "Exit status 1 when any check FAILs.");
