@@ -312,6 +312,7 @@ TEST(AsyncSave, AChildOfForkStartsWithNoSavesInFlight) {
   const std::string path = dir.file("model.safetensors");
   State state({MemoryKind::host}, 3);
   SaveInProgress save = save_checkpoint_async(path, state.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20});
+  const bool gpu = cuda_device_count() > 0;
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
@@ -320,9 +321,14 @@ TEST(AsyncSave, AChildOfForkStartsWithNoSavesInFlight) {
     try {
       const std::vector<std::string> inherited = saves_inherited_at_fork();
       if (inherited.size() > 1 || (inherited.size() == 1 && inherited[0] != path)) code = 2;
-      State mine({MemoryKind::host}, 4);
-      save_checkpoint_async(path, mine.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20}).wait();
-      save_checkpoint_async(dir.file("child.safetensors"), mine.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20}).wait();
+      // A child of fork() may not use CUDA once the parent has (CUDA's rule), and the staging pool is
+      // pinned through CUDA where a GPU is present: there the child only checks that it starts
+      // clean and exits; its own saves are tested where there is no GPU (CI).
+      if (!gpu) {
+        State mine({MemoryKind::host}, 4);
+        save_checkpoint_async(path, mine.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20}).wait();
+        save_checkpoint_async(dir.file("child.safetensors"), mine.tensors, {}, {.pool_bytes = std::uint64_t{64} << 20}).wait();
+      }
       if (!wait_for_all_saves().empty()) code = 3;
       // The parent's handle, in the child: it raises instead of waiting for a thread that is not here.
       if (!inherited.empty()) {
@@ -345,6 +351,7 @@ TEST(AsyncSave, AChildOfForkStartsWithNoSavesInFlight) {
   EXPECT_EQ(WEXITSTATUS(status), 0);
   save.wait();
   EXPECT_TRUE(saves_inherited_at_fork().empty()) << "the parent is no child";
+  if (gpu) return;
   State expected({MemoryKind::host}, 4);
   save_checkpoint(dir.file("expected.safetensors"), expected.tensors);
   EXPECT_TRUE(read_all(dir.file("child.safetensors")) == read_all(dir.file("expected.safetensors")));
