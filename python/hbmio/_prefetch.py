@@ -64,18 +64,18 @@ class PrefetchLoader:
         elif not isinstance(plan, dict):
             raise TypeError(f"prefetch plan: expected a dict {{name: None | slice}}, got {type(plan).__name__}")
         target = _Target("torch", device)
-        items = []  # (index, name, shape, byte offset in the tensor, bytes)
+        items = []  # (index, name, dtype, shape, byte offset in the tensor, bytes)
         for name, key in plan.items():
             i = owner._lookup(name)
             _, dtype, shape, nbytes = entries[i]
             if not target.can(dtype):
                 raise TypeError(f"prefetch: tensor {name!r} has dtype {dtype}, which torch cannot represent here")
             if key is None:
-                items.append((i, name, list(shape), 0, nbytes))
+                items.append((i, name, dtype, list(shape), 0, nbytes))
             else:
                 a, b = _rows(name, key, shape)
                 row = nbytes // shape[0] if shape[0] else 0
-                items.append((i, name, [b - a] + list(shape[1:]), a * row, (b - a) * row))
+                items.append((i, name, dtype, [b - a] + list(shape[1:]), a * row, (b - a) * row))
         items.sort(key=_operator.itemgetter(0))  # file order: the reads run forward through the file
         self._names = [it[1] for it in items]
         self._untaken = set(self._names)
@@ -88,23 +88,23 @@ class PrefetchLoader:
         self._order = 0         # the next batch to collect when iterating
         batch, total = [], 0
         for it in items:
-            if batch and total + it[4] > _BATCH:
+            if batch and total + it[5] > _BATCH:
                 self._push(target, batch)
                 batch, total = [], 0
             batch.append(it)
-            total += it[4]
+            total += it[5]
         if batch:
             self._push(target, batch)
 
     def _push(self, target, batch):
         made, addresses = {}, []
-        for _, name, shape, _, nbytes in batch:
-            made[name], raw = target.make(self._owner._entries_list[self._owner._index[name]][1], shape, nbytes)
+        for _, name, dtype, shape, _, nbytes in batch:
+            made[name], raw = target.make(dtype, shape, nbytes)
             addresses.append(target.address(raw))
         target.before_reads()
         reader = self._readers[len(self._batches) % len(self._readers)]
         number = reader.push([it[0] for it in batch], addresses, target.location, list(made.values()),
-                             [it[3] for it in batch], [it[4] for it in batch])
+                             [it[4] for it in batch], [it[5] for it in batch])
         for name in made:
             self._batch_of[name] = len(self._batches)
         self._batches.append((reader, number, made))

@@ -18,15 +18,6 @@ Error = _hbmio.Error
 
 __all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model", "Error"]
 
-# safetensors.torch's backend= values: how safetensors itself reads a file. They do not carry over
-# to hbmio's engines, so they select hbmio's default (None: $HBMIO_BACKEND, else "auto").
-_SAFETENSORS_READERS = ("mmap", "pread")
-
-
-def _backend(backend):
-    return None if backend in _SAFETENSORS_READERS else backend
-
-
 def _check_tensors(tensors, where) -> dict:
     """tensors as a dict, every value a torch.Tensor with data. What the reference refuses is
     refused with its exception type and the words code matches on: a value that is not a dict
@@ -69,7 +60,7 @@ def load_file(path, device="cpu", *, backend=None, verify=False, names=None, pro
     if mmap is None:
         where = _hbmio._os.fspath(path)
         mmap = (not verify and not progress and str(device) == "cpu" and not _hbmio._is_url(where))
-    return _hbmio.load_file(path, device, framework="torch", backend=_backend(backend), verify=verify, names=names,
+    return _hbmio.load_file(path, device, framework="torch", backend=backend, verify=verify, names=names,
                             progress=progress, mmap=mmap)
 
 
