@@ -2,7 +2,7 @@
 
 Which blocks run (docs/testing.md says the same):
   ```python      every block, with this test's interpreter; a block whose imports are not installed
-                 FAILS, naming the module: the README's install step (`pip install ".[torch]"`)
+                 FAILS, naming the module: the README's install step (`pip install ".[torch,numpy]"`)
                  must install what its examples import, and a skip would hide that it does not.
   ```sh          only a block marked `<!-- test: run -->` on the line before its fence, with bash
                  (-e, -u, pipefail); it needs the `hbmio` command on PATH or beside this
@@ -142,7 +142,7 @@ def test_setup_commands_come_first():
     assert first.lang == "sh", first
     assert first.code.splitlines() == [
         "bash scripts/quickstart.sh     # install, build, run `hbmio bench` on a generated 1 GiB sample file",
-        "bash scripts/test.sh           # install, build (with CUDA, without, under ASan+UBSan, under TSan) and run every test",
+        "bash scripts/test.sh           # install, build (with CUDA; without it under ASan+UBSan; under TSan) and run every test",
     ]
     before = README.read_text(encoding="utf-8").splitlines()[:first.line - 1]
     assert before[0] == "# hbmio", before[0]
@@ -162,7 +162,7 @@ def test_readme_snippet(snippet: Snippet, tmp_path: Path):
         missing = _missing_imports(snippet.code)
         if missing:
             pytest.fail(f"README.md:{snippet.line}: the block imports {', '.join(missing)}, which is not installed "
-                        f"in {sys.executable}; the README's install step (pip install \".[torch]\") should have "
+                        f"in {sys.executable}; the README's install step (pip install \".[torch,numpy]\") should have "
                         "installed it: add it to that step (or to pyproject.toml's extra), or drop the import",
                         pytrace=False)
         _sample_checkpoint(tmp_path)
@@ -182,3 +182,53 @@ def test_readme_snippet(snippet: Snippet, tmp_path: Path):
         result = subprocess.run(["bash", "-euo", "pipefail", str(script)], cwd=tmp_path, env=env,
                                 capture_output=True, text=True, timeout=_TIMEOUT_S)
     _check(result, snippet)
+
+
+def _install_step_distributions() -> set[str]:
+    """The distributions the README's own install step puts into a fresh environment: hbmio and
+    the extras its `pip install ".[extra,...]"` line names (pyproject.toml), nothing else."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    steps = [m for s in _snippets() if s.lang in _SHELLS
+             for m in re.finditer(r'pip install\b[^\n#]*?["\']?\.\[([A-Za-z0-9_,-]+)\]', s.code)]
+    assert steps, "README.md: no `pip install \".[...]\"` step found (the examples' install step)"
+    extras = {e.strip() for m in steps for e in m.group(1).split(",")}
+    project = tomllib.loads((README.parent / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    optional = project.get("optional-dependencies", {})
+    unknown = extras - set(optional)
+    assert not unknown, f"README.md installs extras {sorted(unknown)} that pyproject.toml does not define"
+    names = {"hbmio"} | {re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0]
+                          for e in extras for req in optional[e]}
+    names |= {re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0] for req in project.get("dependencies", [])}
+    return {n.lower().replace("_", "-") for n in names}
+
+
+def test_readme_imports_come_from_its_install_step():
+    # The examples run in the tests' venv, which holds more than a user's (safetensors, numpy,
+    # transformers...). What a user has after the README's steps is hbmio, the standard library and
+    # the distributions of the extras the install line names: every import must come from those.
+    import importlib.metadata as md
+    allowed = _install_step_distributions()
+    owners = md.packages_distributions()
+    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    missing = []
+    for s in SNIPPETS:
+        if s.lang != "python":
+            continue
+        for node in ast.walk(ast.parse(s.code)):
+            if isinstance(node, ast.Import):
+                tops = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for top in tops:
+                if top in stdlib or top == "hbmio":
+                    continue
+                dists = {d.lower().replace("_", "-") for d in owners.get(top, [])}
+                if not dists & allowed:
+                    missing.append(f"README.md:{s.line}: `{top}` (from {sorted(dists) or 'no installed distribution'})")
+    assert not missing, ("imports that the README's install step does not install (installed: "
+                         f"{sorted(allowed)}):\n  " + "\n  ".join(missing))
