@@ -2,7 +2,7 @@
 // mapping with CUDA read-only (cudaHostRegisterReadOnly: the kernel pins the page-cache pages)
 // and copies from it to the GPU by DMA, so no CPU copies the bytes. Measures the registration
 // and the copy, piece by piece on several threads and whole, against a copy from pinned memory
-// (bench/RESULTS.md, warm loads). Build:
+// (bench/RESULTS.md, "Engine tuning"). Build:
 //   nvcc -O2 -std=c++20 -o page_cache_dma bench/micro/page_cache_dma.cpp   (static CUDA runtime)
 // Run: page_cache_dma FILE [threads] [piece MiB]
 //      HYBRID="0 0.3 0.5" COPIERS="8 14" page_cache_dma FILE   (registration beside pread copies)
