@@ -294,8 +294,9 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
             load()
             return make_views()
         # Many tensors: their views are made while the data is read (the load releases the GIL),
-        # so the Python side costs nothing a C++ caller would not pay: 3,072 views take about
-        # 8 ms on the development machine, against 0.2 s for a warm 6 GiB load on the H200.
+        # so the Python side costs nothing a C++ caller would not pay: making thousands of views
+        # takes a small fraction of a warm load of the same tensors (bench/RESULTS.md,
+        # "Python against the command").
         failure = []
 
         def load_beside():

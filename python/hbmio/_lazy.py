@@ -475,7 +475,7 @@ class _ReadAhead:
                 return
             # A batch starts only when a whole one fits beside what is held: batches cut to fit
             # the room left would shrink to a tensor each, and each batch is one engine request
-            # whose start and end cost about 1.5 ms on the GPU machine.
+            # with a fixed cost at its start and end (bench/RESULTS.md, "Lazy access").
             limit = self._budget // 2
             if self._held > 0 and self._held + max(limit, first[2]) > self._budget:
                 return

@@ -324,7 +324,8 @@ struct Handle {
 // taken here, with the GIL held; the reads then need no Python object. With `location` ("cpu",
 // "cuda:N"), each destination is the address of memory there (torch's data_ptr()), which the
 // caller keeps alive and large enough for the read: a walk of thousands of tensors then skips a
-// DLPack export per tensor (7 us each on the GPU machine, a tenth of the walk's time per tensor).
+// DLPack export per tensor, a noticeable part of the walk's time per tensor (bench/RESULTS.md,
+// "Lazy access").
 std::vector<hbmio::TensorRead> tensor_reads(const hbmio::OpenedCheckpoint& checkpoint, const std::vector<std::size_t>& indices, const nb::list& dests,
                                             const std::optional<std::vector<std::uint64_t>>& offsets,
                                             const std::optional<std::vector<std::uint64_t>>& lengths,

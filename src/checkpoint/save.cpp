@@ -599,10 +599,10 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
       if (options.checksums)
         sums = std::async(std::launch::async, [&spans, &hashing, &seconds_since] {
           const Clock::time_point start = Clock::now();
-          // A quarter of the cores: hashing on all of them starved the writers' threads (6 GiB
-          // from cuda:0 on 16 cores saved 10% slower with checksums than without, while hashing
-          // took 0.33 s of the 3.9 s of writes; bench/RESULTS.md). A quarter still finishes
-          // well within the writes.
+          // A quarter of the cores: hashing on all of them starved the writers' threads (saves
+          // with checksums ran slower than without, though hashing took a small part of the
+          // writes' time; bench/RESULTS.md, "Saves"). A quarter still finishes well within the
+          // writes.
           auto result = detail::xxh3_of_each(spans, std::max(1u, std::thread::hardware_concurrency() / 4));
           hashing = seconds_since(start);
           return result;

@@ -8,9 +8,9 @@
 // a cuda::DeviceGuard: the caller's current device is the caller's.
 //
 // Why the caller takes a share: a lazy load asks for small tensors one after another, and most of
-// those jobs are one piece. Handing such a job to a thread and waiting for it cost 15 -> 120 us per
-// 64 KiB read on a busy 2-core machine (the waiting caller held the core the worker needed), while
-// the caller doing it costs nothing extra (bench/RESULTS.md, "per-request overhead").
+// those jobs are one piece. Handing such a job to a thread and waiting for it made each small read
+// several times slower on a busy 2-core machine (the waiting caller held the core the worker
+// needed), while the caller doing it costs nothing extra (bench/RESULTS.md, "Per-request overhead").
 //
 // Why threads spin a little before sleeping: a futex wake costs about what copying 64 KiB does. A
 // worker that finished yields the CPU for up to 50 us waiting for the next task, and the caller

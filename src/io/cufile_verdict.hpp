@@ -40,9 +40,9 @@ AutoChoice choose_auto(const File& file, int device, const BackendStatus& uring)
 // `verdict` is what choose_auto would have asked, cuFile's answer or the sysfs ruling.
 AutoChoice choose_auto(const CufileVerdict& verdict, const BackendStatus& uring);
 
-// Why cuFile cannot move `file`'s data by DMA, judged from sysfs alone (microseconds; opening the
-// cuFile driver to ask costs about 0.3 s of a process's first load on the H200 machine, see
-// bench/RESULTS.md), or nullopt when DMA is conceivable and only the driver can say. Without
+// Why cuFile cannot move `file`'s data by DMA, judged from sysfs alone (a few file reads; opening
+// the cuFile driver to ask is a large part of a process's first load, see bench/RESULTS.md,
+// "First use"), or nullopt when DMA is conceivable and only the driver can say. Without
 // the nvidia-fs module, cuFile's one DMA path is PCI P2PDMA to an NVMe device; so a file on any
 // other block device (virtio, SCSI, ...) or on none (network, FUSE, overlay) is ruled out.
 // Composite devices (md, device mapper), and machines whose /sys/module cannot be read, are left

@@ -64,12 +64,11 @@ namespace hbmio::detail {
 namespace {
 
 // Pieces read from the page cache are at most this big, while O_DIRECT pieces fill the slot
-// (Options::bounce_buffer_size, 8 MiB by default). Measured on the H200 machine (bench/RESULTS.md):
-// 8 MiB direct reads took cold 6 GiB loads from 0.81-0.82x to 0.87-1.0x of the O_DIRECT ceiling,
-// while warm loads are fastest with small page-cache copies: 6 GiB from the page cache into
-// cuda:0 took 0.15-0.16 s with 2 MiB pieces, 0.17-0.20 s with 4 MiB, and used 40% less CPU (a
-// piece copied by the kernel is then read by the DMA engine: small pieces are more often still in
-// the CPU's caches); 1 MiB pieces were slower again.
+// (Options::bounce_buffer_size, 8 MiB by default): large direct reads bring cold loads nearer the
+// O_DIRECT ceiling, while warm loads are fastest, and use the least CPU, with small page-cache
+// copies (a piece copied by the kernel is then read by the DMA engine: small pieces are more often
+// still in the CPU's caches); smaller pieces than this were slower again. The runs that chose both
+// sizes: bench/RESULTS.md, "Engine tuning".
 constexpr std::uint64_t kPageCachePiece = std::uint64_t{2} << 20;
 // A job wakes one worker per this many bytes (and per chunk): handing a task to a thread costs
 // a few microseconds, about what copying this much from the page cache takes.
@@ -294,8 +293,9 @@ class Worker {
       while (in_flight_ < options_.queue_depth && !job_->failed && start_next_piece()) {}
       if (in_flight_ == 0) break;  // no piece left (a slot is always found when none is reading)
       // While copies to the GPU are running, wake up after 0.1 ms even without a completion: a
-      // 2-8 MiB copy takes 0.04-0.16 ms, and its slot should carry the next read at once
-      // rather than idle until some storage read completes (milliseconds on a disk).
+      // slot's copy at the host-to-device rate ends well within that, and its slot should carry
+      // the next read at once rather than idle until some storage read completes (a disk's
+      // latency is far longer).
       int r;
       if (copying_.empty()) {
         r = io_uring_submit_and_wait(ring, 1);

@@ -43,8 +43,8 @@ UringPlan plan_batch(std::span<const IoRequest> requests, const Options& options
     const DirectIoInfo& dio = request.file->direct_io();
     std::size_t alignment = std::max(dio.memory_alignment, dio.offset_alignment);
     // Direct writes on file-system blocks: a sub-block one drains every direct I/O of the file
-    // first (ext4, XFS). Measured: 6 GiB saved as 48 tensors whose offsets are 512-aligned,
-    // not 4 KiB-aligned, wrote at 0.62x the rate of one aligned 6 GiB write (bench/RESULTS.md).
+    // first (ext4, XFS), so tensors at 512- but not 4 KiB-aligned offsets wrote far slower than
+    // one aligned write of the same bytes (bench/RESULTS.md, "Saves").
     if (request.op == IoOp::write)
       alignment = std::max<std::size_t>(alignment, std::min<std::size_t>(dio.block_size, kSlotAlignment));
     if (options.direct_io != DirectIo::off) {

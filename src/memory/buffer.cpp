@@ -34,8 +34,7 @@ void count(MemoryKind kind, std::size_t size, int sign) {
 // Host memory comes from mmap: page aligned (O_DIRECT-ready) and returned to the kernel on free.
 // Mappings of 2 MiB and more start on a 2 MiB boundary and ask for transparent huge pages: a
 // fresh multi-GiB host destination then takes 512 times fewer page faults, and pinning it is
-// faster (on the H200 machine, pinning 512 MiB took 112-145 ms against 250-360 ms by
-// cudaHostAlloc: bench/RESULTS.md, "first use").
+// faster than cudaHostAlloc of the same size (bench/RESULTS.md, "First use").
 std::byte* map_anonymous(std::size_t size, const ErrorContext& context) {
   constexpr std::size_t kHuge = std::size_t{2} << 20;
   const bool huge = size >= kHuge;

@@ -60,7 +60,8 @@ bool driver_installed() {
 }
 #endif
 
-// Asked once: cudaGetDeviceCount initialises the runtime, which costs ~100 ms the first time.
+// Asked once: cudaGetDeviceCount initialises the runtime (loads the driver, enumerates the
+// devices), which is slow the first time (bench/RESULTS.md, "First use") and is not paid per call.
 const DeviceQuery& device_query() {
   static const DeviceQuery query = [] {
     DeviceQuery q;
