@@ -1,13 +1,17 @@
 # The layers of src/ as build targets. Each layer is an OBJECT library whose only view of src/ is
 # a folder of links, made here, to itself and the layers it may use; an include that crosses a
 # layer the wrong way ("io/..." from the doctor is fine, "doctor/..." from io is not) then fails to
-# compile with "No such file or directory" instead of waiting for a review. tests/layers_test.sh
-# states the same table for a reader and checks the public headers. The static library hbmio is
+# compile with "No such file or directory" instead of waiting for a review. The same table is
+# written to ${PROJECT_BINARY_DIR}/layers.txt, one "<name> <layers it may include>" line per layer,
+# for tests/layers_test.sh to check what a compiler never sees (headers no source includes, a
+# folder of src/ that is no layer, the public headers and the faces). The static library hbmio is
 # the union of the layers' objects, so users still link one archive.
 #
 #   hbmio_layer(<name> SEES <layers it may include> SOURCES <files under src/<name>>)
 
 set(HBMIO_LAYER_ROOTS ${PROJECT_BINARY_DIR}/layers)
+set(HBMIO_LAYER_TABLE ${PROJECT_BINARY_DIR}/layers.txt)
+file(WRITE ${HBMIO_LAYER_TABLE} "")
 
 # What every layer compiles with: warnings, the version, the CUDA switch, and the include roots of
 # the libraries used in headers (fmt, nlohmann-json, liburing, the CUDA runtime).
@@ -35,6 +39,8 @@ function(hbmio_layer name)
     endif()
     file(CREATE_LINK ${PROJECT_SOURCE_DIR}/src/${seen} ${root}/${seen} SYMBOLIC)
   endforeach()
+  list(JOIN L_SEES " " sees)
+  file(APPEND ${HBMIO_LAYER_TABLE} "${name} ${sees}\n")
   list(TRANSFORM L_SOURCES PREPEND ${PROJECT_SOURCE_DIR}/src/${name}/)
   add_library(hbmio_${name} OBJECT ${L_SOURCES})
   target_include_directories(hbmio_${name} PRIVATE ${root})

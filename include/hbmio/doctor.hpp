@@ -8,6 +8,7 @@
 // itself; it never throws for what it finds (missing or garbled files become WARN/INFO checks).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -46,5 +47,22 @@ std::vector<Check> run_doctor(const DoctorOptions& options);
 
 // True when any check FAILs (the CLI's exit status 1).
 bool any_failed(const std::vector<Check>& checks) noexcept;
+
+// The machine a measurement ran on, recorded beside its figures (`hbmio bench`): a figure means
+// little without the CPU, kernel, GPU and storage it came from.
+struct Machine {
+  std::string cpu_model = "unknown";
+  unsigned cpus = 1;
+  std::uint64_t memory_bytes = 0;
+  std::string kernel;      // "Linux 6.8.0-45-generic", as uname(2) reports sysname and release
+  bool gpu = false;
+  std::string gpu_name;    // "NVIDIA H200" when there is one
+  std::string gpu_reason;  // why there is none
+  std::string file_system, device, device_model;
+};
+
+// The live machine, GPU `device` (when there is a GPU), and the file system and block device that
+// hold `path`. Facts that cannot be read stay at their defaults: nothing here throws.
+Machine describe_machine(const std::string& path, int device = 0);
 
 }  // namespace hbmio

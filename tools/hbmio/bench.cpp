@@ -5,7 +5,7 @@
 // This file is the command: flags, the scratch files, and the flow of run_bench(), top to bottom:
 //   1. validate the flags; allocate the destination once (timing excludes allocation, as a
 //      loader reuses buffers); create a random sample file unless --file names one;
-//   2. describe the machine (bench_machine.hpp);
+//   2. describe the machine (describe_machine, hbmio/doctor.hpp);
 //   3. measure rows (bench_measure.hpp): per mode, first the ceiling, then each backend; the
 //      first run of each backend is compared with a plain pread of the file;
 //   4. print the table; write --json and --chart (bench_report.hpp).
@@ -33,7 +33,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "bench_machine.hpp"
 #include "bench_measure.hpp"
 #include "bench_report.hpp"
 #include "cli_common.hpp"
@@ -66,6 +65,9 @@ std::vector<std::string> split_backends(const std::string& list) {
   if (names.empty()) throw Error(errno_code(EINVAL), {.op = "bench --backends"}, "no backend named");
   return names;
 }
+
+// The GPU whose name the machine's record carries: the one measured into, else the first.
+int gpu_of(const MemoryLocation& into) { return into.kind == MemoryKind::device ? into.device : 0; }
 
 // The command line as typed, for the JSON record (CLI11 does not keep argv).
 std::string command_line() {
@@ -211,7 +213,7 @@ int run_bench_url(const BenchFlags& flags, const std::atomic<bool>& stop) {
   if (size == 0) throw Error(errno_code(EINVAL), {.op = "bench --url", .path = object->shown()}, "the object is empty");
   Buffer destination = Buffer::allocate(into, size);
   fill_memory(destination.span(), std::byte{0});  // page faults out of the timed runs
-  Report report{.machine = describe_machine(".", into), .date = iso8601_now(), .command = command_line(),
+  Report report{.machine = describe_machine(".", gpu_of(into)), .date = iso8601_now(), .command = command_line(),
                 .file_path = object->shown(), .into = into.to_string(), .generated = false, .size = size,
                 .runs = flags.runs, .options = flags.tuning.resolve()};
   if (!gpu && flags.json == "-") fmt::print(stderr, "hbmio: no GPU: measuring the URL into host memory ({})\n", into.to_string());
@@ -295,7 +297,7 @@ int run_bench(const BenchFlags& flags, const std::atomic<bool>& stop) {
   if (flags.file.empty()) create_sample_file(path, size, options, stop);
 
   // 2. The machine.
-  Report report{.machine = describe_machine(path, into), .date = iso8601_now(), .command = command_line(),
+  Report report{.machine = describe_machine(path, gpu_of(into)), .date = iso8601_now(), .command = command_line(),
                 .file_path = path, .into = into.to_string(), .generated = flags.file.empty(), .size = size,
                 .runs = flags.runs, .options = options};
   if (!gpu && flags.json == "-")  // the table, which says so at its top, is not printed then

@@ -8,7 +8,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "bench_machine.hpp"
 #include "bench_measure.hpp"
 #include "hbmio/hbmio.hpp"
 

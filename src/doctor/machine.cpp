@@ -1,6 +1,7 @@
-// Reads the machine's facts through the library's platform layer (procfs and sysfs under a root,
-// every read returning nothing on error) and its CUDA and file queries.
-#include "bench_machine.hpp"
+// The machine a measurement ran on (hbmio/doctor.hpp): its facts through the platform layer
+// (procfs and sysfs under a root, every read returning nothing on error) and the library's CUDA
+// and file queries.
+#include "hbmio/doctor.hpp"
 
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -11,9 +12,11 @@
 
 #include <fmt/format.h>
 
+#include "hbmio/file.hpp"
+#include "hbmio/memory.hpp"
 #include "platform/sysfs.hpp"
 
-namespace hbmio::cli {
+namespace hbmio {
 namespace {
 
 // The value of the first "key: value" line of a procfs text, e.g. "model name" of /proc/cpuinfo.
@@ -60,7 +63,7 @@ void describe_device(const platform::Root& root, const std::string& path, Machin
 
 }  // namespace
 
-Machine describe_machine(const std::string& file_path, const MemoryLocation& into) {
+Machine describe_machine(const std::string& path, int device) {
   const platform::Root root("/");
   Machine m;
   if (std::string model = procfs_value(root.read_file("proc/cpuinfo").value_or(""), "model name"); !model.empty())
@@ -72,11 +75,11 @@ Machine describe_machine(const std::string& file_path, const MemoryLocation& int
   const auto release = root.read_attribute("proc/sys/kernel/osrelease");
   if (type && release) m.kernel = *type + " " + *release;
   m.gpu = cuda_device_count() > 0;
-  if (m.gpu) m.gpu_name = cuda_device_name(into.kind == MemoryKind::device ? into.device : 0);
+  if (m.gpu) m.gpu_name = cuda_device_name(device);
   else m.gpu_reason = cuda_unavailable_reason();
-  m.file_system = file_system_type(file_path);
-  describe_device(root, file_path, m);
+  m.file_system = file_system_type(path);
+  describe_device(root, path, m);
   return m;
 }
 
-}  // namespace hbmio::cli
+}  // namespace hbmio

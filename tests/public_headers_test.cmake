@@ -1,0 +1,20 @@
+# cmake -DINCLUDE_DIR=<include> -P public_headers_test.cmake: fails unless hbmio/hbmio.hpp includes
+# every public header of include/hbmio but the test hooks (hbmio/testing/), so "include this one
+# header" stays true as headers are added. (Each header compiling alone is the public_headers
+# target of tests/public_headers.cmake.)
+cmake_minimum_required(VERSION 3.25)
+file(GLOB headers RELATIVE ${INCLUDE_DIR} ${INCLUDE_DIR}/hbmio/*.hpp)
+list(REMOVE_ITEM headers hbmio/hbmio.hpp)
+file(STRINGS ${INCLUDE_DIR}/hbmio/hbmio.hpp includes REGEX "^#include \"hbmio/")
+set(missing)
+foreach(header IN LISTS headers)
+  if(NOT "#include \"${header}\"" IN_LIST includes)
+    list(APPEND missing ${header})
+  endif()
+endforeach()
+if(missing)
+  list(JOIN missing ", " shown)
+  message(FATAL_ERROR "include/hbmio/hbmio.hpp does not include: ${shown}")
+endif()
+list(LENGTH headers count)
+message(STATUS "hbmio/hbmio.hpp includes all ${count} public headers")
