@@ -7,7 +7,10 @@
 # folder of src/ that is no layer, the public headers and the faces). The static library hbmio is
 # the union of the layers' objects, so users still link one archive.
 #
-#   hbmio_layer(<name> SEES <layers it may include> SOURCES <files under src/<name>>)
+#   hbmio_layer(<name> [TESTING] SEES <layers it may include> SOURCES <files under src/<name>>)
+#
+# TESTING: test support (fault injection), a static library of its own that only tests link, never
+# part of hbmio.
 
 set(HBMIO_LAYER_ROOTS ${PROJECT_BINARY_DIR}/layers)
 set(HBMIO_LAYER_TABLE ${PROJECT_BINARY_DIR}/layers.txt)
@@ -28,7 +31,7 @@ if(HBMIO_HAVE_CUDA)
 endif()
 
 function(hbmio_layer name)
-  cmake_parse_arguments(PARSE_ARGV 1 L "" "" "SEES;SOURCES")
+  cmake_parse_arguments(PARSE_ARGV 1 L "TESTING" "" "SEES;SOURCES")
   set(root ${HBMIO_LAYER_ROOTS}/${name})
   # Made again at every configure, so a layer dropped from SEES disappears from the root.
   file(REMOVE_RECURSE ${root})
@@ -42,8 +45,13 @@ function(hbmio_layer name)
   list(JOIN L_SEES " " sees)
   file(APPEND ${HBMIO_LAYER_TABLE} "${name} ${sees}\n")
   list(TRANSFORM L_SOURCES PREPEND ${PROJECT_SOURCE_DIR}/src/${name}/)
-  add_library(hbmio_${name} OBJECT ${L_SOURCES})
+  if(L_TESTING)
+    add_library(hbmio_${name} STATIC ${L_SOURCES})
+    target_link_libraries(hbmio_${name} PUBLIC hbmio)
+  else()
+    add_library(hbmio_${name} OBJECT ${L_SOURCES})
+    target_sources(hbmio PRIVATE $<TARGET_OBJECTS:hbmio_${name}>)
+  endif()
   target_include_directories(hbmio_${name} PRIVATE ${root})
   target_link_libraries(hbmio_${name} PRIVATE hbmio_layer_flags)
-  target_sources(hbmio PRIVATE $<TARGET_OBJECTS:hbmio_${name}>)
 endfunction()

@@ -13,7 +13,7 @@
 #include <fmt/format.h>
 
 #include "hbmio/async_save.hpp"
-#include "hbmio/testing/fault_injection.hpp"
+#include "testing/fault_injection_file_system.hpp"
 #include "test_support.hpp"
 
 namespace hbmio::test {
@@ -173,7 +173,9 @@ TEST(AsyncSave, BackgroundFailuresAreNeverLost) {
   for (std::uint64_t call : {1, 3}) {
     SCOPED_TRACE(call);
     auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = call, .fail_errno = ENOSPC});
-    SaveInProgress save = save_checkpoint_async(path, changed.tensors, {.backend = "posix", .faults = faults}, {.pool_bytes = 64 << 20});
+    SaveInProgress save = save_checkpoint_async(
+        path, changed.tensors, {.backend = "posix", .file_system = std::make_shared<FaultInjectionFileSystem>(faults)},
+        {.pool_bytes = 64 << 20});
     try {
       save.wait();
       ADD_FAILURE() << "a save whose call " << call << " failed reported success";
@@ -191,7 +193,8 @@ TEST(AsyncSave, BackgroundFailuresAreNeverLost) {
   }
   {
     auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = 2, .fail_errno = EIO});
-    save_checkpoint_async(path, changed.tensors, {.backend = "posix", .faults = faults}).detach();
+    save_checkpoint_async(path, changed.tensors, {.backend = "posix", .file_system = std::make_shared<FaultInjectionFileSystem>(faults)})
+        .detach();
   }
   try {
     save_checkpoint_async(path, changed.tensors).wait();
@@ -203,7 +206,9 @@ TEST(AsyncSave, BackgroundFailuresAreNeverLost) {
   EXPECT_TRUE(read_all(path) == old_bytes);
   {
     auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = 2, .fail_errno = EIO});
-    save_checkpoint_async(dir.file("elsewhere.safetensors"), changed.tensors, {.backend = "posix", .faults = faults}).detach();
+    save_checkpoint_async(dir.file("elsewhere.safetensors"), changed.tensors,
+                          {.backend = "posix", .file_system = std::make_shared<FaultInjectionFileSystem>(faults)})
+        .detach();
   }
   const std::vector<std::string> unseen = wait_for_all_saves();
   ASSERT_EQ(unseen.size(), 1u);

@@ -22,7 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "hbmio/checkpoint.hpp"
-#include "hbmio/testing/fault_injection.hpp"
+#include "testing/fault_injection_file_system.hpp"
 #include "shim/nccl_api.hpp"
 #include "sha256.hpp"
 #include "test_support.hpp"
@@ -290,7 +290,8 @@ TEST(CrashSafety, InjectedWriteAndFsyncFailuresKeepTheOldCheckpoint) {
       SCOPED_TRACE(fmt::format("errno {} at call {}", err, n));
       auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = n, .fail_errno = err});
       try {
-        save_checkpoint(path, new_sample.tensors, {.backend = "uring", .engine_options = one_worker(), .faults = faults});
+        save_checkpoint(path, new_sample.tensors,
+                        {.backend = "uring", .engine_options = one_worker(), .file_system = std::make_shared<FaultInjectionFileSystem>(faults)});
         succeeded = true;
         EXPECT_FALSE(faults->fired()) << "a save whose call " << n << " failed reported success";
       } catch (const Error& e) {
@@ -785,7 +786,10 @@ TEST(ShardedSave, AFailureLeavesTheOldDirectoryIntact) {
     auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = n, .fail_errno = ENOSPC});
     try {
       save_checkpoint(target, new_sample.tensors,
-                      {.backend = "uring", .engine_options = one_worker(), .faults = faults, .max_shard_size = 300000});
+                      {.backend = "uring",
+                       .engine_options = one_worker(),
+                       .file_system = std::make_shared<FaultInjectionFileSystem>(faults),
+                       .max_shard_size = 300000});
       succeeded = true;
       EXPECT_FALSE(faults->fired());
       EXPECT_TRUE(holds(new_sample));

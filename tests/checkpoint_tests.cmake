@@ -4,7 +4,7 @@ if(NOT DEFINED HBMIO_FIXTURES)
   set(HBMIO_FIXTURES "${PROJECT_SOURCE_DIR}/../shared/fixtures" CACHE PATH "fixtures made by reference implementations")
 endif()
 add_executable(checkpoint_tests ${CMAKE_CURRENT_LIST_DIR}/checkpoint_test.cpp ${CMAKE_CURRENT_LIST_DIR}/async_save_test.cpp)
-target_link_libraries(checkpoint_tests PRIVATE hbmio GTest::gtest_main fmt::fmt-header-only nlohmann_json::nlohmann_json)
+target_link_libraries(checkpoint_tests PRIVATE hbmio hbmio_testing GTest::gtest_main fmt::fmt-header-only nlohmann_json::nlohmann_json)
 target_include_directories(checkpoint_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
 # One rank of the NCCL test, run by it as a process per GPU.
 add_executable(nccl_rank ${CMAKE_CURRENT_LIST_DIR}/nccl_rank.cpp)

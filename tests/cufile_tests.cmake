@@ -31,7 +31,7 @@ if(_hbmio_cufile_wheel AND EXISTS "${_hbmio_cufile_wheel}/lib/libcufile.so.0")
 endif()
 
 add_executable(cufile_tests ${CMAKE_CURRENT_LIST_DIR}/cufile_tests.cpp)
-target_link_libraries(cufile_tests PRIVATE hbmio GTest::gtest_main ${CMAKE_DL_LIBS})
+target_link_libraries(cufile_tests PRIVATE hbmio hbmio_testing GTest::gtest_main ${CMAKE_DL_LIBS})
 target_include_directories(cufile_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
 target_compile_options(cufile_tests PRIVATE -Wall -Wextra)
 # fmt as the library's layers use it (header-only): the src/ headers this test includes use fmt, and

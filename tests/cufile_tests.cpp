@@ -36,7 +36,7 @@
 #include "hbmio/file.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
-#include "hbmio/testing/fault_injection.hpp"
+#include "testing/fault_injection.hpp"
 #include "io/cufile_verdict.hpp"
 #include "io/engine_internal.hpp"
 #include "shim/cufile_api.hpp"

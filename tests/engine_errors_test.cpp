@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 
-#include "hbmio/testing/fault_injection.hpp"
+#include "testing/fault_injection.hpp"
 #include "test_support.hpp"
 
 namespace hbmio::test {

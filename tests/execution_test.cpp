@@ -14,7 +14,7 @@
 
 #include <fmt/format.h>
 
-#include "hbmio/testing/fault_injection.hpp"
+#include "testing/fault_injection.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "core/error_boundary.hpp"
 #include "hbmio/doctor.hpp"

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "hbmio/engine.hpp"
+#include "hbmio/file_system.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
 #include "hbmio/remote.hpp"
@@ -297,10 +298,12 @@ struct SaveOptions {
   std::string backend = "auto";
   std::optional<Options> engine_options;
   // The engine that writes every file of the save (all shards of a sharded one). When null, the
-  // save leases one of `backend` from EnginePool::shared(), or makes its own when
-  // `engine_options` or `faults` is set.
+  // save takes the one `file_system` gives, else makes its own when `engine_options` is set, else
+  // leases one of `backend` from EnginePool::shared().
   Engine* engine = nullptr;
-  std::shared_ptr<FaultInjector> faults;  // test support: injected write and fsync failures
+  // Every file operation of the save but the engine's data writes (file_system.hpp); null:
+  // FileSystem::posix().
+  std::shared_ptr<FileSystem> file_system;
   // 0: one file at `path`. Otherwise `path` is a directory that receives a Hugging Face sharded
   // checkpoint: model-0000K-of-0000N.safetensors of at most this many tensor bytes each (a larger
   // tensor gets a shard of its own) and model.safetensors.index.json.

@@ -29,7 +29,7 @@
 
 namespace hbmio {
 
-class FaultInjector;
+class FaultHook;
 
 enum class IoOp { read, write };
 
@@ -73,9 +73,10 @@ class Engine {
 
 // Creates a backend by name: "posix", "uring", "cufile" or "auto". Throws Error(EINVAL) for an
 // unknown name and Error(ENOTSUP) with the reason when the backend cannot run here.
-// `faults` (test support) makes the backend see injected failures; see testing/fault_injection.hpp.
+// `faults` (test support) makes the backend see injected failures: the testing layer's
+// FaultInjector (src/testing/fault_injection.hpp), which only tests link; production passes none.
 std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options = Options::from_env(),
-                                    std::shared_ptr<FaultInjector> faults = nullptr);
+                                    std::shared_ptr<FaultHook> faults = nullptr);
 
 // What each backend can do on this machine, and why not where it cannot.
 struct BackendStatus {

@@ -1,6 +1,5 @@
 // Everything a user of hbmio needs: include this one header. (tests/public_headers.cmake checks it
-// includes every public header, and that each compiles on its own; the test hooks of
-// hbmio/testing/ are not part of it.)
+// includes every public header, and that each compiles on its own.)
 #pragma once
 #include "hbmio/async_save.hpp"
 #include "hbmio/checkpoint.hpp"
@@ -8,6 +7,7 @@
 #include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/file.hpp"
+#include "hbmio/file_system.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
 #include "hbmio/remote.hpp"

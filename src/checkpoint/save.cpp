@@ -6,7 +6,6 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <stdio.h>  // renameat2
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,6 +32,7 @@
 #include "core/positional_io.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
+#include "hbmio/file_system.hpp"
 #include "io/engine_internal.hpp"
 
 namespace hbmio {
@@ -132,7 +132,7 @@ class FileLock {
 // system has no unnamed files, one window remains: a save that has created its temporary but not
 // yet locked it, a few microseconds. A removal there makes that save fail at its rename, with the
 // old checkpoint intact.)
-void remove_stale_temporaries(const fs::path& target) {
+void remove_stale_temporaries(FileSystem& files, const fs::path& target) {
   const std::string prefix = temp_prefix(target);
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(target.parent_path(), ec)) {
@@ -140,7 +140,7 @@ void remove_stale_temporaries(const fs::path& target) {
     const int fd = ::open(entry.path().c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0 && errno != ELOOP) continue;  // gone, or not ours to judge
     const bool in_use = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
-    if (!in_use) fs::remove_all(entry.path(), ec);  // (a symbolic link there is removed, not followed)
+    if (!in_use) files.remove_all(entry.path().string());  // (a symbolic link there is removed, not followed)
     if (fd >= 0) ::close(fd);
   }
 }
@@ -195,6 +195,9 @@ void check_directory_of(const fs::path& target, const ErrorContext& context) {
     throw Error(errno_code(errno), context, fmt::format("cannot create files in its directory {}", dir.string()));
 }
 
+// The file system a save makes its file operations through (SaveOptions::file_system).
+FileSystem& files_of(const SaveOptions& options) { return options.file_system ? *options.file_system : *FileSystem::posix(); }
+
 // A save stops at its safe points, before anything is published, once `cancel` reads true.
 void check_cancel(const std::atomic<bool>* cancel, const ErrorContext& context) {
   if (cancel != nullptr && cancel->load(std::memory_order_relaxed))
@@ -214,24 +217,17 @@ void take_attributes(const fs::path& from, int fd, const ErrorContext& context) 
 
 // The directory entry made by rename is durable only once the directory itself is fsynced
 // (fsync(2); PostgreSQL's durable_rename and RocksDB #10573 lost files without it).
-void sync_directory(const fs::path& dir, const std::string& target, FaultInjector* faults) {
-  if (const int err = detail::inject(faults, FaultSite::io, "fsync of the directory"))
-    throw Error(errno_code(err), {.op = "save", .path = target}, "fsync of its directory (injected)");
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) throw Error(errno_code(errno), {.op = "save", .path = target}, "open of its directory to fsync it");
-  const int r = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (r != 0) throw Error(errno_code(err), {.op = "save", .path = target}, "fsync of its directory");
+void sync_directory(FileSystem& files, const fs::path& dir, const std::string& target) {
+  files.sync_directory(dir.string(), {.op = "save", .path = target});
 }
 
 // The fsync of the directory after the rename: the save has published by then, so a failure here
 // is not "nothing happened". It says what is true: the new file is in place, and whether its name
 // survives a power loss is unknown. `kept`: where the previous checkpoint still is (a sharded
 // save keeps it then: if the rename were lost, the name would lead back to it).
-void sync_published(const fs::path& dir, const std::string& target, FaultInjector* faults, const fs::path& kept = {}) {
+void sync_published(FileSystem& files, const fs::path& dir, const std::string& target, const fs::path& kept = {}) {
   try {
-    sync_directory(dir, target, faults);
+    sync_directory(files, dir, target);
   } catch (const Error& e) {
     throw Error(e.code(), {.op = "make the save durable", .path = target},
                 fmt::format("the new {} is in place, but the fsync of its directory failed ({}), so whether it "
@@ -319,9 +315,9 @@ FileLock lock_current(const fs::path& target) {
 class PendingFile {
  public:
   // `shown` names the file in errors: the name the caller gave, not a temporary one.
-  PendingFile(const fs::path& target, const std::string& shown) : target_(target) {
+  PendingFile(FileSystem& files, const fs::path& target, const std::string& shown) : files_(files), target_(target) {
     try {
-      file_ = File::open_at(AT_FDCWD, target.parent_path().string(), shown, OpenMode::create_unnamed);
+      file_ = files_.open(target.parent_path().string(), shown, OpenMode::create_unnamed, true);
     } catch (const Error& e) {
       // No O_TMPFILE on this file system (EOPNOTSUPP; EISDIR or EINVAL from older kernels and
       // some FUSE file systems): a named temporary instead.
@@ -329,7 +325,7 @@ class PendingFile {
       if (e.code().category() != std::generic_category() || (err != EOPNOTSUPP && err != EISDIR && err != EINVAL)) throw;
       std::random_device random;
       temp_ = temp_name(target, random);
-      file_ = File::open_at(AT_FDCWD, temp_.string(), shown, OpenMode::create_new);
+      file_ = files_.open(temp_.string(), shown, OpenMode::create_new, true);
     }
     lock_ = FileLock(::fcntl(file_.fd(), F_DUPFD_CLOEXEC, 0));  // held past the file's close, to the rename
     hold_descriptor(file_.fd());  // it shares the lock's description (see HeldDescriptors)
@@ -337,8 +333,7 @@ class PendingFile {
   ~PendingFile() {
     const int fd = file_.fd();
     if (fd >= 0) close_held_descriptor(fd, [this] { file_ = File(); });
-    std::error_code ec;
-    if (!published_ && !temp_.empty()) fs::remove(temp_, ec);
+    if (!published_ && !temp_.empty()) files_.remove_all(temp_.string());
   }
   PendingFile(const PendingFile&) = delete;
   PendingFile& operator=(const PendingFile&) = delete;
@@ -350,22 +345,21 @@ class PendingFile {
   // lock itself, passes false.
   void publish(const ErrorContext& context, bool lock_target) {
     if (temp_.empty()) {
-      // A name for the unnamed file, beside the target: linkat through /proc (no privilege
-      // needed), else AT_EMPTY_PATH (needs CAP_DAC_READ_SEARCH).
+      // A name for the unnamed file, beside the target.
       std::random_device random;
       const fs::path name = temp_name(target_, random);
-      const std::string self = fmt::format("/proc/self/fd/{}", file_.fd());
-      if (::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, name.c_str(), AT_SYMLINK_FOLLOW) != 0 &&
-          ::linkat(file_.fd(), "", AT_FDCWD, name.c_str(), AT_EMPTY_PATH) != 0)
-        throw Error(errno_code(errno), context, fmt::format("linkat of the new file to {}", name.string()));
+      if (const int err = files_.link(file_, name.string()))
+        throw Error(errno_code(err), context, fmt::format("linkat of the new file to {}", name.string()));
       temp_ = name;
     }
     const FileLock held = lock_target ? lock_current(target_) : FileLock{};
-    if (::rename(temp_.c_str(), target_.c_str()) != 0) throw Error(errno_code(errno), context, "rename of the new file over the old");
+    if (const int err = files_.rename(temp_.string(), target_.string()))
+      throw Error(errno_code(err), context, "rename of the new file over the old");
     published_ = true;
   }
 
  private:
+  FileSystem& files_;
   fs::path target_;
   fs::path temp_;  // empty while the file has no name
   File file_;
@@ -573,9 +567,11 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
   std::string header = st::serialize_header(infos, metadata);
 
   check_directory_of(target, context);
-  remove_stale_temporaries(target);
+  FileSystem& files = files_of(options);
+  remove_stale_temporaries(files, target);
   check_cancel(options.cancel, context);
-  const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options, options.faults);
+  const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options,
+                                   options.engine ? nullptr : files.make_engine(options.backend, options.engine_options));
   Engine* const engine = chosen.get();
   Stats total;
   std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
@@ -585,7 +581,7 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
   const Clock::time_point started = Clock::now();
   double hashing = 0, data = 0, wait = 0, header_write = 0, fsync = 0;
   {
-    PendingFile pending(target, shown);
+    PendingFile pending(files, target, shown);
     File& file = pending.file();
     std::vector<std::uint64_t> computed;  // each tensor's checksum, in the order of `tensors`
     if (staged != nullptr) {
@@ -632,18 +628,16 @@ Stats save_file(const fs::path& target, const std::string& shown, const std::vec
     header_write = seconds_since(phase);
     if (options.keep_attributes) take_attributes(target, file.fd(), context);
     check_cancel(options.cancel, context);
-    if (const int err = detail::inject(options.faults.get(), FaultSite::io, "fsync"))
-      throw Error(errno_code(err), context, "fsync (injected)");
     phase = Clock::now();
-    file.sync();  // throws on failure: never retried, the old checkpoint stays
+    files.sync(file, context);  // throws on failure: never retried, the old checkpoint stays
     fsync = seconds_since(phase);
     // The last point a stop request is heeded: from the rename on, the new file is the checkpoint.
     check_cancel(options.cancel, context);
     previous.emplace(target);
     pending.publish(context, top_level);
   }
-  if (top_level) sync_published(target.parent_path(), shown, options.faults.get());
-  else sync_directory(target.parent_path(), shown, options.faults.get());
+  if (top_level) sync_published(files, target.parent_path(), shown);
+  else sync_directory(files, target.parent_path(), shown);
   const double all = seconds_since(started);
   std::string engine_note = total.note;
   total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}; data writes {:.3f} s{}, header {:.3f} s, "
@@ -665,14 +659,11 @@ bool is_checkpoint_file(const std::string& name) {
 }
 
 // Writes small bytes (the index) to a new file and makes them durable; `shown` names it in errors.
-void write_durably(const fs::path& file, const std::string& shown, const std::string& bytes, FaultInjector* faults) {
-  File out = File::open_at(AT_FDCWD, file.string(), shown, OpenMode::create_new);
-  if (const int err = detail::inject(faults, FaultSite::io, "write of the index"))
-    throw Error(errno_code(err), {.op = "save", .path = shown}, "write (injected)");
-  detail::write_fully(out.fd(), std::as_bytes(std::span(bytes)), 0, {.op = "save", .path = shown});
-  if (const int err = detail::inject(faults, FaultSite::io, "fsync of the index"))
-    throw Error(errno_code(err), {.op = "save", .path = shown}, "fsync (injected)");
-  out.sync();
+void write_durably(FileSystem& files, const fs::path& file, const std::string& shown, const std::string& bytes) {
+  const ErrorContext context{.op = "save", .path = shown};
+  File out = files.open(file.string(), shown, OpenMode::create_new, true);
+  files.write(out, std::as_bytes(std::span(bytes)), 0, context);
+  files.sync(out, context);
 }
 
 Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options,
@@ -684,7 +675,8 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
   const auto [shards, shard_names, total_bytes] = detail::plan_shards(tensors, options.max_shard_size);
 
   check_directory_of(target, context);
-  remove_stale_temporaries(target);  // directories too: fs::remove_all below
+  FileSystem& files = files_of(options);
+  remove_stale_temporaries(files, target);  // directories too
   check_cancel(options.cancel, context);
   std::random_device random;
   const fs::path temp = temp_name(target, random);
@@ -693,13 +685,16 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
   try {
     // A name already there (even a symlink to a directory) is never built into: the random
     // suffix makes that a sign of interference, not a leftover (those were removed above).
-    if (!fs::create_directory(temp))
-      throw Error(errno_code(EEXIST), context, fmt::format("temporary directory {} already exists", temp.string()));
+    if (const int err = files.make_directory(temp.string()))
+      throw Error(errno_code(err), context,
+                  err == EEXIST ? fmt::format("temporary directory {} already exists", temp.string())
+                                : fmt::format("mkdir of the temporary directory {}", temp.string()));
     const FileLock lock(::open(temp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     nlohmann::json weight_map = nlohmann::json::object();
     SaveOptions single = options;
     single.max_shard_size = 0;
-    const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options, options.faults);
+    const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options,
+                                     options.engine ? nullptr : files.make_engine(options.backend, options.engine_options));
     single.engine = chosen.get();  // one engine writes every shard
     for (std::size_t k = 0; k < shards.size(); ++k) {
       // Errors name the shard where it will be (PATH/model-...), not inside the temporary directory.
@@ -707,8 +702,8 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
       for (const auto& t : shards[k]) weight_map[t.name] = shard_names[k];
     }
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-    write_durably(temp / "model.safetensors.index.json", (fs::path(path) / "model.safetensors.index.json").string(),
-                  index.dump(2) + "\n", options.faults.get());
+    write_durably(files, temp / "model.safetensors.index.json", (fs::path(path) / "model.safetensors.index.json").string(),
+                  index.dump(2) + "\n");
     // Whatever else the directory holds (config.json, tokenizer files) comes along. The old
     // checkpoint's own files do not: a model.safetensors beside the new index would be loaded in
     // its place by loaders that look for it first, and a shard of another count is stale. They
@@ -721,24 +716,22 @@ Stats save_sharded(const std::string& path, const std::vector<TensorToSave>& ten
         else if (name != "model.safetensors.index.json" && std::find(shard_names.begin(), shard_names.end(), name) == shard_names.end())
           dropped.push_back(name);
       }
-    sync_directory(temp, path, options.faults.get());
+    sync_directory(files, temp, path);
     // The last point a stop request is heeded: the swap below publishes the new checkpoint.
     check_cancel(options.cancel, context);
     if (fs::exists(target)) {
       // One atomic step: the new directory takes the name, the old one takes the temporary name.
-      if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0)
-        throw Error(errno_code(errno), context, "renameat2(RENAME_EXCHANGE) of the new directory");
-    } else if (::rename(temp.c_str(), target.c_str()) != 0) {
-      throw Error(errno_code(errno), context, "rename of the new directory");
+      if (const int err = files.exchange(temp.string(), target.string()))
+        throw Error(errno_code(err), context, "renameat2(RENAME_EXCHANGE) of the new directory");
+    } else if (const int err = files.rename(temp.string(), target.string())) {
+      throw Error(errno_code(err), context, "rename of the new directory");
     }
   } catch (...) {
-    std::error_code ec;
-    fs::remove_all(temp, ec);
+    files.remove_all(temp.string());
     throw;
   }
-  sync_published(target.parent_path(), path, options.faults.get(), temp);
-  std::error_code ec;
-  fs::remove_all(temp, ec);  // the old checkpoint, after the exchange
+  sync_published(files, target.parent_path(), path, temp);
+  files.remove_all(temp.string());  // the old checkpoint, after the exchange
   std::sort(dropped.begin(), dropped.end());
   total.note = fmt::format("{} tensors in {} shard(s) + index, swapped in atomically{}", tensors.size(), shards.size(),
                            dropped.empty() ? ""
@@ -813,8 +806,9 @@ void rewrite_with_checksums(int fd, const CheckpointFile& file, const fs::path& 
   std::string header = st::serialize_header(infos, metadata);  // placeholders: the final size
 
   check_directory_of(target, context);
-  remove_stale_temporaries(target);
-  PendingFile pending(target, context.path);
+  FileSystem& files = *FileSystem::posix();
+  remove_stale_temporaries(files, target);
+  PendingFile pending(files, target, context.path);
   const int out = pending.file().fd();
   std::vector<std::byte> piece(kRewritePiece);
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
@@ -847,10 +841,10 @@ void rewrite_with_checksums(int fd, const CheckpointFile& file, const fs::path& 
   write_all(final_header.data(), final_header.size(), 0);
   take_attributes(target, out, context);
   check_cancel(cancel, context);
-  pending.file().sync();
+  files.sync(pending.file(), context);
   check_cancel(cancel, context);
   pending.publish(context, /*lock_target=*/false);
-  sync_published(target.parent_path(), context.path, nullptr);
+  sync_published(files, target.parent_path(), context.path);
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 #include <cerrno>
 #include <string>
 
-#include "hbmio/testing/fault_injection.hpp"
+#include "core/fault_hook.hpp"
 
 namespace hbmio::detail {
 namespace {

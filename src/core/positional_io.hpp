@@ -14,7 +14,7 @@
 #include "hbmio/error.hpp"
 
 namespace hbmio {
-class FaultInjector;
+class FaultHook;
 }
 
 namespace hbmio::detail {
@@ -23,7 +23,7 @@ inline constexpr unsigned kMaxRetries = 1000;  // consecutive EAGAIN on one tran
 
 // What a caller may add to a transfer; all optional.
 struct PositionalIo {
-  FaultInjector* faults = nullptr;                    // sees each call's result (tests)
+  FaultHook* faults = nullptr;                        // sees each call's result (tests)
   const char* what = nullptr;                         // the call, in errors and the injector's log
   const std::atomic<bool>* cancel = nullptr;          // checked before each call: Error(ECANCELED)
   std::atomic<std::uint64_t>* progress = nullptr;     // bytes moved are added as they move

@@ -16,7 +16,7 @@ namespace {
 
 class AutoEngine final : public Engine {
  public:
-  AutoEngine(const Options& options, std::shared_ptr<FaultInjector> faults)
+  AutoEngine(const Options& options, std::shared_ptr<FaultHook> faults)
       : options_(options), faults_(std::move(faults)) {
     uring_status_ = {.name = "uring", .available = true, .detail = {}};
     try {
@@ -108,7 +108,7 @@ class AutoEngine final : public Engine {
   }
 
   Options options_;
-  std::shared_ptr<FaultInjector> faults_;
+  std::shared_ptr<FaultHook> faults_;
   std::unique_ptr<Engine> uring_, posix_, cufile_;
   BackendStatus uring_status_;
   std::string cufile_reason_;
@@ -119,7 +119,7 @@ class AutoEngine final : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr<FaultInjector> faults) {
+std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr<FaultHook> faults) {
   return std::make_unique<AutoEngine>(options, std::move(faults));
 }
 

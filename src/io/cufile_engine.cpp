@@ -35,7 +35,7 @@
 #include "hbmio/file.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
-#include "hbmio/testing/fault_injection.hpp"
+#include "core/fault_hook.hpp"
 #include "core/worker_threads.hpp"
 #include "io/cufile_verdict.hpp"
 #include "io/engine_internal.hpp"
@@ -287,7 +287,7 @@ std::string error_code_name(long long code) {
 
 class CufileEngine final : public Engine {
  public:
-  CufileEngine(const Options& options, std::shared_ptr<FaultInjector> faults, const DriverSession& session)
+  CufileEngine(const Options& options, std::shared_ptr<FaultHook> faults, const DriverSession& session)
       : options_(options), faults_(std::move(faults)), session_(session), api_(session.api()),
         threads_(std::max(options.resolved_workers(), 1u), "cuFile worker") {}
 
@@ -421,7 +421,7 @@ class CufileEngine final : public Engine {
   }
 
   Options options_;
-  std::shared_ptr<FaultInjector> faults_;
+  std::shared_ptr<FaultHook> faults_;
   const DriverSession& session_;
   const shim::CufileApi& api_;
   WorkerThreads threads_;  // the engine's own; each makes the request's device current on itself
@@ -526,7 +526,7 @@ AutoChoice choose_auto(const CufileVerdict& verdict, const BackendStatus& uring)
   return choice;
 }
 
-std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults, int device) {
+std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultHook> faults, int device) {
   options.validate();
   const DriverSession& session = DriverSession::acquire(device);
   if (!session.ok())

@@ -96,7 +96,7 @@ std::future<Stats> Engine::submit_async(IoRequest request) {
 std::vector<std::string> backend_names() { return {"posix", "uring", "cufile", "auto"}; }
 
 std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options,
-                                    std::shared_ptr<FaultInjector> faults) {
+                                    std::shared_ptr<FaultHook> faults) {
   options.validate();
   if (backend == "posix") return detail::make_posix_engine(options, std::move(faults));
   if (backend == "uring") return detail::make_uring_engine(options, std::move(faults));

@@ -11,7 +11,7 @@
 
 #include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"
-#include "hbmio/testing/fault_injection.hpp"
+#include "core/fault_hook.hpp"
 
 namespace hbmio::detail {
 
@@ -38,34 +38,37 @@ class TransferTimer {
   double cpu_start_;
 };
 
-// Injector helpers that tolerate a null injector.
-inline int inject(FaultInjector* faults, FaultSite site, const char* what) {
+// Fault hook calls that tolerate a null hook (production's).
+inline int inject(FaultHook* faults, FaultSite site, const char* what) {
   return faults ? faults->check(site, what) : 0;
 }
-inline long long inject_io(FaultInjector* faults, long long result, std::uint64_t requested, const char* what,
+inline long long inject_io(FaultHook* faults, long long result, std::uint64_t requested, const char* what,
                            std::uint64_t offset) {
   return faults ? faults->on_io_result(result, requested, what, offset) : result;
 }
 
 // Backend factories. Each throws Error(ENOTSUP) with the reason when it cannot run here.
-std::unique_ptr<Engine> make_posix_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
-std::unique_ptr<Engine> make_uring_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
+std::unique_ptr<Engine> make_posix_engine(const Options& options, std::shared_ptr<FaultHook> faults);
+std::unique_ptr<Engine> make_uring_engine(const Options& options, std::shared_ptr<FaultHook> faults);
 // `device`: the GPU of the first transfer, if known (where the cuFile driver is opened when the
 // calling thread has no CUDA context).
-std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultInjector> faults, int device = -1);
-std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr<FaultInjector> faults);
+std::unique_ptr<Engine> make_cufile_engine(const Options& options, std::shared_ptr<FaultHook> faults, int device = -1);
+std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr<FaultHook> faults);
 
-// The engine a load or save runs on: the caller's (`given`), a private one where the caller set
-// options or injected faults (an engine of the shared pool has neither), or one leased from
-// EnginePool::shared() for the object's life.
+// The engine a load or save runs on: the caller's (`given`), else one made for this use (`made`:
+// a save's FileSystem may give one), else a private one where the caller set options (an engine of
+// the shared pool has none), else one leased from EnginePool::shared() for the object's life.
 class EngineInUse {
  public:
   EngineInUse(Engine* given, std::string_view backend, const std::optional<Options>& options,
-              std::shared_ptr<FaultInjector> faults = nullptr)
+              std::unique_ptr<Engine> made = nullptr)
       : engine_(given) {
     if (engine_ != nullptr) return;
-    if (options || faults) {
-      own_ = make_engine(backend, options.value_or(Options::from_env()), std::move(faults));
+    if (made) {
+      own_ = std::move(made);
+      engine_ = own_.get();
+    } else if (options) {
+      own_ = make_engine(backend, *options);
       engine_ = own_.get();
     } else {
       lease_ = EnginePool::shared().acquire(backend);

@@ -20,7 +20,7 @@ namespace {
 
 class PosixEngine final : public Engine {
  public:
-  PosixEngine(const Options& options, std::shared_ptr<FaultInjector> faults)
+  PosixEngine(const Options& options, std::shared_ptr<FaultHook> faults)
       : chunk_size_(options.chunk_size), faults_(std::move(faults)) {}
 
   std::string_view name() const noexcept override { return "posix"; }
@@ -73,13 +73,13 @@ class PosixEngine final : public Engine {
   }
 
   std::size_t chunk_size_;
-  std::shared_ptr<FaultInjector> faults_;
+  std::shared_ptr<FaultHook> faults_;
   std::mutex mutex_;
 };
 
 }  // namespace
 
-std::unique_ptr<Engine> make_posix_engine(const Options& options, std::shared_ptr<FaultInjector> faults) {
+std::unique_ptr<Engine> make_posix_engine(const Options& options, std::shared_ptr<FaultHook> faults) {
   return std::make_unique<PosixEngine>(options, std::move(faults));
 }
 

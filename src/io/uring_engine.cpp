@@ -159,7 +159,7 @@ struct Job {
 class Worker {
  public:
   // `on_callers_thread`: worker 0, run by whichever thread submits (see WorkerThreads).
-  Worker(const Options& options, FaultInjector* faults, bool on_callers_thread)
+  Worker(const Options& options, FaultHook* faults, bool on_callers_thread)
       : options_(options), faults_(faults), on_callers_thread_(on_callers_thread) {}
 
   // Runs chunks of `job` until none are left or the job failed. Throws nothing: failures go to
@@ -616,7 +616,7 @@ class Worker {
   }
 
   Options options_;
-  FaultInjector* faults_;
+  FaultHook* faults_;
   bool on_callers_thread_;
   std::optional<cuda::DeviceGuard> device_guard_;  // worker 0, during a device job
   Job* job_ = nullptr;
@@ -640,7 +640,7 @@ class Worker {
 
 class UringEngine final : public Engine {
  public:
-  UringEngine(const Options& options, std::shared_ptr<FaultInjector> faults)
+  UringEngine(const Options& options, std::shared_ptr<FaultHook> faults)
       : options_(options), faults_(std::move(faults)), threads_(options.resolved_workers(), "uring worker") {
     workers_.resize(options_.resolved_workers());
   }
@@ -729,7 +729,7 @@ class UringEngine final : public Engine {
   }
 
   Options options_;
-  std::shared_ptr<FaultInjector> faults_;
+  std::shared_ptr<FaultHook> faults_;
   std::vector<std::unique_ptr<Worker>> workers_;  // workers_[i] is used by thread i only
   WorkerThreads threads_;  // declared after workers_: the threads stop before the workers go
   std::mutex mutex_;
@@ -737,7 +737,7 @@ class UringEngine final : public Engine {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_uring_engine(const Options& options, std::shared_ptr<FaultInjector> faults) {
+std::unique_ptr<Engine> make_uring_engine(const Options& options, std::shared_ptr<FaultHook> faults) {
   const BackendStatus status = probe_uring();
   if (!status.available)
     throw Error(errno_code(ENOTSUP), {.op = "open backend", .backend = "uring"}, status.detail);

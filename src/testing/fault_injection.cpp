@@ -1,4 +1,4 @@
-#include "hbmio/testing/fault_injection.hpp"
+#include "testing/fault_injection.hpp"
 
 #include <cerrno>
 #include <string_view>

@@ -1,4 +1,5 @@
-// Test support: seeded fault injection inside the backends.
+// Test support: seeded fault injection inside the backends (this layer is linked by tests only;
+// production code sees only the FaultHook interface it implements, and passes none).
 //
 // An engine made with make_engine(name, options, injector) asks the injector about each of its
 // calls that can fail: setup calls (ring creation, buffer registration, pinned allocation),
@@ -22,13 +23,9 @@
 #include <string>
 #include <vector>
 
-namespace hbmio {
+#include "core/fault_hook.hpp"
 
-enum class FaultSite {
-  setup,       // resource creation: rings, buffer registration, pinned/device allocation
-  io,          // one storage read/write (a completion, or a pread/pwrite call)
-  device_copy  // one copy between host and GPU memory
-};
+namespace hbmio {
 
 struct FaultPlan {
   std::uint64_t seed = 1;
@@ -42,19 +39,19 @@ struct FaultPlan {
   // whose call name contains fail_what ("" matches any): a failure at a place, not at a rank.
   std::uint64_t fail_offset = kNoOffset;
   std::string fail_what{};
-  static constexpr std::uint64_t kNoOffset = ~std::uint64_t{0};
+  static constexpr std::uint64_t kNoOffset = FaultHook::kNoOffset;
 };
 
-class FaultInjector {
+class FaultInjector final : public FaultHook {
  public:
   explicit FaultInjector(FaultPlan plan);
 
   // For setup and device copies: 0 to proceed, or a positive errno to fail with.
-  int check(FaultSite site, const char* what);
+  int check(FaultSite site, const char* what) override;
   // For an I/O at file `offset` that moved `result` bytes (or -errno) of `requested`: the result
   // to act on. May return fewer bytes (short transfer), -EAGAIN, -EINTR or -fail_errno.
   long long on_io_result(long long result, std::uint64_t requested, const char* what,
-                         std::uint64_t offset = FaultPlan::kNoOffset);
+                         std::uint64_t offset = FaultPlan::kNoOffset) override;
 
   std::uint64_t calls() const;           // calls seen so far
   bool fired() const;                    // whether fail_call was reached
