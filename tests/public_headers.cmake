@@ -1,7 +1,7 @@
 # The public headers (include/hbmio): each compiles on its own, with nothing on the include path
 # but include/ and no flag of the library's own build (a user's translation unit), and twice in a
-# row (its include guard); and hbmio/hbmio.hpp, "include this one header", includes every one of
-# them but the test hooks (hbmio/testing/). A header added later is picked up by the glob.
+# row (its include guard); and hbmio/hbmio.hpp, "include this one header", includes every header
+# of include/hbmio (the test below). A header added later is picked up by the glob.
 # include()d from tests/CMakeLists.txt.
 file(GLOB _hbmio_public_headers CONFIGURE_DEPENDS RELATIVE ${PROJECT_SOURCE_DIR}/include
      ${PROJECT_SOURCE_DIR}/include/hbmio/*.hpp ${PROJECT_SOURCE_DIR}/include/hbmio/*/*.hpp)

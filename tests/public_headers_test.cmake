@@ -1,6 +1,6 @@
 # cmake -DINCLUDE_DIR=<include> -P public_headers_test.cmake: fails unless hbmio/hbmio.hpp includes
-# every public header of include/hbmio but the test hooks (hbmio/testing/), so "include this one
-# header" stays true as headers are added. (Each header compiling alone is the public_headers
+# every header of include/hbmio (a subfolder, if one is made, holds headers included on purpose
+# only), so "include this one header" stays true as headers are added. (Each header compiling alone is the public_headers
 # target of tests/public_headers.cmake.)
 cmake_minimum_required(VERSION 3.25)
 file(GLOB headers RELATIVE ${INCLUDE_DIR} ${INCLUDE_DIR}/hbmio/*.hpp)
