@@ -30,7 +30,7 @@ enum class TensorLayout {
 
 struct LoadOptions {
   MemoryLocation into{};
-  std::string backend = "auto";
+  std::string backend;  // posix | uring | cufile | auto; "": configured_backend() (HBMIO_BACKEND, else auto)
   std::vector<std::string> names;  // tensors to load; empty: all
   TensorLayout layout = TensorLayout::single_allocation;
   std::size_t alignment = 256;     // of each tensor in a single allocation (CUDA's own is 256)
@@ -41,6 +41,10 @@ struct LoadOptions {
   bool verify = false;
   bool require_checksums = false;
   std::optional<Options> engine_options;  // default: Options::from_env()
+  // How a checkpoint at a URL is opened and read (connections, part size, retries, S3 endpoint,
+  // region and profile); default: RemoteOptions::from_env() (load_checkpoint_files: the options its
+  // files were opened with). Ignored for local files.
+  std::optional<RemoteOptions> remote;
   std::atomic<std::uint64_t>* progress = nullptr;  // bytes loaded so far, for a progress display
   // An engine to reuse (its rings and pinned buffers stay set up across loads). When null, the
   // load leases one of `backend` from EnginePool::shared(), or makes its own when
@@ -124,8 +128,9 @@ struct CheckpointFile {
 // each header read and validated; for an index, checks that every tensor it names is in its shard.
 // Every file is opened once: the files returned hold their descriptors (see CheckpointFile::file)
 // up to a bound derived from RLIMIT_NOFILE, so a checkpoint of hundreds of shards does not exhaust
-// the process's descriptors.
-std::vector<CheckpointFile> open_checkpoint(const std::string& path);
+// the process's descriptors. A URL's objects are opened with `remote` (default:
+// RemoteOptions::from_env()), which their reads then use.
+std::vector<CheckpointFile> open_checkpoint(const std::string& path, const std::optional<RemoteOptions>& remote = std::nullopt);
 
 // The open file of `file`: its own descriptor, or, where open_checkpoint did not keep one, the
 // file opened again from its directory, checked to be the same file (Error ESTALE, naming it,
@@ -153,8 +158,8 @@ class OpenedCheckpoint {
     const safetensors::TensorInfo* info = nullptr;  // name, dtype, shape, size
     std::uint64_t file_offset = 0;                  // where its bytes start in its file
   };
-  // Throws Error as open_checkpoint does.
-  explicit OpenedCheckpoint(const std::string& path);
+  // Throws Error as open_checkpoint(path, remote) does.
+  explicit OpenedCheckpoint(const std::string& path, const std::optional<RemoteOptions>& remote = std::nullopt);
   OpenedCheckpoint(OpenedCheckpoint&&) noexcept = default;
   OpenedCheckpoint& operator=(OpenedCheckpoint&&) noexcept = default;
 
@@ -295,8 +300,11 @@ struct TensorToSave {
 struct SaveOptions {
   std::map<std::string, std::string> metadata;
   bool checksums = true;  // XXH3-64 of each tensor in __metadata__ ("hbmio.xxh3.<name>")
-  std::string backend = "auto";
-  std::optional<Options> engine_options;
+  std::string backend;  // posix | uring | cufile | auto; "": configured_backend() (HBMIO_BACKEND, else auto)
+  std::optional<Options> engine_options;  // default: Options::from_env()
+  // How a save to an s3:// URL uploads (connections, part size, retries, S3 endpoint, region and
+  // profile); default: RemoteOptions::from_env(). Ignored for local files.
+  std::optional<RemoteOptions> remote;
   // The engine that writes every file of the save (all shards of a sharded one). When null, the
   // save takes the one `file_system` gives, else makes its own when `engine_options` is set, else
   // leases one of `backend` from EnginePool::shared().

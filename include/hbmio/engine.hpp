@@ -71,8 +71,10 @@ class Engine {
   std::future<Stats> submit_async(IoRequest request);
 };
 
-// Creates a backend by name: "posix", "uring", "cufile" or "auto". Throws Error(EINVAL) for an
-// unknown name and Error(ENOTSUP) with the reason when the backend cannot run here.
+// Creates a backend by name: "posix", "uring", "cufile" or "auto"; "" is the configured one
+// (configured_backend(): HBMIO_BACKEND, else "auto"). Throws Error(EINVAL) for an unknown name
+// (naming HBMIO_BACKEND where the name came from it) and Error(ENOTSUP) with the reason when the
+// backend cannot run here.
 // `faults` (test support) makes the backend see injected failures: the testing layer's
 // FaultInjector (src/testing/fault_injection.hpp), which only tests link; production passes none.
 std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options = Options::from_env(),
@@ -123,7 +125,8 @@ class EnginePool {
     std::unique_ptr<Engine> engine_;
   };
 
-  // An idle engine of `backend`, or a new one (make_engine's errors).
+  // An idle engine of `backend` ("": the configured one, as for make_engine), or a new one
+  // (make_engine's errors).
   Lease acquire(std::string_view backend);
   // Frees the idle engines (leased ones come back later as usual); returns how many.
   std::size_t release_all();

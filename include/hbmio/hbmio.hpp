@@ -3,6 +3,7 @@
 #pragma once
 #include "hbmio/async_save.hpp"
 #include "hbmio/checkpoint.hpp"
+#include "hbmio/config.hpp"
 #include "hbmio/doctor.hpp"
 #include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"

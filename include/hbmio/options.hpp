@@ -1,21 +1,11 @@
 // Tuning knobs and per-transfer statistics.
 //
 // Every option has a default chosen for NVMe-class storage and PCIe Gen4/5 hosts, and an
-// environment variable that overrides the default (read by Options::from_env, which the CLI and
-// make_engine() use). The table below is the one place they are documented.
-//
-//   variable                    field               default
-//   HBMIO_BACKEND               (make_engine)       auto      posix | uring | cufile | auto
-//   HBMIO_CHUNK_SIZE            chunk_size          16MiB     unit of work handed to a worker
-//   HBMIO_BOUNCE_BUFFER_SIZE    bounce_buffer_size  8MiB      one O_DIRECT I/O and one copy (page-cache
-//                                                             pieces: at most 2 MiB, see uring_engine.cpp)
-//   HBMIO_BOUNCE_BUFFERS        bounce_buffers      4         pinned slots per worker
-//   HBMIO_QUEUE_DEPTH           queue_depth         8         I/Os in flight per worker ring
-//   HBMIO_WORKERS               workers             0 (auto)  threads; auto = min(cores, 16)
-//   HBMIO_DIRECT_IO             direct_io           auto      on | off | auto (page-cache residency)
-//
-// Outside Options: HBMIO_CUFILE_LIBRARY (the libcufile to load, instead of searching), and
-// libcufile's own CUFILE_ENV_PATH_JSON / CUFILE_EXPERIMENTAL_FS (see README, "cuFile in containers").
+// environment variable that overrides the default, read by Options::from_env and
+// RemoteOptions::from_env (src/core/config.cpp, the one place hbmio reads HBMIO_*; see
+// hbmio/config.hpp). docs/configuration.md is the table of every variable: its default, the
+// values it accepts and what it sets. Where a call takes no options, these structs are made from
+// the environment at the time of the call.
 //
 // Sizes accept suffixes: 4096, 64K, 4MiB, 1G, 2GiB (binary multiples).
 #pragma once
@@ -40,13 +30,56 @@ struct Options {
   unsigned workers = 0;
   DirectIo direct_io = DirectIo::automatic;
 
-  // `base` with every HBMIO_* variable that is set applied; throws Error(EINVAL) naming the
-  // variable on a malformed value.
+  // `base` with every HBMIO_* variable of these fields that is set applied (HBMIO_CHUNK_SIZE,
+  // HBMIO_BOUNCE_BUFFER_SIZE, HBMIO_BOUNCE_BUFFERS, HBMIO_QUEUE_DEPTH, HBMIO_WORKERS,
+  // HBMIO_DIRECT_IO); throws Error(EINVAL) naming the variable, its value and what it accepts.
   static Options from_env(Options base);
   static Options from_env();
-  // Checks ranges (sizes > 0, bounce buffer a multiple of 4 KiB, ...); throws Error(EINVAL).
+  // Checks ranges (sizes > 0, bounce buffer a multiple of 4 KiB, ...); throws Error(EINVAL)
+  // naming the field, its variable and its value.
   void validate() const;
   unsigned resolved_workers() const noexcept;  // workers, with 0 resolved to min(cores, 16)
+};
+
+// How objects at URLs (s3://, http(s)://) are read and written; see hbmio/remote.hpp.
+struct RemoteOptions {
+  unsigned connections = 16;                 // GETs in flight (one connection each)
+  // Bytes per ranged GET (or uploaded part). 0: chosen per transfer, two parts per connection
+  // from 8 MiB up to 256 MiB for reads (large parts cost fewer requests: bench/RESULTS.md,
+  // "Remote checkpoints (S3)"; a read's pinned memory does not grow with its parts)
+  // and up to 64 MiB for uploads (each part in flight is a buffer of that size); small parts keep
+  // every connection busy on a small checkpoint.
+  std::size_t part_size = 0;
+  unsigned max_attempts = 5;                 // per part, the first included
+  double backoff_seconds = 0.2;              // before the first retry; doubles, jittered, up to 10 s
+  double connect_timeout_seconds = 10;
+  double stall_timeout_seconds = 30;         // a transfer below 1 KiB/s this long is retried
+  // The slowest rate a request may average: each request must end within
+  // deadline_seconds(its bytes), or it is timed out (ETIMEDOUT) and retried for its missing bytes.
+  // A body that trickles just above the stall limit would otherwise hold a load forever.
+  double min_rate_bytes_per_second = 256 * 1024;
+  std::string endpoint;                      // S3: overrides AWS_ENDPOINT_URL(_S3)
+  std::string region;                        // S3: overrides AWS_REGION & co.
+  std::string profile;                       // S3: overrides AWS_PROFILE
+  // Benchmark support: reads receive every byte and drop it (the destination is not written):
+  // what the connections deliver when nothing is done with the data.
+  bool discard = false;
+
+  // The defaults with HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE ("8MiB"),
+  // HBMIO_REMOTE_ATTEMPTS, HBMIO_REMOTE_MIN_RATE ("256KiB", per second) and
+  // HBMIO_REMOTE_STALL_TIMEOUT (seconds) applied where set; throws Error(EINVAL) naming the
+  // variable, its value and what it accepts.
+  static RemoteOptions from_env();
+  // A request of `bytes` must be done within: the stall timeout (first byte, latency) plus its
+  // bytes at the minimum rate.
+  double deadline_seconds(std::uint64_t bytes) const noexcept {
+    return stall_timeout_seconds + static_cast<double>(bytes) / min_rate_bytes_per_second;
+  }
+  static constexpr std::uint64_t kLargestReadPart = std::uint64_t{256} << 20;
+  static constexpr std::uint64_t kLargestUploadPart = std::uint64_t{64} << 20;
+  // The part size for a transfer of `bytes` in all: part_size, or where that is 0 the rule above
+  // with `largest` as its bound.
+  std::uint64_t part_size_for(std::uint64_t bytes, std::uint64_t largest = kLargestReadPart) const noexcept;
 };
 
 std::string to_string(DirectIo mode);

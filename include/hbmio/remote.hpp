@@ -38,50 +38,16 @@ namespace hbmio {
 // True for s3://, http:// and https:// (what every path-taking call accepts as a URL).
 bool is_remote_url(std::string_view path) noexcept;
 
-struct RemoteOptions {
-  unsigned connections = 16;                 // GETs in flight (one connection each)
-  // Bytes per ranged GET (or uploaded part). 0: chosen per transfer, two parts per connection
-  // from 8 MiB up to 256 MiB for reads (large parts cost fewer requests: 6 GiB into an H200 from
-  // a local S3 server, 6.5 GiB/s with 64 MiB parts, 7.3 with 193; bench/RESULTS.md; a read's
-  // pinned memory does not grow with its parts) and up to 64 MiB for uploads (each part in flight
-  // is a buffer of that size); small parts keep every connection busy on a small checkpoint.
-  std::size_t part_size = 0;
-  unsigned max_attempts = 5;                 // per part, the first included
-  double backoff_seconds = 0.2;              // before the first retry; doubles, jittered, up to 10 s
-  double connect_timeout_seconds = 10;
-  double stall_timeout_seconds = 30;         // a transfer below 1 KiB/s this long is retried
-  // The slowest rate a request may average: each request must end within
-  // deadline_seconds(its bytes), or it is timed out (ETIMEDOUT) and retried for its missing bytes.
-  // A body that trickles just above the stall limit would otherwise hold a load forever.
-  double min_rate_bytes_per_second = 256 * 1024;
-  std::string endpoint;                      // S3: overrides AWS_ENDPOINT_URL(_S3)
-  std::string region;                        // S3: overrides AWS_REGION & co.
-  std::string profile;                       // S3: overrides AWS_PROFILE
-  // Benchmark support: reads receive every byte and drop it (the destination is not written):
-  // what the connections deliver when nothing is done with the data.
-  bool discard = false;
-
-  // HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE ("8MiB"), HBMIO_REMOTE_ATTEMPTS,
-  // HBMIO_REMOTE_MIN_RATE ("256KiB", per second), HBMIO_REMOTE_STALL_TIMEOUT (seconds).
-  static RemoteOptions from_env();
-  // A request of `bytes` must be done within: the stall timeout (first byte, latency) plus its
-  // bytes at the minimum rate.
-  double deadline_seconds(std::uint64_t bytes) const noexcept {
-    return stall_timeout_seconds + static_cast<double>(bytes) / min_rate_bytes_per_second;
-  }
-  static constexpr std::uint64_t kLargestReadPart = std::uint64_t{256} << 20;
-  static constexpr std::uint64_t kLargestUploadPart = std::uint64_t{64} << 20;
-  // The part size for a transfer of `bytes` in all: part_size, or where that is 0 the rule above
-  // with `largest` as its bound.
-  std::uint64_t part_size_for(std::uint64_t bytes, std::uint64_t largest = kLargestReadPart) const noexcept;
-};
+// Connections, part sizes, retries and timeouts: RemoteOptions, in hbmio/options.hpp beside the
+// other options (a load or save carries them too: LoadOptions::remote, SaveOptions::remote).
 
 struct RemoteRead;
 // Told that bytes [at, at + length) of read `read` are in place (see read_remote).
 using LandedFunction = std::function<void(std::size_t read, std::uint64_t at, std::uint64_t length)>;
 
-// One object, opened (a HEAD, or a one-byte GET where HEAD is refused) so its size and version
-// are known. Thread-safe; reads of one object may run at once.
+// One object, opened so its size and version are known: a ranged GET of its first byte (not a
+// HEAD: a presigned URL is signed for one method, and its GET answers with the object's size in
+// Content-Range and its ETag). Thread-safe; reads of one object may run at once.
 class RemoteObject {
  public:
   static std::shared_ptr<RemoteObject> open(const std::string& url, const RemoteOptions& options = RemoteOptions::from_env());
@@ -92,6 +58,7 @@ class RemoteObject {
   std::uint64_t size() const noexcept;
   const std::string& etag() const noexcept;   // "" when the server sends none
   const std::string& last_modified() const noexcept;  // "" when the server sends none
+  const RemoteOptions& options() const noexcept;  // as opened with: what read() uses
 
   // Bytes [offset, offset + into.size) of the object into any memory. Throws Error.
   void read(std::uint64_t offset, MemorySpan into) const;

@@ -89,7 +89,7 @@ struct StreamOptions {
   // the same shards with the same options; another world divides what is left of its epoch).
   std::optional<StreamPosition> resume;
 
-  std::string backend = "auto";
+  std::string backend;       // "": configured_backend() (HBMIO_BACKEND, else auto)
   Engine* engine = nullptr;  // the caller's engine (kept for the stream's life); else one is leased
 };
 

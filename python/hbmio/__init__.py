@@ -164,12 +164,14 @@ def _backend(backend) -> str:
     Any other name is a BackendError naming the accepted ones."""
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, not {type(backend).__name__}")
-    where = "backend"
     if backend is None or backend in _REFERENCE_BACKENDS:
-        backend, where = _os.environ.get("HBMIO_BACKEND") or "auto", "HBMIO_BACKEND"
+        try:
+            return _hbmio._configured_backend()  # HBMIO_BACKEND, else "auto"; checked by the library
+        except Error as e:
+            raise _backend_error(e.strerror or str(e)) from None
     if backend not in _BACKENDS:
         accepted = ", ".join(f'"{b}"' for b in _BACKENDS + _REFERENCE_BACKENDS)
-        raise _backend_error(f'{where} "{backend}" is invalid (expected one of: {accepted})')
+        raise _backend_error(f'backend "{backend}" is invalid (expected one of: {accepted})')
     return backend
 
 

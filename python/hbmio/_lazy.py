@@ -32,7 +32,6 @@ import threading as _threading
 
 from . import _hbmio
 
-_DEFAULT_READAHEAD = 1 << 30
 _SMALL_WALK = 64 << 20
 
 # safetensors dtype -> NumPy dtype name (NumPy has no bfloat16 or float8).
@@ -55,7 +54,7 @@ def _small_backend(backend: str) -> str:
 
 def _readahead_budget(readahead) -> int:
     if readahead is None:
-        readahead = _os.environ.get("HBMIO_READAHEAD", _DEFAULT_READAHEAD)
+        return _hbmio._configured_readahead()  # HBMIO_READAHEAD, else 1 GiB (the library's table)
     from . import _parse_size
     return _parse_size(readahead) if isinstance(readahead, str) else int(readahead)
 

@@ -46,6 +46,7 @@
 
 #include "hbmio/async_save.hpp"
 #include "hbmio/checkpoint.hpp"
+#include "hbmio/config.hpp"
 #include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/file.hpp"
@@ -1333,6 +1334,10 @@ NB_MODULE(_hbmio, m) {
     }
   }, nb::arg("text"), "hbmio::parse_size, the parser of the hbmio command's sizes: bytes of \"4096\", \"16MiB\", \"5GB\"; "
      "ValueError naming the accepted forms for anything else.");
+
+  // The library's configuration (hbmio/config.hpp): Python reads no HBMIO_* variable itself.
+  m.def("_configured_backend", &hbmio::configured_backend, "HBMIO_BACKEND, else \"auto\"; hbmio.Error for an unknown name.");
+  m.def("_configured_readahead", &hbmio::configured_readahead, "HBMIO_READAHEAD in bytes, else 1 GiB; hbmio.Error for an invalid value.");
 
   m.def("backends", [] {
     std::vector<hbmio::BackendStatus> probe;

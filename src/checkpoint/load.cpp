@@ -187,8 +187,8 @@ namespace {
 std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path);
 }
 
-std::vector<CheckpointFile> open_checkpoint(const std::string& path) {
-  if (is_remote_url(path)) return detail::open_remote_checkpoint(path);
+std::vector<CheckpointFile> open_checkpoint(const std::string& path, const std::optional<RemoteOptions>& remote) {
+  if (is_remote_url(path)) return detail::open_remote_checkpoint(path, remote ? *remote : RemoteOptions::from_env());
   return detail::errors_as_hbmio({.op = "open checkpoint", .path = path}, [&] { return open_checkpoint_retrying(path); });
 }
 
@@ -268,7 +268,7 @@ std::vector<Pick> pick_tensors(const std::string& path, const std::vector<Checkp
 }  // namespace
 
 std::vector<PlannedTensor> plan_load(const std::string& path, const LoadOptions& options) {
-  return plan_load_files(path, open_checkpoint(path), options);
+  return plan_load_files(path, open_checkpoint(path, options.remote), options);
 }
 
 std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::vector<CheckpointFile>& files,
@@ -283,7 +283,7 @@ std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::v
 std::uint64_t load_size(const std::string& path, const LoadOptions& options) {
   return detail::errors_as_hbmio({.op = "load", .path = path}, [&] {
     std::uint64_t size = 0;
-    pick_tensors(path, open_checkpoint(path), options, size);
+    pick_tensors(path, open_checkpoint(path, options.remote), options, size);
     return size;
   });
 }
@@ -291,7 +291,7 @@ std::uint64_t load_size(const std::string& path, const LoadOptions& options) {
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
   return detail::errors_as_hbmio({.op = "load", .path = path}, [&] {
     detail::TransferTimer timer;
-    LoadedCheckpoint result = detail::LoadAccess::load(path, options, open_checkpoint(path), nullptr);
+    LoadedCheckpoint result = detail::LoadAccess::load(path, options, open_checkpoint(path, options.remote), nullptr);
     timer.finish(detail::LoadAccess::stats(result));
     return result;
   });
@@ -407,7 +407,8 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
         checked[t] = 1;
       }
     };
-    result.stats_ = read_remote(remote_reads, RemoteOptions::from_env(), options.progress, check ? LandedFunction(landed) : nullptr);
+    result.stats_ = read_remote(remote_reads, options.remote ? *options.remote : files.front().remote->options(), options.progress,
+                                check ? LandedFunction(landed) : nullptr);
     result.stats_.note = fmt::format("{} tensors from {} object(s){}: {}", result.tensors_.size(), files.size(),
                                      check ? ", each checked as it arrived" : "", result.stats_.note);
     if (check) verify(result, files, options.require_checksums, &checked);
@@ -541,7 +542,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
       throw checkpoint_error(EINVAL, path, "each location needs an engine of its own (an engine serves one request at a time)");
   }
   auto engine_of = [&](std::size_t k) { return options.engines.empty() ? nullptr : options.engines[k]; };
-  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  const std::vector<CheckpointFile> files = open_checkpoint(path, options.load.remote);
   LoadOptions base = options.load;
   base.layout = TensorLayout::single_allocation;
   base.destination = {};

@@ -20,7 +20,7 @@
 namespace hbmio::detail {
 
 // open_checkpoint for an s3:// or http(s):// URL (remote_open.cpp).
-std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url);
+std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url, const RemoteOptions& options);
 
 // A friend of LoadedCheckpoint.
 struct LoadAccess {

@@ -85,7 +85,7 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
     if (into.kind != MemoryKind::device || into.device != device)
       throw Error(errno_code(EINVAL), context,
                   fmt::format("LoadOptions::into is {}, but this rank's communicator is on cuda:{}", into.to_string(), device));
-    files = open_checkpoint(path);
+    files = open_checkpoint(path, options.load.remote);
     // Found here, before any read, so every rank stops alike.
     if (replicate && options.load.verify && options.load.require_checksums) detail::require_checksums(files);
     LoadOptions layout = options.load;

@@ -12,7 +12,8 @@
 
 namespace hbmio {
 
-OpenedCheckpoint::OpenedCheckpoint(const std::string& path) : path_(path), files_(open_checkpoint(path)) {
+OpenedCheckpoint::OpenedCheckpoint(const std::string& path, const std::optional<RemoteOptions>& remote)
+    : path_(path), files_(open_checkpoint(path, remote)) {
   for (std::size_t f = 0; f < files_.size(); ++f)
     for (const auto& t : files_[f].header.tensors) tensors_.push_back({f, &t, files_[f].header.data_offset + t.begin});
   // By file, then by (begin, end) as safetensors' offset_keys: an empty tensor comes before the
@@ -65,7 +66,8 @@ Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engin
     requests.push_back({.op = IoOp::read, .file = handle, .offset = t.file_offset + r.offset, .memory = r.into.subspan(0, r.length),
                         .progress = progress});
   }
-  if (!remote_reads.empty()) return read_remote(remote_reads, RemoteOptions::from_env(), progress);
+  // With the options the objects were opened with (OpenedCheckpoint's `remote`).
+  if (!remote_reads.empty()) return read_remote(remote_reads, remote_reads.front().object->options(), progress);
   if (requests.empty()) return {};
   return engine.submit_batch(requests);
 }

@@ -27,8 +27,8 @@ std::string read_text(const RemoteObject& object, std::uint64_t offset, std::uin
   return text;
 }
 
-CheckpointFile open_remote_file(const std::string& url) {
-  auto object = RemoteObject::open(url);
+CheckpointFile open_remote_file(const std::string& url, const RemoteOptions& options) {
+  auto object = RemoteObject::open(url, options);
   const std::uint64_t size = object->size();
   std::string head = read_text(*object, 0, std::min(size, kFirstRead));
   const std::uint64_t n = st::parse_header_length(reinterpret_cast<const std::byte*>(head.data()), size, object->shown());
@@ -42,31 +42,31 @@ CheckpointFile open_remote_file(const std::string& url) {
 }
 
 // An index already opened, and its shards beside it.
-std::vector<CheckpointFile> open_remote_index(const std::string& url, const RemoteObject& index_object);
+std::vector<CheckpointFile> open_remote_index(const std::string& url, const RemoteObject& index_object, const RemoteOptions& options);
 
 }  // namespace
 
-std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url) {
+std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url, const RemoteOptions& options) {
   const std::string base = url.substr(0, url.find_first_of("?#"));
   if (base.ends_with("/")) {
     // A prefix: the index where there is one, else a single file.
     const std::string index = remote_sibling(url, "model.safetensors.index.json");
     std::shared_ptr<RemoteObject> index_object;
     try {
-      index_object = RemoteObject::open(index);
+      index_object = RemoteObject::open(index, options);
     } catch (const Error& e) {
       if (e.code() != std::errc::no_such_file_or_directory) throw;
-      return {open_remote_file(remote_sibling(url, "model.safetensors"))};
+      return {open_remote_file(remote_sibling(url, "model.safetensors"), options)};
     }
-    return open_remote_index(index, *index_object);
+    return open_remote_index(index, *index_object, options);
   }
-  if (!base.ends_with(".json")) return {open_remote_file(url)};
-  return open_remote_index(url, *RemoteObject::open(url));
+  if (!base.ends_with(".json")) return {open_remote_file(url, options)};
+  return open_remote_index(url, *RemoteObject::open(url, options), options);
 }
 
 namespace {
 
-std::vector<CheckpointFile> open_remote_index(const std::string& url, const RemoteObject& index_file) {
+std::vector<CheckpointFile> open_remote_index(const std::string& url, const RemoteObject& index_file, const RemoteOptions& options) {
   const RemoteObject* const index_object = &index_file;
   if (index_object->size() > st::kMaxIndexSize)
     throw Error(errno_code(EFBIG), {.op = "open", .path = index_object->shown()},
@@ -76,7 +76,7 @@ std::vector<CheckpointFile> open_remote_index(const std::string& url, const Remo
     throw Error(errno_code(EINVAL), {.op = "open", .path = index_object->shown()}, "the index names no shard (its weight_map is empty)");
   std::vector<CheckpointFile> files;
   for (const std::string& shard : index.shards) {
-    CheckpointFile file = open_remote_file(remote_sibling(url, shard));
+    CheckpointFile file = open_remote_file(remote_sibling(url, shard), options);
     std::erase_if(file.header.tensors, [&](const st::TensorInfo& t) {
       const auto it = index.weight_map.find(t.name);
       return it == index.weight_map.end() || it->second != shard;

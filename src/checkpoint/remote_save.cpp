@@ -92,7 +92,7 @@ Stats save_remote_file(const std::string& url, const std::vector<TensorToSave>& 
   const UploadOptions upload{.pinned = on_device, .progress = nullptr, .cancel = options.cancel};
   Stats stats;
   try {
-    stats = write_remote(url, size, fill, upload);
+    stats = write_remote(url, size, fill, upload, options.remote ? *options.remote : RemoteOptions::from_env());
   } catch (...) {
     if (sums.valid()) sums.wait();  // no hashing of the caller's tensors after the save returns
     throw;
@@ -127,7 +127,7 @@ Stats save_remote(const std::string& url, const std::vector<TensorToSave>& tenso
   const std::string index = nlohmann::json({{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}}).dump(2) + "\n";
   write_remote(prefix + "model.safetensors.index.json", index.size(), [&](std::uint64_t offset, std::span<std::byte> into) {
     std::memcpy(into.data(), index.data() + offset, into.size());
-  }, {.cancel = options.cancel});
+  }, {.cancel = options.cancel}, options.remote ? *options.remote : RemoteOptions::from_env());
   total.backend = "remote";
   total.note = fmt::format("{} tensors in {} shard object(s), then the index", tensors.size(), shards.size());
   timer.finish(total);

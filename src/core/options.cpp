@@ -1,7 +1,6 @@
 #include "hbmio/options.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 #include <thread>
 
 #include <fmt/format.h>
@@ -13,23 +12,6 @@ namespace {
 
 Error bad_option(const std::string& name, const std::string& why) {
   return Error(errno_code(EINVAL), {.op = "configure"}, fmt::format("{}: {}", name, why));
-}
-
-template <typename Apply>
-void from_env_var(const char* name, Apply apply) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return;
-  try {
-    apply(std::string(value));
-  } catch (const Error& e) {
-    throw bad_option(name, fmt::format("'{}' is not valid: {}", value, e.detail()));
-  }
-}
-
-unsigned to_count(const std::string& text) {
-  const auto n = parse_size(text);
-  if (n > 1'000'000) throw Error(errno_code(EINVAL), {}, "too large");
-  return static_cast<unsigned>(n);
 }
 
 }  // namespace
@@ -50,33 +32,32 @@ DirectIo parse_direct_io(const std::string& text) {
   throw Error(errno_code(EINVAL), {.op = "configure"}, fmt::format("direct I/O mode '{}': use on, off or auto", text));
 }
 
-Options Options::from_env(Options base) {
-  from_env_var("HBMIO_CHUNK_SIZE", [&](const std::string& v) { base.chunk_size = parse_size(v); });
-  from_env_var("HBMIO_BOUNCE_BUFFER_SIZE", [&](const std::string& v) { base.bounce_buffer_size = parse_size(v); });
-  from_env_var("HBMIO_BOUNCE_BUFFERS", [&](const std::string& v) { base.bounce_buffers = to_count(v); });
-  from_env_var("HBMIO_QUEUE_DEPTH", [&](const std::string& v) { base.queue_depth = to_count(v); });
-  from_env_var("HBMIO_WORKERS", [&](const std::string& v) { base.workers = to_count(v); });
-  from_env_var("HBMIO_DIRECT_IO", [&](const std::string& v) { base.direct_io = parse_direct_io(v); });
-  base.validate();
-  return base;
-}
-
-Options Options::from_env() { return from_env(Options{}); }
-
 void Options::validate() const {
   constexpr std::size_t kAlign = 4096;
   if (bounce_buffer_size == 0 || bounce_buffer_size % kAlign != 0 || bounce_buffer_size > (std::size_t{1} << 30))
-    throw bad_option("bounce_buffer_size", fmt::format("{} must be a non-zero multiple of 4 KiB, at most 1 GiB", bounce_buffer_size));
+    throw bad_option("bounce_buffer_size (HBMIO_BOUNCE_BUFFER_SIZE)",
+                     fmt::format("{} must be a non-zero multiple of 4 KiB, at most 1 GiB", bounce_buffer_size));
   if (chunk_size < bounce_buffer_size || chunk_size % bounce_buffer_size != 0)
-    throw bad_option("chunk_size", fmt::format("{} must be a multiple of the bounce buffer size ({})", chunk_size, bounce_buffer_size));
-  if (bounce_buffers == 0 || bounce_buffers > 1024) throw bad_option("bounce_buffers", "must be 1..1024");
-  if (queue_depth == 0 || queue_depth > 4096) throw bad_option("queue_depth", "must be 1..4096");
-  if (workers > 1024) throw bad_option("workers", "must be 0 (auto) .. 1024");
+    throw bad_option("chunk_size (HBMIO_CHUNK_SIZE)",
+                     fmt::format("{} must be a multiple of the bounce buffer size ({}, HBMIO_BOUNCE_BUFFER_SIZE)", chunk_size,
+                                 bounce_buffer_size));
+  if (bounce_buffers == 0 || bounce_buffers > 1024)
+    throw bad_option("bounce_buffers (HBMIO_BOUNCE_BUFFERS)", fmt::format("{} must be 1..1024", bounce_buffers));
+  if (queue_depth == 0 || queue_depth > 4096)
+    throw bad_option("queue_depth (HBMIO_QUEUE_DEPTH)", fmt::format("{} must be 1..4096", queue_depth));
+  if (workers > 1024) throw bad_option("workers (HBMIO_WORKERS)", fmt::format("{} must be 0 (auto) .. 1024", workers));
 }
 
 unsigned Options::resolved_workers() const noexcept {
   if (workers != 0) return workers;
   return std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
+}
+
+std::uint64_t RemoteOptions::part_size_for(std::uint64_t bytes, std::uint64_t largest) const noexcept {
+  if (part_size != 0) return part_size;
+  constexpr std::uint64_t kMiB = 1u << 20;
+  const std::uint64_t two_per_connection = bytes / (2 * std::max(1u, connections));
+  return std::clamp<std::uint64_t>((two_per_connection + kMiB - 1) / kMiB * kMiB, 8 * kMiB, std::max(8 * kMiB, largest));
 }
 
 double Stats::gib_per_second() const noexcept {

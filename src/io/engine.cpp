@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include "hbmio/config.hpp"
 #include "hbmio/engine.hpp"
 #include "io/engine_internal.hpp"
 #include "memory/cuda_runtime.hpp"
@@ -97,6 +98,7 @@ std::vector<std::string> backend_names() { return {"posix", "uring", "cufile", "
 
 std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options,
                                     std::shared_ptr<FaultHook> faults) {
+  if (backend.empty()) return make_engine(configured_backend(), options, std::move(faults));
   options.validate();
   if (backend == "posix") return detail::make_posix_engine(options, std::move(faults));
   if (backend == "uring") return detail::make_uring_engine(options, std::move(faults));

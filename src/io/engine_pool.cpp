@@ -4,6 +4,7 @@
 #include <mutex>
 #include <utility>
 
+#include "hbmio/config.hpp"
 #include "hbmio/engine.hpp"
 
 namespace hbmio {
@@ -31,17 +32,19 @@ void EnginePool::Lease::give_back() noexcept {
   engine_.reset();
 }
 
-EnginePool::Lease EnginePool::acquire(std::string_view backend) {
+EnginePool::Lease EnginePool::acquire(std::string_view requested) {
+  // The configured backend, resolved here so that its engines are kept under its own name.
+  const std::string backend = requested.empty() ? configured_backend() : std::string(requested);
   {
     std::lock_guard lock(mutex_);
     if (auto it = idle_.find(backend); it != idle_.end() && !it->second.empty()) {
       auto engine = std::move(it->second.back());
       it->second.pop_back();
-      return Lease(this, std::string(backend), std::move(engine));
+      return Lease(this, backend, std::move(engine));
     }
   }
   // Outside the lock: making an engine can take a while (cuFile's driver opens on first use).
-  return Lease(this, std::string(backend), make_engine(backend, Options::from_env()));
+  return Lease(this, backend, make_engine(backend, Options::from_env()));
 }
 
 void EnginePool::give_back(const std::string& backend, std::unique_ptr<Engine> engine) noexcept {

@@ -232,32 +232,6 @@ bool is_remote_url(std::string_view path) noexcept {
   return path.starts_with("s3://") || path.starts_with("http://") || path.starts_with("https://");
 }
 
-RemoteOptions RemoteOptions::from_env() {
-  RemoteOptions o;
-  if (const char* v = std::getenv("HBMIO_REMOTE_CONNECTIONS"); v && *v) o.connections = static_cast<unsigned>(parse_size(v));
-  if (const char* v = std::getenv("HBMIO_REMOTE_PART_SIZE"); v && *v) o.part_size = parse_size(v);
-  if (const char* v = std::getenv("HBMIO_REMOTE_ATTEMPTS"); v && *v) o.max_attempts = static_cast<unsigned>(parse_size(v));
-  if (const char* v = std::getenv("HBMIO_REMOTE_MIN_RATE"); v && *v) o.min_rate_bytes_per_second = static_cast<double>(parse_size(v));
-  if (const char* v = std::getenv("HBMIO_REMOTE_STALL_TIMEOUT"); v && *v) {
-    char* end = nullptr;
-    o.stall_timeout_seconds = std::strtod(v, &end);
-    if (end == v || *end != 0 || !(o.stall_timeout_seconds >= 1 && o.stall_timeout_seconds <= 3600))
-      throw Error(errno_code(EINVAL), {.op = "configure"}, fmt::format("HBMIO_REMOTE_STALL_TIMEOUT '{}': seconds, 1..3600", v));
-  }
-  if (o.min_rate_bytes_per_second < 1024)
-    throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_MIN_RATE: at least 1 KiB (per second)");
-  if (o.connections == 0 || o.connections > 1024) throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_CONNECTIONS: 1..1024");
-  if (o.part_size != 0 && o.part_size < 4096) throw Error(errno_code(EINVAL), {.op = "configure"}, "HBMIO_REMOTE_PART_SIZE: at least 4 KiB");
-  return o;
-}
-
-std::uint64_t RemoteOptions::part_size_for(std::uint64_t bytes, std::uint64_t largest) const noexcept {
-  if (part_size != 0) return part_size;
-  constexpr std::uint64_t kMiB = 1u << 20;
-  const std::uint64_t two_per_connection = bytes / (2 * std::max(1u, connections));
-  return std::clamp<std::uint64_t>((two_per_connection + kMiB - 1) / kMiB * kMiB, 8 * kMiB, std::max(8 * kMiB, largest));
-}
-
 struct RemoteObject::State {
   std::string url;
   Target target;
@@ -295,6 +269,7 @@ const std::string& RemoteObject::shown() const noexcept { return state_->target.
 std::uint64_t RemoteObject::size() const noexcept { return state_->version.size; }
 const std::string& RemoteObject::etag() const noexcept { return state_->version.etag; }
 const std::string& RemoteObject::last_modified() const noexcept { return state_->version.last_modified; }
+const RemoteOptions& RemoteObject::options() const noexcept { return state_->options; }
 
 void RemoteObject::read(std::uint64_t offset, MemorySpan into) const {
   const RemoteRead r{this, offset, into};

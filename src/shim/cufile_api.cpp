@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "hbmio/config.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/memory.hpp"
 #include "memory/cuda_runtime.hpp"
@@ -158,8 +159,7 @@ std::vector<std::string> python_prefixes() {
 // already (torch loads the nvidia-cufile wheel's copy), which "libcufile.so.0" then finds by its
 // name; the hbmio command finds the same wheel through the environment it is installed in.
 std::vector<std::string> CufileApi::default_candidates() {
-  if (const char* explicit_path = std::getenv("HBMIO_CUFILE_LIBRARY"); explicit_path != nullptr && *explicit_path)
-    return {explicit_path};
+  if (std::string explicit_path = configured_library("HBMIO_CUFILE_LIBRARY"); !explicit_path.empty()) return {explicit_path};
   std::vector<std::string> candidates = {"libcufile.so.0", "/usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.0"};
   for (const std::string& prefix : python_prefixes()) {
     // nvidia-cufile wheels: CUDA 13's lay libraries out in nvidia/cu13/lib, CUDA 12's in nvidia/cufile/lib.
@@ -331,8 +331,7 @@ DriverSession::DriverSession(int device) : api_(&CufileApi::instance()) {
     std::vector<std::string> problems;
     if (!api_->loaded()) {
       error_ = errno_code(ENOENT);
-      const char* explicit_path = std::getenv("HBMIO_CUFILE_LIBRARY");
-      problems.push_back(api_->load_error() + (explicit_path != nullptr && *explicit_path
+      problems.push_back(api_->load_error() + (!configured_library("HBMIO_CUFILE_LIBRARY").empty()
                                                    ? " (the path given by HBMIO_CUFILE_LIBRARY)"
                                                    : " (set HBMIO_CUFILE_LIBRARY to the path of libcufile.so.0)"));
     }

@@ -3,7 +3,9 @@
 #include <dlfcn.h>
 #include <link.h>  // struct link_map, for dlinfo(RTLD_DI_LINKMAP)
 
-#include <cstdlib>
+#include <utility>
+
+#include "hbmio/config.hpp"
 
 namespace hbmio::shim {
 
@@ -24,7 +26,7 @@ void* open_library(const std::string& soname, const char* env_variable, std::vec
   if (void* handle = ::dlopen(soname.c_str(), RTLD_NOW | RTLD_NOLOAD)) return handle;
   failures.push_back(soname + " is not loaded in this process");
   std::vector<std::string> candidates;
-  if (const char* path = std::getenv(env_variable); path != nullptr && *path) candidates.push_back(path);
+  if (std::string path = configured_library(env_variable); !path.empty()) candidates.push_back(std::move(path));
   candidates.push_back(soname);
   for (const auto& candidate : candidates) {
     ::dlerror();

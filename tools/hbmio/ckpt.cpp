@@ -25,7 +25,7 @@ namespace st = safetensors;
 struct CkptFlags {
   // placement: replicate, as the Python load's default (every location gets every tensor: what a
   // program that does not know about shards expects).
-  std::string path, into = "host", backend = default_backend(), json, names, layout = "single", placement = "replicate";
+  std::string path, into = "host", backend, json, names, layout = "single", placement = "replicate";
   std::string verify;  // "" (off), checksums, strict or bytes
   bool no_checksums = false, reuse_memory = false, drop_cache = false, force = false, verbose = false;
   unsigned runs = 1;
@@ -408,7 +408,7 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                    "locations)")
       ->check(one_of({"shard", "replicate"}))
       ->capture_default_str();
-  load->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
+  load->add_option("--backend,-b", flags->backend, kBackendHelp);
   load->add_option("--names", flags->names, "Comma-separated tensor names to load (default: all)");
   load->add_option("--layout", flags->layout, "single: one allocation, tensors 256-byte aligned; per-tensor: one each")
       ->check(one_of({"single", "per-tensor"}))
@@ -456,7 +456,7 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
   save->add_option("--dtype", flags->dtype, "Element type (BF16, F32, U8, ...)")->capture_default_str();
   save->add_option("--from", flags->from, "Memory the tensors live in: host (or cpu), pinned, cuda or cuda:N")->capture_default_str();
   save->add_option("--seed", flags->seed, "Seed of the generated data")->capture_default_str();
-  save->add_option("--backend,-b", flags->backend, "posix, uring, cufile or auto")->capture_default_str();
+  save->add_option("--backend,-b", flags->backend, kBackendHelp);
   save->add_flag("--no-checksums", flags->no_checksums, "Do not store XXH3-64 checksums");
   save->add_flag("--force", flags->force, "Replace the checkpoint at PATH (a file, or a directory holding one) with the generated one");
   add_json_option(save, flags->json, "Write the result");

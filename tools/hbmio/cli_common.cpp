@@ -200,11 +200,6 @@ CLI::Validator size_value() {
       "SIZE");
 }
 
-std::string default_backend() {
-  const char* env = std::getenv("HBMIO_BACKEND");
-  return env != nullptr && *env != '\0' ? env : "auto";
-}
-
 CLI::Validator writable_file() {
   return CLI::Validator(
       [](std::string& path) -> std::string {

@@ -65,9 +65,10 @@ CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string
 // The command line with `--json FILE` written as `--json=FILE` where FILE is "-" or ends in
 // ".json": the spelling scripts used before --json took its value only after '='.
 std::vector<std::string> attach_json_values(const std::vector<std::string>& args);
-// The default of every --backend: $HBMIO_BACKEND where set, else "auto". A --backend given on the
-// command line wins over it.
-std::string default_backend();
+// The help of every --backend. Its default is "", which the library takes for its configured
+// backend (hbmio::configured_backend(): $HBMIO_BACKEND where set, else "auto"), so that the
+// command reads no variable of its own; a --backend given on the command line wins over it.
+inline constexpr const char* kBackendHelp = "posix, uring, cufile or auto (default: $HBMIO_BACKEND, else auto)";
 // A size option's check (parse_size: bytes or a binary suffix), so that a bad value is refused when
 // the command line is read, with the option's name.
 CLI::Validator size_value();

@@ -19,6 +19,7 @@
 #include "ckpt.hpp"
 #include "cli_common.hpp"
 #include "doctor.hpp"
+#include "hbmio/config.hpp"
 #include "hbmio/hbmio.hpp"
 
 namespace hbmio::cli {
@@ -263,7 +264,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("-V,--version", "hbmio " + hbmio::version());  // -V as python, gcc and fio take it
   app.require_subcommand(1);
 
-  std::string path, into = "host", from = "host", backend = hbmio::cli::default_backend(), offset, length, size, json;
+  std::string path, into = "host", from = "host", backend, offset, length, size, json;
   bool verify = false, sync = false, verbose = false;
   std::string verify_mode;  // read and write-random compare bytes: --verify or --verify=bytes
   std::uint64_t seed = 1;
@@ -272,7 +273,7 @@ int main(int argc, char** argv) {
   auto* read = app.add_subcommand("read", "Read a file range into host, pinned or GPU memory and report the throughput");
   read->add_option("file", path, "File to read, or a URL (s3://BUCKET/KEY, http(s)://...) read by parallel ranged GETs (docs/remote.md)")->required();
   read->add_option("--into", into, "Destination memory: host (or cpu), pinned, cuda or cuda:N")->capture_default_str();
-  read->add_option("--backend,-b", backend, "posix, uring, cufile or auto")->capture_default_str();
+  read->add_option("--backend,-b", backend, hbmio::cli::kBackendHelp);
   read->add_option("--offset", offset, "First byte to read (default 0)")->check(hbmio::cli::size_value());
   read->add_option("--length", length, "Bytes to read (default: to the end of the file)")->check(hbmio::cli::size_value());
   read->add_flag("--verify{bytes}", verify_mode, "Compare what was read with a plain read of the file, byte for byte")
@@ -290,7 +291,7 @@ int main(int argc, char** argv) {
   write->add_flag("--force", force, "Write into an existing file (or block device): its bytes are overwritten with random data");
   write->add_option("--from", from, "Source memory: host (or cpu), pinned, cuda or cuda:N")->capture_default_str();
   write->add_option("--size", size, "Bytes to write (e.g. 1GiB)")->required()->check(hbmio::cli::size_value());
-  write->add_option("--backend,-b", backend, "posix, uring, cufile or auto")->capture_default_str();
+  write->add_option("--backend,-b", backend, hbmio::cli::kBackendHelp);
   write->add_option("--offset", offset, "File offset to write at (default 0)")->check(hbmio::cli::size_value());
   write->add_option("--seed", seed, "Seed of the generated data")->capture_default_str();
   write->add_flag("--sync", sync, "fsync before reporting (counted in the time)");
@@ -312,10 +313,11 @@ int main(int argc, char** argv) {
   int ckpt_status = 0;
   hbmio::cli::add_ckpt_command(app, ckpt_status);
 
-  app.footer(
-      "Environment overrides (defaults in brackets): HBMIO_BACKEND [auto], HBMIO_CHUNK_SIZE [16MiB],\n"
-      "HBMIO_BOUNCE_BUFFER_SIZE [8MiB], HBMIO_BOUNCE_BUFFERS [4], HBMIO_QUEUE_DEPTH [8],\n"
-      "HBMIO_WORKERS [min(cores,16)], HBMIO_DIRECT_IO [auto].");
+  // The library's table of variables (hbmio/config.hpp), so this list cannot drift from it.
+  std::string environment = "Environment (defaults in brackets; flags win over them; docs/configuration.md):";
+  for (const hbmio::ConfigVariable& v : hbmio::config_variables())
+    environment += fmt::format("\n  {} [{}]: {}", v.name, v.default_value, v.accepted);
+  app.footer(environment);
 
   std::vector<std::string> args(argv + 1, argv + argc);
   // `hbmio help [COMMAND...]` is `hbmio [COMMAND...] --help`, as in git.
