@@ -1,12 +1,12 @@
-// Background saves: the snapshot on the caller's thread, the rest of save_checkpoint on a thread
-// of the save's own.
+// Background saves: the snapshot on the caller's thread, then on a thread of the save's own the
+// persist step that a blocking save runs (persist.hpp).
 //
 // Pinned staging streams: the caller copies each tensor, in file order, into 64 MiB blocks of the
 // pinned pool and queues the pieces; the save's thread writes and hashes them and drops them,
 // which returns their blocks to the pool. A state that fits the pool is copied at the speed of
 // device-to-host copies and the call returns; a larger one waits for blocks as the writer frees
-// them (the report's stalled_seconds). Device staging copies into one device buffer and hands
-// the copies to an ordinary save.
+// them (the report's stalled_seconds). Device staging copies into one device buffer and persists
+// from the copies.
 #include "hbmio/async_save.hpp"
 
 #include <pthread.h>
@@ -22,6 +22,9 @@
 
 #include <fmt/format.h>
 
+#include "checkpoint/background_saves.hpp"
+#include "checkpoint/persist.hpp"
+#include "checkpoint/save_layout.hpp"
 #include "checkpoint/staging.hpp"
 #include "core/error_boundary.hpp"
 #include "hbmio/error.hpp"
@@ -130,10 +133,10 @@ void finish(const std::shared_ptr<AsyncSaveState>& state, std::optional<Stats> s
   r.changed.notify_all();
 }
 
-// The save's thread: save_checkpoint over the staging.
-void persist(std::shared_ptr<AsyncSaveState> state) {
+// The save's thread: the persist step over the snapshot.
+void persist_snapshot(std::shared_ptr<AsyncSaveState> state) {
   try {
-    Stats stats = save_now(state->path, state->tensors, state->options, state->device_copy ? nullptr : &state->stream);
+    Stats stats = persist(state->path, state->tensors, state->options, state->device_copy ? nullptr : &state->stream);
     finish(state, std::move(stats), nullptr);
   } catch (...) {
     state->stream.fail();  // a snapshot still copying stops
@@ -307,7 +310,7 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
     bool on_device = false;
     try {
       on_device = async.staging == Staging::device && detail::stage_on_device(*state, tensors, async.cancel);
-      if (on_device) std::thread(detail::persist, state).detach();
+      if (on_device) std::thread(detail::persist_snapshot, state).detach();
     } catch (...) {
       give_up(std::current_exception());
       throw;
@@ -317,7 +320,7 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
       state->report.staging = Staging::pinned;
       // The writer starts first and drains the pool while the snapshot fills it.
       try {
-        std::thread(detail::persist, state).detach();
+        std::thread(detail::persist_snapshot, state).detach();
       } catch (...) {
         give_up(std::current_exception());
         throw;

@@ -19,7 +19,8 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/integrity.hpp"
-#include "checkpoint/staging.hpp"
+#include "checkpoint/remote_save.hpp"
+#include "checkpoint/save_layout.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/remote.hpp"

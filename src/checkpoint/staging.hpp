@@ -4,11 +4,10 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <map>
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -16,8 +15,6 @@
 #include <vector>
 
 #include "hbmio/async_save.hpp"
-#include "hbmio/checkpoint.hpp"
-#include "hbmio/error.hpp"
 #include "hbmio/memory.hpp"
 
 namespace hbmio::detail {
@@ -91,42 +88,6 @@ class StagedStream {
   bool abandoned_ = false;
   std::atomic<bool> failed_{false};
 };
-
-// save_checkpoint without waiting for background saves of the path (a background save's own
-// thread calls it), and with the tensors' bytes taken from `staged` instead of their own memory
-// where given (their spans then give only sizes).
-Stats save_now(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options, StagedStream* staged);
-// Waits while a background save of `target` (a path as check_save returns it) is in flight.
-void wait_for_background_save(const std::string& target);
-// The checks save_checkpoint makes before touching the disk (names, sizes, what is at `path`, its
-// directory), for a background save to throw them from its call; returns the path a save replaces
-// (symbolic links followed), which keys "one save per path".
-std::string check_save(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
-// The indices of `tensors` in the order the save writes them (the reference writer's order; a
-// sharded save's shards are consecutive runs of it).
-std::vector<std::size_t> file_order(const std::vector<TensorToSave>& tensors);
-// A sharded save's shards: greedy runs of the reference writer's order, each at most
-// max_shard_size tensor bytes (a larger tensor alone), named model-0000K-of-0000N.safetensors.
-struct ShardPlan {
-  std::vector<std::vector<TensorToSave>> shards;
-  std::vector<std::string> names;
-  std::uint64_t total_bytes = 0;
-};
-ShardPlan plan_shards(const std::vector<TensorToSave>& tensors, std::uint64_t max_shard_size);
-// The caller's metadata without stale checksum entries and, with options.checksums, with
-// fixed-width placeholders for the new ones: a header serialized with them has the final
-// header's size, and so fixes where the data goes before the checksums are known.
-std::map<std::string, std::string> metadata_to_save(const std::vector<TensorToSave>& tensors, const SaveOptions& options);
-// The final header: `metadata` (from metadata_to_save) with each tensor's checksum (in the order
-// of `tensors`), sealed; throws EPROTO if its size differs from the placeholder header's.
-std::string sealed_header(std::vector<safetensors::TensorInfo> infos, std::map<std::string, std::string> metadata,
-                          const std::vector<TensorToSave>& tensors, const std::vector<std::uint64_t>& checksums,
-                          std::uint64_t placeholder_size, const ErrorContext& context);
-// Names (none empty, none "__metadata__", none twice) and sizes (each span the size its dtype and
-// shape call for): what every save checks before it writes anything.
-void check_tensors(const std::vector<TensorToSave>& tensors, const ErrorContext& context);
-// save_checkpoint to an s3:// URL (remote_save.cpp).
-Stats save_remote(const std::string& url, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
 
 template <class GiveUp>
 std::shared_ptr<Buffer> StagingPool::acquire(GiveUp give_up) {

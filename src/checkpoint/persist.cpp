@@ -1,0 +1,318 @@
+#include "checkpoint/persist.hpp"
+
+#include <fcntl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <future>
+#include <map>
+#include <optional>
+#include <random>
+#include <string_view>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+#include <xxhash.h>
+
+#include "checkpoint/commit.hpp"
+#include "checkpoint/integrity.hpp"
+#include "checkpoint/save_layout.hpp"
+#include "checkpoint/staging.hpp"
+#include "core/error_boundary.hpp"
+#include "hbmio/error.hpp"
+#include "io/engine_internal.hpp"
+
+namespace hbmio::detail {
+namespace fs = std::filesystem;
+namespace st = safetensors;
+
+namespace {
+
+// Bytes taken from the staging per round: enough to keep every worker of the engine busy, while
+// the snapshot refills the pool behind it.
+constexpr std::uint64_t kStagedRound = std::uint64_t{256} << 20;
+
+// The tensors' bytes from a background save's staging: pieces arrive in file order (the snapshot
+// walks the tensors so) and are written a round at a time through the engine, each round hashed
+// beside its writes (XXH3's streaming state gives the digest of the whole tensor). The round's
+// pieces, and with them their staging blocks, are dropped once written and hashed. Returns each
+// tensor's checksum in the order of `tensors` (none without checksums).
+std::vector<std::uint64_t> write_staged_tensors(StagedStream& stream, Engine& engine, File& file, std::uint64_t data_start,
+                                        const std::vector<TensorToSave>& tensors, const std::vector<st::TensorInfo>& infos,
+                                        const SaveOptions& options, Stats& total, double& hashing, const ErrorContext& context) {
+  struct Place {
+    std::size_t index = 0;
+    std::uint64_t file_offset = 0;
+    std::uint64_t left = 0;  // bytes not yet staged
+  };
+  std::map<std::string_view, Place> place;
+  std::uint64_t left = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    place[tensors[i].name] = {.index = i, .left = tensors[i].data.size};
+    left += tensors[i].data.size;
+  }
+  for (const auto& info : infos) place[info.name].file_offset = data_start + info.begin;
+  using State = std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)>;
+  std::vector<State> states;
+  for (std::size_t i = 0; options.checksums && i < tensors.size(); ++i) {
+    states.emplace_back(XXH3_createState(), &XXH3_freeState);
+    if (!states.back() || XXH3_64bits_reset(states.back().get()) != XXH_OK) throw Error(errno_code(ENOMEM), context, "XXH3_createState");
+  }
+  while (left > 0) {
+    // At most what this file still needs: the queue holds this file's pieces first, then the next
+    // file's (a sharded save), and a prefix of `left` bytes is this file's alone.
+    const std::vector<StagedPiece> round = stream.take(std::min(kStagedRound, left));
+    if (round.empty())
+      throw Error(errno_code(ECANCELED), context,
+                  stream.abandoned() ? "the snapshot stopped before every tensor was copied; nothing was published"
+                                     : "the staging ended before every tensor arrived (an internal error); nothing was published");
+    std::vector<IoRequest> writes;
+    std::vector<XXH3_state_t*> hash_into;
+    for (const auto& piece : round) {
+      const auto it = place.find(piece.tensor);
+      if (it == place.end() || piece.memory.size > it->second.left)
+        throw Error(errno_code(EPROTO), context, fmt::format("a staged piece of '{}' that this file does not expect (an internal error)", piece.tensor));
+      writes.push_back({.op = IoOp::write, .file = &file, .offset = it->second.file_offset + piece.offset, .memory = piece.memory,
+                        .progress = options.progress, .cancel = options.cancel});
+      if (options.checksums) hash_into.push_back(states[it->second.index].get());
+      it->second.left -= piece.memory.size;
+      left -= piece.memory.size;
+    }
+    std::future<void> hashed;  // its destructor waits on every path: no hashing of a dropped block
+    if (options.checksums)
+      hashed = std::async(std::launch::async, [&round, &hash_into, &hashing] {
+        const auto start = std::chrono::steady_clock::now();
+        for (std::size_t i = 0; i < round.size(); ++i) XXH3_64bits_update(hash_into[i], round[i].memory.data, round[i].memory.size);
+        hashing += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      });
+    total.add_part(engine.submit_batch(writes));
+    if (hashed.valid()) hashed.get();
+  }
+  std::vector<std::uint64_t> sums;
+  for (const auto& state : states) sums.push_back(XXH3_64bits_digest(state.get()));
+  return sums;
+}
+
+// One safetensors file at `target` (a regular file's path or nothing, links resolved), named
+// `shown` in errors and notes.
+Stats persist_file(const fs::path& target, const std::string& shown, const std::vector<TensorToSave>& tensors,
+                const SaveOptions& options, bool top_level, StagedStream* staged) {
+  // top_level: `target` is the caller's path, not a shard in a sharded save's temporary directory.
+  // Only there does the rename wait for a rewrite of the file in place, and only there is it a
+  // publication (a failure after it is reported as such).
+  TransferTimer timer;
+  const ErrorContext context{.op = "save", .path = shown};
+
+  // Check everything before touching the disk.
+  check_tensors(tensors, context);
+  std::vector<st::TensorInfo> infos;
+  for (const auto& t : tensors) infos.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
+  st::order_like_reference(infos);
+
+  // Checksums are computed while the tensors are written (both only read the tensors' memory),
+  // and the header, which holds them, is written last.
+  std::map<std::string, std::string> metadata = metadata_to_save(tensors, options);
+  std::vector<MemorySpan> spans;
+  if (options.checksums)
+    for (const auto& t : tensors) spans.push_back(t.data);
+  std::string header = st::serialize_header(infos, metadata);
+
+  check_directory_of(target, context);
+  FileSystem& files = files_of(options);
+  remove_stale_temporaries(files, target);
+  check_cancel(options.cancel, context);
+  const EngineInUse chosen(options.engine, options.backend, options.engine_options,
+                                   options.engine ? nullptr : files.make_engine(options.backend, options.engine_options));
+  Engine* const engine = chosen.get();
+  Stats total;
+  std::optional<ReplacedFile> previous;  // released (in the background) when the save returns or fails
+  // Where the time goes, for the Stats note: a save is its writes plus what makes them durable.
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  const Clock::time_point started = Clock::now();
+  double hashing = 0, data = 0, wait = 0, header_write = 0, fsync = 0;
+  {
+    PendingFile pending(files, target, shown);
+    File& file = pending.file();
+    std::vector<std::uint64_t> computed;  // each tensor's checksum, in the order of `tensors`
+    if (staged != nullptr) {
+      const Clock::time_point phase = Clock::now();
+      computed = write_staged_tensors(*staged, *engine, file, header.size(), tensors, infos, options, total, hashing, context);
+      data = seconds_since(phase);
+    } else {
+      // Hashing runs beside the writes; the future's destructor waits for it on every path, so
+      // no hashing thread reads the tensors after a failed save returns.
+      std::future<std::vector<std::uint64_t>> sums;
+      if (options.checksums)
+        sums = std::async(std::launch::async, [&spans, &hashing, &seconds_since] {
+          const Clock::time_point start = Clock::now();
+          // A quarter of the cores: hashing on all of them starved the writers' threads (saves
+          // with checksums ran slower than without, though hashing took a small part of the
+          // writes' time; bench/RESULTS.md, "Saves"). A quarter still finishes well within the
+          // writes.
+          auto result = xxh3_of_each(spans, std::max(1u, std::thread::hardware_concurrency() / 4));
+          hashing = seconds_since(start);
+          return result;
+        });
+      // Every tensor in one batch, so the engine's workers write them all at once.
+      std::vector<IoRequest> writes;
+      std::map<std::string_view, MemorySpan> data_of;
+      for (const auto& t : tensors) data_of.emplace(t.name, t.data);
+      for (const auto& info : infos)
+        writes.push_back({.op = IoOp::write, .file = &file, .offset = header.size() + info.begin, .memory = data_of.at(info.name),
+                          .progress = options.progress, .cancel = options.cancel});
+      Clock::time_point phase = Clock::now();
+      total.add_part(engine->submit_batch(writes));
+      data = seconds_since(phase);
+      if (options.checksums) {
+        phase = Clock::now();
+        computed = sums.get();
+        wait = seconds_since(phase);
+      }
+    }
+    if (options.checksums) header = sealed_header(infos, metadata, tensors, computed, header.size(), context);
+    Buffer header_buffer = Buffer::allocate({MemoryKind::host}, header.size());
+    std::memcpy(header_buffer.data(), header.data(), header.size());
+    const IoRequest header_request{.op = IoOp::write, .file = &file, .offset = 0, .memory = header_buffer.span()};
+    Clock::time_point phase = Clock::now();
+    total.add_part(engine->submit_batch({&header_request, 1}));
+    header_write = seconds_since(phase);
+    if (options.keep_attributes) take_attributes(target, file.fd(), context);
+    check_cancel(options.cancel, context);
+    phase = Clock::now();
+    files.sync(file, context);  // throws on failure: never retried, the old checkpoint stays
+    fsync = seconds_since(phase);
+    // The last point a stop request is heeded: from the rename on, the new file is the checkpoint.
+    check_cancel(options.cancel, context);
+    previous.emplace(target);
+    pending.publish(context, top_level);
+  }
+  if (top_level) sync_published(files, target.parent_path(), shown);
+  else sync_directory(files, target.parent_path(), shown);
+  const double all = seconds_since(started);
+  std::string engine_note = total.note;
+  total.note = fmt::format("{} tensors, durable (fsync, rename, directory fsync){}; data writes {:.3f} s{}, header {:.3f} s, "
+                           "fsync {:.3f} s, the rest (rename, directory fsync, set-up) {:.3f} s{}{}",
+                           tensors.size(), options.checksums ? ", with XXH3-64 checksums" : "", data,
+                           options.checksums ? fmt::format(" (hashing beside them {:.3f} s, then waited {:.3f} s)", hashing, wait) : "",
+                           header_write, fsync, all - data - wait - header_write - fsync, engine_note.empty() ? "" : "; ", engine_note);
+  timer.finish(total);
+  return total;
+}
+
+bool is_checkpoint_file(const std::string& name) {
+  return name == "model.safetensors" || name == "model.safetensors.index.json" ||
+         (name.starts_with("model-") && name.ends_with(".safetensors"));
+}
+
+// Writes small bytes (the index) to a new file and makes them durable; `shown` names it in errors.
+void write_index(FileSystem& files, const fs::path& file, const std::string& shown, const std::string& bytes) {
+  const ErrorContext context{.op = "save", .path = shown};
+  File out = files.open(file.string(), shown, OpenMode::create_new, true);
+  files.write(out, std::as_bytes(std::span(bytes)), 0, context);
+  files.sync(out, context);
+}
+
+Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options,
+                   StagedStream* staged) {
+  TransferTimer timer;
+  const ErrorContext context{.op = "save sharded checkpoint", .path = path};
+  const fs::path target = final_target(path, true, context);
+
+  const auto [shards, shard_names, total_bytes] = plan_shards(tensors, options.max_shard_size);
+
+  check_directory_of(target, context);
+  FileSystem& files = files_of(options);
+  remove_stale_temporaries(files, target);  // directories too
+  check_cancel(options.cancel, context);
+  std::random_device random;
+  const fs::path temp = temp_name(target, random);
+  Stats total;
+  std::vector<std::string> dropped;  // checkpoint files of the old directory that the new one does not have
+  try {
+    // A name already there (even a symlink to a directory) is never built into: the random
+    // suffix makes that a sign of interference, not a leftover (those were removed above).
+    if (const int err = files.make_directory(temp.string()))
+      throw Error(errno_code(err), context,
+                  err == EEXIST ? fmt::format("temporary directory {} already exists", temp.string())
+                                : fmt::format("mkdir of the temporary directory {}", temp.string()));
+    const FileLock lock(::open(temp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+    nlohmann::json weight_map = nlohmann::json::object();
+    SaveOptions single = options;
+    single.max_shard_size = 0;
+    const EngineInUse chosen(options.engine, options.backend, options.engine_options,
+                                     options.engine ? nullptr : files.make_engine(options.backend, options.engine_options));
+    single.engine = chosen.get();  // one engine writes every shard
+    for (std::size_t k = 0; k < shards.size(); ++k) {
+      // Errors name the shard where it will be (PATH/model-...), not inside the temporary directory.
+      total.add_part(persist_file(temp / shard_names[k], (fs::path(path) / shard_names[k]).string(), shards[k], single, false, staged));
+      for (const auto& t : shards[k]) weight_map[t.name] = shard_names[k];
+    }
+    const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+    write_index(files, temp / "model.safetensors.index.json", (fs::path(path) / "model.safetensors.index.json").string(),
+                  index.dump(2) + "\n");
+    // Whatever else the directory holds (config.json, tokenizer files) comes along. The old
+    // checkpoint's own files do not: a model.safetensors beside the new index would be loaded in
+    // its place by loaders that look for it first, and a shard of another count is stale. They
+    // are named in the result's note.
+    if (fs::exists(target))
+      for (const auto& entry : fs::directory_iterator(target)) {
+        const std::string name = entry.path().filename().string();
+        if (!is_checkpoint_file(name))
+          fs::copy(entry.path(), temp / entry.path().filename(), fs::copy_options::recursive | fs::copy_options::create_hard_links);
+        else if (name != "model.safetensors.index.json" && std::find(shard_names.begin(), shard_names.end(), name) == shard_names.end())
+          dropped.push_back(name);
+      }
+    sync_directory(files, temp, path);
+    // The last point a stop request is heeded: the swap below publishes the new checkpoint.
+    check_cancel(options.cancel, context);
+    if (fs::exists(target)) {
+      // One atomic step: the new directory takes the name, the old one takes the temporary name.
+      if (const int err = files.exchange(temp.string(), target.string()))
+        throw Error(errno_code(err), context, "renameat2(RENAME_EXCHANGE) of the new directory");
+    } else if (const int err = files.rename(temp.string(), target.string())) {
+      throw Error(errno_code(err), context, "rename of the new directory");
+    }
+  } catch (...) {
+    files.remove_all(temp.string());
+    throw;
+  }
+  sync_published(files, target.parent_path(), path, temp);
+  files.remove_all(temp.string());  // the old checkpoint, after the exchange
+  std::sort(dropped.begin(), dropped.end());
+  total.note = fmt::format("{} tensors in {} shard(s) + index, swapped in atomically{}", tensors.size(), shards.size(),
+                           dropped.empty() ? ""
+                                           : fmt::format("; the old checkpoint's {} (not part of the new one) went with it",
+                                                         fmt::join(dropped, ", ")));
+  timer.finish(total);
+  return total;
+}
+
+}  // namespace
+
+Stats persist(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options, StagedStream* staged) {
+  return errors_as_hbmio({.op = "save", .path = path}, [&] {
+    if (options.max_shard_size > 0) return persist_sharded(path, tensors, options, staged);
+    return persist_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true, staged);
+  });
+}
+
+std::string check_save(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  return errors_as_hbmio({.op = "save", .path = path}, [&] {
+    const ErrorContext context{.op = "save", .path = path};
+    if (is_remote_url(path))
+      throw Error(errno_code(ENOTSUP), context,
+                  "background saves write local paths; save to a URL with a blocking save (save_checkpoint, "
+                  "save_file(..., blocking=True)), or save locally in the background and upload the result");
+    check_tensors(tensors, context);
+    const fs::path target = final_target(path, options.max_shard_size > 0, context);
+    check_directory_of(target, context);
+    return target.string();
+  });
+}
+
+}  // namespace hbmio::detail

@@ -1,0 +1,29 @@
+// The persist step of a local save: the tensors' bytes written through the engine (hashed beside
+// the writes), the sealed header, fsync, the publishing rename, the directory's fsync (commit.hpp).
+// A blocking save (save_checkpoint) persists from the tensors' own memory once the path's
+// background saves are done; a background save (save_checkpoint_async) persists on its own thread
+// from the snapshot it staged. Both run this one step, with the same guarantees.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "hbmio/checkpoint.hpp"
+
+namespace hbmio::detail {
+
+class StagedStream;
+
+// Writes `tensors` to `path` (a file, or with options.max_shard_size a sharded checkpoint's
+// directory) crash-safely, as save_checkpoint documents. The bytes come from `staged` where given
+// (a background save's snapshot, in file order; the tensors' spans then give only sizes), else
+// from the tensors' own memory.
+Stats persist(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options,
+              StagedStream* staged);
+
+// The checks a save makes before touching the disk (names, sizes, what is at `path`, its
+// directory), for a background save to throw them from its call; returns the path a save replaces
+// (symbolic links followed), which keys "one save per path".
+std::string check_save(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options);
+
+}  // namespace hbmio::detail
