@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <regex>
 #include <set>
@@ -16,9 +17,12 @@
 #include <string>
 #include <vector>
 
+#include "hbmio/checkpoint.hpp"
 #include "hbmio/config.hpp"
+#include "hbmio/engine.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/options.hpp"
+#include "test_support.hpp"
 
 namespace fs = std::filesystem;
 using namespace hbmio;
@@ -260,5 +264,62 @@ TEST(Config, InvalidValuesNameVariableValueAndRange) {
     EXPECT_NE(what.find("HBMIO_CHUNK_SIZE"), std::string::npos) << what;
     EXPECT_NE(what.find("HBMIO_BOUNCE_BUFFER_SIZE"), std::string::npos) << what;
     EXPECT_NE(what.find(std::to_string(12u << 20)), std::string::npos) << what;
+  }
+}
+
+// An empty backend name is the configured one wherever a backend is chosen: make_engine, the
+// engine pool (which keeps the engine under the name it resolved to), and a load or save whose
+// options name none.
+TEST(Config, AnEmptyBackendIsHbmioBackend) {
+  const ScopedEnv backend("HBMIO_BACKEND", "posix");
+  EXPECT_EQ(make_engine("")->name(), "posix");
+  EnginePool pool;
+  {
+    const EnginePool::Lease lease = pool.acquire("");
+    EXPECT_EQ(lease->name(), "posix");
+  }
+  EXPECT_EQ(pool.idle_counts(), (std::map<std::string, std::size_t>{{"posix", 1}}));
+
+  const test::TempDir dir;
+  const std::string path = dir.file("a.safetensors");
+  std::vector<std::byte> bytes(4096, std::byte{7});
+  save_checkpoint(path, {{.name = "a", .dtype = safetensors::Dtype::U8, .shape = {bytes.size()},
+                          .data = {bytes.data(), bytes.size(), {}}}});
+  EXPECT_EQ(load_checkpoint(path).stats().backend, "posix");
+  EXPECT_EQ(load_checkpoint(path, {.backend = "uring"}).stats().backend, "uring");  // a name given wins
+
+  const ScopedEnv bad("HBMIO_BACKEND", "warp");
+  try {
+    (void)load_checkpoint(path);
+    ADD_FAILURE() << "HBMIO_BACKEND=warp was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("HBMIO_BACKEND='warp'"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW((void)load_checkpoint(path, {.backend = "posix"}));  // the variable is not read
+}
+
+// RemoteOptions given with a call are the ones used: the environment, here invalid, is not read.
+// (No server is needed: what fails is the connection to a closed port, or libcurl's absence.)
+TEST(Config, RemoteOptionsGivenWinOverTheEnvironment) {
+  const ScopedEnv connections("HBMIO_REMOTE_CONNECTIONS", "0");
+  const RemoteOptions given{.max_attempts = 1, .connect_timeout_seconds = 1};
+  const std::string url = "http://127.0.0.1:1/model.safetensors";
+  const auto fails_without_naming_the_variable = [](const std::function<void()>& call, const char* what) {
+    try {
+      call();
+      ADD_FAILURE() << what << " reached a closed port";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("HBMIO_REMOTE_CONNECTIONS"), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  fails_without_naming_the_variable([&] { (void)open_checkpoint(url, given); }, "open_checkpoint");
+  fails_without_naming_the_variable([&] { (void)load_checkpoint(url, {.remote = given}); }, "load_checkpoint");
+  // Without options the environment is the default, and its error says so.
+  EXPECT_THROW((void)open_checkpoint(url), Error);
+  try {
+    (void)load_checkpoint(url);
+    ADD_FAILURE() << "load_checkpoint reached a closed port";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("HBMIO_REMOTE_CONNECTIONS='0'"), std::string::npos) << e.what();
   }
 }
