@@ -533,6 +533,33 @@ TEST(SafetensorsSerialize, EmptyHeaderIsPaddedLikeTheReference) {
   EXPECT_EQ(st::serialize_header(none, {}), length_prefix(8) + "{}      ");
 }
 
+// The reference's bytes for {"a": F32 [3]} (safetensors 0.8.0 and 0.9.0rc1, save(..., metadata=None)
+// and save(..., metadata={})): None leaves the entry out, {} writes it empty.
+TEST(SafetensorsSerialize, EmptyMetadataIsWrittenOnlyWhenAsked) {
+  std::vector<st::TensorInfo> tensors(1);
+  tensors[0].name = "a";
+  tensors[0].dtype = st::Dtype::F32;
+  tensors[0].shape = {3};
+  const std::string entry = R"("a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]})";
+  EXPECT_EQ(st::serialize_header(tensors, {}), length_prefix(56) + "{" + entry + "} ");
+  EXPECT_EQ(st::serialize_header(tensors, {}, st::EmptyMetadata::omit), length_prefix(56) + "{" + entry + "} ");
+  EXPECT_EQ(st::serialize_header(tensors, {}, st::EmptyMetadata::write),
+            length_prefix(80) + R"({"__metadata__":{},)" + entry + "}       ");
+  // Metadata that is there is written either way.
+  EXPECT_EQ(st::serialize_header(tensors, {{"k", "v"}}, st::EmptyMetadata::write),
+            length_prefix(80) + R"({"__metadata__":{"k":"v"},)" + entry + "}");
+  // And what was written parses back: an empty entry that is there, or none.
+  const std::string bytes = st::serialize_header(tensors, {}, st::EmptyMetadata::write) + std::string(12, '\0');
+  const auto header = st::parse_header(std::string_view(bytes).substr(8, 80), bytes.size(), "x");
+  EXPECT_TRUE(header.metadata.empty());
+  EXPECT_TRUE(header.has_metadata);
+  EXPECT_EQ(header.tensors.size(), 1u);
+  const std::string without = st::serialize_header(tensors, {}) + std::string(12, '\0');
+  EXPECT_FALSE(st::parse_header(std::string_view(without).substr(8, 56), without.size(), "x").has_metadata);
+  const std::string null_entry = R"({"__metadata__":null,)" + entry + "}";
+  EXPECT_FALSE(st::parse_header(null_entry, 8 + null_entry.size() + 12, "x").has_metadata);
+}
+
 TEST(SafetensorsSerialize, RefusesWhatNoReaderWouldAccept) {
   const auto refused = [](std::vector<st::TensorInfo> tensors, std::string_view rule) {
     try {

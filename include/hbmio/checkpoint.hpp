@@ -171,6 +171,8 @@ class OpenedCheckpoint {
   std::optional<std::size_t> find(std::string_view name) const noexcept;
   // __metadata__ of the first file (a sharded checkpoint's shards carry the same).
   const std::map<std::string, std::string>& metadata() const noexcept;
+  // Whether that file has a "__metadata__" entry (an empty one included: Header::has_metadata).
+  bool has_metadata() const noexcept { return !files_.empty() && files_.front().header.has_metadata; }
   // Reads the given byte ranges of tensors, all in one batch through `engine`. Throws Error
   // naming the file, tensor and offset (EINVAL for a range past a tensor's end).
   Stats read(const std::vector<TensorRead>& reads, Engine& engine, std::atomic<std::uint64_t>* progress = nullptr) const;
@@ -299,6 +301,10 @@ struct TensorToSave {
 
 struct SaveOptions {
   std::map<std::string, std::string> metadata;
+  // With no metadata to write (an empty `metadata` and no checksums): write: the header holds
+  // "__metadata__":{}, as safetensors writes for metadata={} (hbmio.torch.save_file(..., metadata={}));
+  // omit: no such entry, as it writes for metadata=None.
+  safetensors::EmptyMetadata empty_metadata = safetensors::EmptyMetadata::omit;
   bool checksums = true;  // XXH3-64 of each tensor in __metadata__ ("hbmio.xxh3.<name>")
   std::string backend;  // posix | uring | cufile | auto; "": configured_backend() (HBMIO_BACKEND, else auto)
   std::optional<Options> engine_options;  // default: Options::from_env()

@@ -49,6 +49,9 @@ struct TensorInfo {
 struct Header {
   std::vector<TensorInfo> tensors;
   std::map<std::string, std::string> metadata;  // "__metadata__"; empty when absent
+  // Whether the header has a "__metadata__" entry that is not null: {} is an empty map that is
+  // there (the reference's readers give {} for it, and None where there is none).
+  bool has_metadata = false;
   std::uint64_t header_size = 0;                // N: the JSON's length in bytes
   std::uint64_t data_offset = 0;                // 8 + N: where the data buffer starts in the file
   std::uint64_t data_size = 0;                  // bytes of the data buffer
@@ -90,7 +93,12 @@ Header read_header(int fd, const std::string& path);
 // The reference writer orders tensors by dtype, descending in ITS enum order (U64, I64, F64, C64,
 // F32, U32, I32, BF16, F16, U16, I16, F8_*, I8, U8, F6_*, F4, BOOL: wider types first, which keeps
 // every tensor aligned), then by name: order_like_reference() does that (stable).
-std::string serialize_header(std::vector<TensorInfo>& tensors, const std::map<std::string, std::string>& metadata);
+// An empty `metadata` leaves the "__metadata__" entry out (the reference, given metadata=None),
+// unless `empty` is EmptyMetadata::write: then the header holds "__metadata__":{} first, as the
+// reference writes for metadata={} (and its readers give {} back for it, not None).
+enum class EmptyMetadata { omit, write };
+std::string serialize_header(std::vector<TensorInfo>& tensors, const std::map<std::string, std::string>& metadata,
+                             EmptyMetadata empty = EmptyMetadata::omit);
 void order_like_reference(std::vector<TensorInfo>& tensors);
 
 // A Hugging Face sharded checkpoint index (`model.safetensors.index.json`).

@@ -119,7 +119,7 @@ Stats persist_file(const fs::path& target, const std::string& shown, const std::
   std::vector<MemorySpan> spans;
   if (options.checksums)
     for (const auto& t : tensors) spans.push_back(t.data);
-  std::string header = st::serialize_header(infos, metadata);
+  std::string header = st::serialize_header(infos, metadata, options.empty_metadata);
 
   check_directory_of(target, context);
   FileSystem& files = files_of(options);

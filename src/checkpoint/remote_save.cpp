@@ -41,7 +41,7 @@ Stats save_remote_file(const std::string& url, const std::vector<TensorToSave>& 
   std::vector<MemorySpan> spans;
   if (options.checksums)
     for (const auto& t : tensors) spans.push_back(t.data);
-  const std::string placeholder = st::serialize_header(infos, metadata);
+  const std::string placeholder = st::serialize_header(infos, metadata, options.empty_metadata);
   const std::uint64_t data_start = placeholder.size();
   std::uint64_t size = data_start;
   for (const auto& info : infos) size = std::max(size, data_start + info.end);

@@ -114,9 +114,10 @@ class HeaderParser {
     Header header;
     header.header_size = json_.size();
     for (const auto& [name, entry] : root.items()) {
-      if (name == kMetadataKey)
+      if (name == kMetadataKey) {
         header.metadata = parse_metadata(entry);
-      else
+        header.has_metadata = !entry.is_null();
+      } else
         header.tensors.push_back(parse_tensor(name, entry));
     }
     sort_by_offset(header.tensors);
@@ -432,7 +433,8 @@ void order_like_reference(std::vector<TensorInfo>& tensors) {
   });
 }
 
-std::string serialize_header(std::vector<TensorInfo>& tensors, const std::map<std::string, std::string>& metadata) {
+std::string serialize_header(std::vector<TensorInfo>& tensors, const std::map<std::string, std::string>& metadata,
+                             EmptyMetadata empty) {
   constexpr std::string_view op = "serialize safetensors header";
   const auto fail = [&](std::string_view rule, std::string_view tensor, const std::string& found) {
     refuse(op, "", 0, rule, tensor, found);
@@ -444,7 +446,7 @@ std::string serialize_header(std::vector<TensorInfo>& tensors, const std::map<st
     if (json.size() > 1) json += ',';
     json += nlohmann::json(key).dump() + ':' + value.dump();
   };
-  if (!metadata.empty()) {
+  if (!metadata.empty() || empty == EmptyMetadata::write) {
     nlohmann::ordered_json entries = nlohmann::ordered_json::object();
     for (const auto& [key, value] : metadata) {
       if (format::first_invalid_utf8(key) || format::first_invalid_utf8(value))
