@@ -418,7 +418,11 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
             try:
                 out[name] = np.from_dlpack(array)
             except (TypeError, BufferError, ValueError, RuntimeError) as e:
-                raise TypeError(f"tensor {name}: {e}") from e
+                # A dtype NumPy lacks (bfloat16, float8, float4): refused as the reference's NumPy
+                # mode refuses it (see _dtypes.py), the header telling which dtype it was.
+                from ._dtypes import numpy_refusal
+                dtype = next((d for n, d, *_ in _hbmio.SafeOpen(path)._entries() if n == name), None)
+                raise (numpy_refusal(name, dtype, path) if dtype else TypeError(f"tensor {name}: {e}")) from e
         return out
     return arrays
 

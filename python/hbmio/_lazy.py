@@ -621,11 +621,17 @@ class _Slice:
 
     def __getitem__(self, key):
         owner = self._owner
-        if owner._resolved == "torch" and not _plain_torch_index(key, len(self._shape)):
+        if owner._resolved == "torch" and (self._dtype == "F4" or not _plain_torch_index(key, len(self._shape))):
+            # F4: torch holds it packed (float4_e2m1fn_x2, the last dimension half the file's), so
+            # the index is torch's on that tensor. (safetensors 0.8 and 0.9 raise RuntimeError for
+            # every slice of F4 that is not empty: docs/python.md.)
             return self._torch_index(key)
         dims = _normalize(key, self._shape, self._name, strict=owner._resolved != "torch")
         target = owner._own_target()
         if not target.can(self._dtype):
+            if owner._resolved == "numpy" or self._dtype in ("F6_E2M3", "F6_E3M2"):
+                from ._dtypes import numpy_refusal, packed_refusal  # the reference's refusals
+                raise (numpy_refusal if owner._resolved == "numpy" else packed_refusal)(self._name, self._dtype, owner.path)
             raise TypeError(f"tensor {self._name!r} ({self._dtype}): get_slice needs a dtype that "
                             f"{owner._resolved} represents on {owner._device!r}")
         out_shape = [len(range(a, b, s)) for a, b, s, is_int in dims if not is_int]

@@ -56,18 +56,22 @@ def load(path: str, framework: str, names) -> dict:
 def _torch_views(mapping, entries, wanted, file):
     import torch
     from . import _TORCH_DTYPES
+    from ._dtypes import packed_refusal, torch_shape
     base = torch.frombuffer(mapping, dtype=torch.uint8)  # shares the mapping and keeps it alive
     out = {}
     for name, dtype, shape, offset, nbytes in entries:
         if wanted is not None and name not in wanted:
             continue
-        torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
+        # F4 as the reference gives it: float4_e2m1fn_x2, two values a byte (see _dtypes.torch_shape).
+        torch_dtype = getattr(torch, "float4_e2m1fn_x2" if dtype == "F4" else _TORCH_DTYPES.get(dtype, ""), None)
         if not isinstance(torch_dtype, torch.dtype):
+            if dtype in ("F6_E2M3", "F6_E3M2"):
+                raise packed_refusal(name, dtype, file)
             raise TypeError(f"tensor {name} of {file}: dtype {dtype} has no torch equivalent in torch {torch.__version__}")
         raw = base[offset:offset + nbytes]
         if offset % torch_dtype.itemsize:
             raw = raw.clone()  # a view needs an offset that is a multiple of the element size
-        out[name] = raw.view(torch_dtype).reshape(shape)
+        out[name] = raw.view(torch_dtype).reshape(torch_shape(name, dtype, shape, file))
     return out
 
 
@@ -80,6 +84,7 @@ def _numpy_views(mapping, entries, wanted, file):
         if wanted is not None and name not in wanted:
             continue
         if dtype not in _NUMPY_DTYPES:
-            raise TypeError(f"tensor {name} of {file}: dtype {dtype} has no NumPy equivalent")
+            from ._dtypes import numpy_refusal
+            raise numpy_refusal(name, dtype, file)
         out[name] = base[offset:offset + nbytes].view(np.dtype(_NUMPY_DTYPES[dtype])).reshape(shape)
     return out

@@ -5,7 +5,7 @@ Files are written crash-safe and, as the reference writes them, byte for byte: n
 was not asked for (checksums=True adds hbmio's per-tensor XXH3-64 checksums, as hbmio.save_file
 does by default). Loads read through hbmio's engines (backend= names one of hbmio's;
 safetensors' own "mmap" and "pread" mean hbmio's default here, as they say how safetensors
-reads), and a value that is not a tensor is a TypeError (safetensors: ValueError).
+reads). Where hbmio still differs from the reference, and why: docs/python.md.
 """
 from __future__ import annotations
 
@@ -16,15 +16,46 @@ from hbmio import _hbmio as _ext
 
 Error = _hbmio.Error
 
-__all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model", "Error"]
+# The reference's low-level names, which safetensors.torch re-exports: see hbmio/_serialize.py.
+from hbmio._serialize import TensorSpec, deserialize, serialize, serialize_file  # noqa: E402
+
+# safetensors.torch's public names (0.8 and 0.9), each offered here; safe_open is hbmio.open.
+__all__ = ["load_file", "save_file", "load", "save", "load_model", "save_model", "Error", "safe_open",
+           "serialize", "serialize_file", "deserialize", "TensorSpec", "storage_ptr", "storage_size"]
+
+safe_open = _hbmio.open
+
+
+def storage_ptr(tensor) -> int:
+    """The address of the storage `tensor` views (0 where it has none: a meta tensor), as
+    safetensors.torch.storage_ptr: tensors with the same one share memory."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def storage_size(tensor) -> int:
+    """Bytes of the storage `tensor` views (its own bytes where there is none to ask, a meta
+    tensor's), as safetensors.torch.storage_size."""
+    try:
+        return tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return tensor.nelement() * tensor.element_size()
+
+class _NotATensor(TypeError, ValueError):
+    """A value to save that is not a tensor: the reference's ValueError, and the TypeError hbmio
+    raised for it before, so that code written for either catches it."""
+
 
 def _check_tensors(tensors, where) -> dict:
     """tensors as a dict, every value a torch.Tensor with data. What the reference refuses is
     refused with its exception type and the words code matches on: a value that is not a dict
     (ValueError "Expected a dict of [str, torch.Tensor]"), a meta tensor (NotImplementedError
     "Cannot copy out of meta tensor"), a sparse or a non-contiguous one (ValueError "You are
-    trying to save a sparse tensors" / "a non contiguous tensor"); a key that is not a str and a
-    value that is not a tensor are TypeErrors naming them."""
+    trying to save a sparse tensors" / "a non contiguous tensor"), a value that is not a tensor
+    (ValueError "Key `k` is invalid", also a TypeError); a key that is not a str is a TypeError
+    naming it."""
     import collections.abc
     if not isinstance(tensors, collections.abc.Mapping):
         raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)} (save to {where})")
@@ -33,7 +64,7 @@ def _check_tensors(tensors, where) -> dict:
         if not isinstance(name, str):
             raise TypeError(f"save to {where}: tensor names must be str; the key {name!r} ({type(name).__name__}) is not")
         if not isinstance(t, _torch.Tensor):
-            raise TypeError(f"save to {where}: tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+            raise _NotATensor(f"Key `{name}` is invalid, expected torch.Tensor but received {type(t)} (save to {where})")
     sparse = sorted(name for name, t in tensors.items() if t.layout != _torch.strided)
     if sparse:
         raise ValueError(f"You are trying to save a sparse tensors: `{sparse}` which this library does not support. You can "
@@ -99,14 +130,19 @@ def load(data) -> dict:
     """Like safetensors.torch.load: {name: torch.Tensor} on the CPU from the bytes of a safetensors
     file (bytes, bytearray or memoryview), in file order, each tensor in memory of its own.
     A malformed header raises hbmio.Error naming the rule it breaks."""
+    from hbmio._dtypes import packed_refusal, torch_shape
     entries, _ = _ext._deserialize(data)
     out, dests, offsets = {}, [], []
     for name, dtype, shape, offset, nbytes in entries:
-        torch_dtype = getattr(_torch, _hbmio._TORCH_DTYPES.get(dtype, ""), None)
+        # F4 as the reference's load_file gives it: float4_e2m1fn_x2, two values a byte (its
+        # load() of bytes has no F4 in its table and raises KeyError; hbmio reads it as a file).
+        torch_dtype = getattr(_torch, "float4_e2m1fn_x2" if dtype == "F4" else _hbmio._TORCH_DTYPES.get(dtype, ""), None)
         if not isinstance(torch_dtype, _torch.dtype):
+            if dtype in ("F6_E2M3", "F6_E3M2"):
+                raise packed_refusal(name, dtype, "safetensors bytes")
             raise TypeError(f"tensor {name}: dtype {dtype} has no torch equivalent in torch {_torch.__version__}")
         raw = _torch.empty(nbytes, dtype=_torch.uint8)
-        out[name] = raw.view(torch_dtype).reshape(shape)
+        out[name] = raw.view(torch_dtype).reshape(torch_shape(name, dtype, shape, "safetensors bytes"))
         if nbytes:
             dests.append(raw)
             offsets.append(offset)

@@ -88,14 +88,25 @@ ErrnoType g_errno_types[] = {
 enum : std::uint8_t {
   kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4, kComplex = 5, kBool = 6,
   kFloat8_e4m3fn = 10, kFloat8_e4m3fnuz = 11, kFloat8_e5m2 = 12, kFloat8_e5m2fnuz = 13, kFloat8_e8m0fnu = 14,
+  kFloat4_e2m1fn = 17,
 };
 
-nb::dlpack::dtype dl(std::uint8_t code, std::uint8_t bits) { return {code, bits, 1}; }
+nb::dlpack::dtype dl(std::uint8_t code, std::uint8_t bits, std::uint16_t lanes = 1) { return {code, bits, lanes}; }
+
+// The error for a tensor whose dtype the binding hands out in no form (F6_*): op "convert to
+// DLPack", which translate() raises as hbmio.DtypeError (a TypeError, and a SafetensorError where
+// safetensors is installed: the reference's safe_open refuses such a tensor with
+// SafetensorError("Dtype not understood: F6_E2M3")).
+constexpr const char* kDtypeOp = "convert to DLPack";
 
 // safetensors dtype -> DLPack dtype. F8_E4M3 is torch.float8_e4m3fn (what safetensors writes for
-// it), hence DLPack's e4m3fn. F4/F6 (packed sub-byte) have no element-per-index DLPack form yet.
+// it), hence DLPack's e4m3fn. F4 is handed out packed, two values a byte, as torch's
+// float4_e2m1fn_x2 is and as torch exports it through DLPack (e2m1fn, 4 bits, 2 lanes): the
+// reference's torch tensors of F4 are of that dtype, their last dimension half the file's (see
+// dlpack_shape). F6 (four values in three bytes) has no such form in DLPack or torch.
 nb::dlpack::dtype to_dlpack(Dtype d, const std::string& name) {
   switch (d) {
+    case Dtype::F4: return dl(kFloat4_e2m1fn, 4, 2);
     case Dtype::BOOL: return dl(kBool, 8);
     case Dtype::U8: return dl(kUInt, 8);
     case Dtype::I8: return dl(kInt, 8);
@@ -117,9 +128,26 @@ nb::dlpack::dtype to_dlpack(Dtype d, const std::string& name) {
     case Dtype::U64: return dl(kUInt, 64);
     default: break;
   }
-  throw hbmio::Error(hbmio::errno_code(ENOTSUP), {.op = "convert to DLPack"},
-                     "tensor " + name + " has dtype " + std::string(hbmio::safetensors::to_string(d)) +
-                         ", which hbmio's Python binding does not support yet");
+  throw hbmio::Error(hbmio::errno_code(ENOTSUP), {.op = kDtypeOp},
+                     "Dtype not understood: " + std::string(hbmio::safetensors::to_string(d)) + " (tensor " + name +
+                         ": neither DLPack nor torch has this packed sub-byte type)");
+}
+
+// The DLPack shape of a tensor of the file's `shape`: the same, except for F4, whose last
+// dimension counts pairs (the reference's torch shape: safetensors 0.8 and 0.9 load F4 [2, 6] as
+// float4_e2m1fn_x2 [2, 3], and refuse an odd last dimension with these words).
+std::vector<std::size_t> dlpack_shape(Dtype d, const std::vector<std::uint64_t>& shape, const std::string& name) {
+  std::vector<std::size_t> out(shape.begin(), shape.end());
+  if (d != Dtype::F4) return out;
+  if (out.empty() || out.back() % 2 != 0) {
+    std::string text;
+    for (auto n : shape) text += (text.empty() ? "" : ", ") + std::to_string(n);
+    throw hbmio::Error(hbmio::errno_code(EINVAL), {.op = kDtypeOp},
+                       "f4_x2 dtype requires that the last dim be divisible by 2 in torch: got [" + text + "] (tensor " +
+                           name + ")");
+  }
+  out.back() /= 2;
+  return out;
 }
 
 std::optional<Dtype> from_dlpack(nb::dlpack::dtype t) {
@@ -145,6 +173,9 @@ std::optional<Dtype> from_dlpack(nb::dlpack::dtype t) {
   }
   return std::nullopt;
 }
+
+// torch.float4_e2m1fn_x2 as torch exports it (e2m1fn, 4 bits, 2 lanes): F4, two values a byte.
+bool packed_f4(nb::dlpack::dtype t) { return t.code == kFloat4_e2m1fn && t.bits == 4 && t.lanes == 2; }
 
 // "cpu" / "host" -> host memory, "pinned", "cuda" -> cuda:0, "cuda:N".
 hbmio::MemoryLocation parse_device(std::string text) {
@@ -244,7 +275,7 @@ nb::dict load(const std::string& path, const std::string& device, const std::str
   warn_unverified(*loaded);
   nb::dict result;
   for (const auto& t : loaded->tensors()) {
-    std::vector<std::size_t> shape(t.shape.begin(), t.shape.end());
+    std::vector<std::size_t> shape = dlpack_shape(t.dtype, t.shape, t.name);
     Array array(t.data.data, shape.size(), shape.data(), owner, nullptr, to_dlpack(t.dtype, t.name),
                 dlpack_device_type(t.data.location), t.data.location.kind == hbmio::MemoryKind::device ? t.data.location.device : 0);
     result[nb::str(t.name.c_str(), t.name.size())] = nb::cast(array, nb::rv_policy::reference);
@@ -789,7 +820,7 @@ SaveInput pack_tensors(Gathered g) {
                               nb::type_name(g.values[i].type()).c_str()).c_str());
       array = nb::ndarray<nb::ro>(packed);
     }
-    auto dtype = from_dlpack(array.dtype());
+    auto dtype = packed_f4(array.dtype()) ? std::optional<Dtype>(Dtype::F4) : from_dlpack(array.dtype());
     if (!dtype) {
       throw nb::type_error(("tensor " + name + ": DLPack dtype (code " + std::to_string(array.dtype().code) + ", " +
                             std::to_string(array.dtype().bits) + " bits) has no safetensors equivalent").c_str());
@@ -805,7 +836,19 @@ SaveInput pack_tensors(Gathered g) {
     t.name = name;
     t.dtype = *dtype;
     for (std::size_t d = 0; d < array.ndim(); ++d) t.shape.push_back(array.shape(d));
-    t.data = {static_cast<std::byte*>(const_cast<void*>(array.data())), array.nbytes(), location};
+    if (t.dtype == Dtype::F4) {
+      // The file counts F4 values, torch pairs of them: the last dimension doubles, as the
+      // reference writes float4_e2m1fn_x2 [2, 3] as F4 [2, 6]. A scalar holds one pair, which
+      // no F4 shape says; the reference refuses it with these words.
+      if (t.shape.empty())
+        throw hbmio::Error(hbmio::errno_code(EINVAL), {.op = kDtypeOp},
+                           "Error while serializing: The slice is slicing for subbytes dtypes, and the slice does not end up "
+                           "at a byte boundary, this is invalid. (tensor " + name + ": a float4_e2m1fn_x2 scalar)");
+      t.shape.back() *= 2;
+    }
+    // nanobind's nbytes() leaves lanes out (4 bits an element): an F4 pair is one byte.
+    const std::size_t nbytes = t.dtype == Dtype::F4 ? array.size() : array.nbytes();
+    t.data = {static_cast<std::byte*>(const_cast<void*>(array.data())), nbytes, location};
     out.list.push_back(std::move(t));
     out.keep.push_back(std::move(array));
   }
@@ -818,8 +861,14 @@ SaveInput collect_tensors(nb::dict tensors, const std::string& where) { return p
 hbmio::SaveOptions save_options(std::optional<std::map<std::string, std::string>> metadata, bool checksums,
                                 const std::string& backend, std::uint64_t max_shard_size) {
   hbmio::SaveOptions options;
-  if (metadata) options.metadata = std::move(*metadata);
+  if (metadata) {
+    // Given, even empty, the entry is written: the reference writes "__metadata__":{} for
+    // metadata={} and nothing for None.
+    options.metadata = std::move(*metadata);
+    options.empty_metadata = hbmio::safetensors::EmptyMetadata::write;
+  }
   options.checksums = checksums;
+
   options.backend = backend;
   options.max_shard_size = max_shard_size;
   return options;
@@ -975,7 +1024,10 @@ nb::bytes serialize(nb::dict tensors, std::optional<std::map<std::string, std::s
     by_name[t.name] = &t;
   }
   hbmio::safetensors::order_like_reference(infos);
-  const std::string header = hbmio::safetensors::serialize_header(infos, metadata ? *metadata : std::map<std::string, std::string>{});
+  // metadata={} writes "__metadata__":{}, None writes no entry: the reference's bytes for each.
+  const std::string header = hbmio::safetensors::serialize_header(
+      infos, metadata ? *metadata : std::map<std::string, std::string>{},
+      metadata ? hbmio::safetensors::EmptyMetadata::write : hbmio::safetensors::EmptyMetadata::omit);
   const std::uint64_t total = header.size() + (infos.empty() ? 0 : infos.back().end);
   PyObject* out = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total));
   if (out == nullptr) throw nb::python_error();
@@ -1035,28 +1087,46 @@ PyObject* error_type_for(int err) {
   return g_error_type;
 }
 
-// hbmio.HeaderError: a malformed safetensors header or index. An hbmio.Error and, where
-// safetensors is installed, a safetensors.SafetensorError, which is what the reference raises for
-// one: code written for it (`except SafetensorError`) catches hbmio's too. Made at first use, so
-// that safetensors is imported only when such an error happens.
-PyObject* header_error_type() {
-  static PyObject* type = nullptr;  // lives as long as the process, as the module's types do
-  if (type != nullptr) return type;
-  nb::object bases = nb::make_tuple(nb::handle(g_error_type));
+// A subclass of hbmio.Error (and of `also`, where not null) that is, where safetensors is
+// installed, a safetensors.SafetensorError too, which is what the reference raises for the same
+// failure: code written for it (`except SafetensorError`) catches hbmio's too. Made at first use,
+// so that safetensors is imported only when such an error happens; hbmio.Error where it cannot be.
+PyObject* reference_error_type(const char* name, PyObject* also, const char* doc) {
+  nb::list bases;
+  bases.append(nb::handle(g_error_type));
+  if (also != nullptr) bases.append(nb::handle(also));
   if (PyObject* module = PyImport_ImportModule("safetensors")) {
-    if (PyObject* reference = PyObject_GetAttrString(module, "SafetensorError"))
-      bases = nb::make_tuple(nb::handle(g_error_type), nb::steal(reference));
+    if (PyObject* reference = PyObject_GetAttrString(module, "SafetensorError")) bases.append(nb::steal(reference));
     Py_DECREF(module);
   }
-  PyErr_Clear();  // without safetensors: an hbmio.Error alone
-  type = PyErr_NewExceptionWithDoc("hbmio.HeaderError",
-                                   "A malformed safetensors header or index (hbmio.Error; also safetensors.SafetensorError where "
-                                   "safetensors is installed).",
-                                   bases.ptr(), nullptr);
+  PyErr_Clear();  // without safetensors: no third base
+  PyObject* type = PyErr_NewExceptionWithDoc(name, doc, nb::tuple(bases).ptr(), nullptr);
   if (type == nullptr) {
     PyErr_Clear();
     return g_error_type;
   }
+  return type;
+}
+
+// hbmio.HeaderError: a malformed safetensors header or index.
+PyObject* header_error_type() {
+  static PyObject* type = nullptr;  // lives as long as the process, as the module's types do
+  if (type == nullptr)
+    type = reference_error_type("hbmio.HeaderError", nullptr,
+                                "A malformed safetensors header or index (hbmio.Error; also safetensors.SafetensorError "
+                                "where safetensors is installed).");
+  return type;
+}
+
+// hbmio.DtypeError: a tensor whose dtype the binding cannot hand out (F6_*) or take (a scalar
+// float4_e2m1fn_x2), or an F4 shape torch cannot hold. A TypeError, as hbmio raised for a dtype
+// before, and a SafetensorError, as the reference raises for these ("Dtype not understood: ...").
+PyObject* dtype_error_type() {
+  static PyObject* type = nullptr;
+  if (type == nullptr)
+    type = reference_error_type("hbmio.DtypeError", PyExc_TypeError,
+                                "A dtype or shape of a tensor that cannot be converted (hbmio.Error and TypeError; also "
+                                "safetensors.SafetensorError where safetensors is installed).");
   return type;
 }
 
@@ -1094,11 +1164,19 @@ void translate(const std::exception_ptr& p, void*) {
     const bool verify_failed =
         category == hbmio::hbmio_category() && e.code().value() == static_cast<int>(hbmio::Errc::verify_failed);
     const bool malformed = e.context().op.starts_with("parse safetensors");
-    PyObject* type = verify_failed ? g_verify_error_type
-                     : malformed   ? header_error_type()
-                     : err != 0    ? error_type_for(err)
-                                   : g_error_type;
-    nb::object args = err != 0 ? nb::make_tuple(err, e.what()) : nb::make_tuple(e.what());
+    PyObject* type = verify_failed                ? g_verify_error_type
+                     : malformed                  ? header_error_type()
+                     : e.context().op == kDtypeOp ? dtype_error_type()
+                     : err != 0                   ? error_type_for(err)
+                                                  : g_error_type;
+    std::string text = e.what();
+    if (err == ENOENT && e.context().op == "open checkpoint") {
+      // The reference's words for a missing checkpoint ("No such file or directory: notafile"),
+      // which code written for it matches on; the file is named as the caller named it.
+      text = std::generic_category().message(ENOENT) + ": " + e.context().path;
+      if (!e.detail().empty()) text += " (" + e.detail() + ")";
+    }
+    nb::object args = err != 0 ? nb::make_tuple(err, text) : nb::make_tuple(text);
     raise_error(type, args, &e);
   } catch (const std::system_error& e) {
     // std::thread's failure (EAGAIN) said only "Resource temporarily unavailable".
@@ -1320,6 +1398,12 @@ NB_MODULE(_hbmio, m) {
         "RuntimeError naming the tensors whose bytes overlap (what save_file refuses), TypeError for a key that is not a str.");
   m.def("_serialize", &serialize, nb::arg("tensors"), nb::arg("metadata") = nb::none(),
         "{name: host array} -> bytes of a safetensors file (the reference writer's header layout).");
+  m.def("_dtype_error", [](int err, const std::string& message) {
+    // hbmio.DtypeError(err, message), for the Python side's own dtype refusals (hbmio/_dtypes.py).
+    PyObject* made = PyObject_CallObject(dtype_error_type(), nb::make_tuple(err, message).ptr());
+    if (made == nullptr) throw nb::python_error();
+    return nb::steal(made);
+  }, nb::arg("errno"), nb::arg("message"));
   m.def("_deserialize", &deserialize, nb::arg("data"),
         "The validated header of safetensors bytes: ([(name, dtype, shape, offset, bytes)], metadata or None).");
   m.def("_copy_bytes", &copy_bytes, nb::arg("data"), nb::arg("offsets"), nb::arg("dests"),
@@ -1465,8 +1549,8 @@ NB_MODULE(_hbmio, m) {
         return keys;
       })
       .def("metadata", [](const Handle& h) -> nb::object {
-        // None where the file has no __metadata__, as safetensors' safe_open.
-        if (h.checkpoint->metadata().empty()) return nb::none();
+        // None where the file has no __metadata__, as safetensors' safe_open; {} for an empty one.
+        if (h.checkpoint->metadata().empty() && !h.checkpoint->has_metadata()) return nb::none();
         return nb::cast(h.checkpoint->metadata());
       })
       .def("files", [](const Handle& h) {
