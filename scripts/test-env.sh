@@ -14,7 +14,24 @@ python=/usr/bin/python3
 [ -x "$python" ] || python=$(command -v python3)
 stamp="$venv/.requirements.sha256"
 want=$(sha256sum "$requirements" | cut -d' ' -f1)
+
+# The reference's next release (its release candidate) in a folder of its own, beside the venv's
+# pinned one: python/tests/test_conformance.py runs its cases against it in a child process with
+# this folder first on sys.path (the venv keeps 0.8, which the other tests compare with). A stamp
+# of the pin makes a second run cost nothing, and a new pin replace the folder.
+reference_next=safetensors==0.9.0rc1
+reference_next_dir=build-python/safetensors-0.9
+install_reference_next() {
+  [ "$(cat "$reference_next_dir/.stamp" 2>/dev/null)" = "$reference_next" ] && return 0
+  echo "+ pip install $reference_next into $reference_next_dir" >&2
+  rm -rf "$reference_next_dir"
+  "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check --no-deps \
+    --target "$reference_next_dir" "$reference_next" >&2
+  echo "$reference_next" > "$reference_next_dir/.stamp"
+}
+
 if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+  install_reference_next
   echo "$venv"
   exit 0
 fi
@@ -28,6 +45,7 @@ echo "+ pip install -r $requirements into $venv (about 5 GB with torch; 2-4 minu
 # (tests/cufile_tests.cmake finds it through HBMIO_CUFILE_WHEEL, which scripts/test.sh sets).
 "$venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check --no-deps --upgrade \
   --target build-python/cufile-1.15 nvidia-cufile==1.15.1.6 >&2
+install_reference_next
 echo "$want" > "$stamp"
 echo "test environment: $((SECONDS - start)) s" >&2
 echo "$venv"
