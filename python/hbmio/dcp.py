@@ -20,6 +20,13 @@ reader sees a whole checkpoint, DCP the old and an index reader the new.) One sa
 directory at a time: a save removes the data files of every other save of its directory once it
 has published, so an earlier dcp.async_save of the same directory must be waited for first.
 
+dcp.async_save stages through the writer (DCP's AsyncStager protocol, torch 2.4 and later): the
+call stalls for one copy of the rank's tensors into staging memory that hbmio keeps between saves
+(page-locked where CUDA is present, so a GPU state leaves the device in one device-to-host copy),
+and the upload thread writes the files from there. StorageWriter(staging="device") copies CUDA
+tensors into a device buffer instead (a device-to-device copy) where the device has the room. See
+StorageWriter for the bound on that memory and what falls back to an ordinary copy.
+
 Names in the files: a whole tensor is stored under its fully qualified name; a chunk of a
 sharded tensor under "<name>@<offset>,<offset>,..." (its offset in each dimension); values
 that are not tensors (DCP's BYTE_IO items) as uint8 tensors listed in the file's metadata under
@@ -27,6 +34,7 @@ that are not tensors (DCP's BYTE_IO items) as uint8 tensors listed in the file's
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -34,7 +42,11 @@ import logging
 import os
 import pickle
 import re
+import threading
+import time
 import uuid
+import warnings
+import weakref
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint import StorageReader as _StorageReader
@@ -45,7 +57,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 import hbmio
 
-__all__ = ["StorageWriter", "StorageReader"]
+try:
+    # DCP's staging protocol: dcp.async_save calls a storage writer that implements it to make
+    # the "training-safe" copy of the state, instead of copying the state itself first.
+    from torch.distributed.checkpoint.staging import AsyncStager as _AsyncStager
+except ImportError:  # torch before 2.4: async_save always stages with its own copy
+    _AsyncStager = None
+
+__all__ = ["StorageWriter", "StorageReader", "release_staging"]
 
 _METADATA = ".metadata"
 _INDEX = "model.safetensors.index.json"
@@ -155,21 +174,413 @@ def _unshared(tensors: dict) -> dict:
     return out
 
 
-class StorageWriter(_StorageWriter):
+# Staging of dcp.async_save (StorageWriter.stage). Each staged tensor must be one contiguous
+# tensor, since DCP's planner resolves every item to a tensor; save_file's pinned pool lends 64 MiB
+# blocks that a tensor's bytes are streamed through, so it cannot hold them. The staging here is
+# one contiguous slab per save instead, kept between saves and bounded by the same capacity.
+_ALIGN = 256  # each staged tensor starts at a multiple of this, as tensors in hbmio's files do
+_SMALL_GRAIN = 2 << 20  # slab sizes are rounded up to this, or to _LARGE_GRAIN from it up:
+_LARGE_GRAIN = 64 << 20  # a state that grows a little keeps its slab (the pool's block size)
+
+
+def _round_up(n, grain):
+    return (n + grain - 1) // grain * grain
+
+
+def _slab_bytes(need):
+    return max(_SMALL_GRAIN, _round_up(need, _SMALL_GRAIN if need < _LARGE_GRAIN else _LARGE_GRAIN))
+
+
+class _Slab:
+    """Host memory for one save's staged tensors: a uint8 tensor, page-locked (cudaHostRegister)
+    where CUDA is present, so that device-to-host copies into it run at the link's speed."""
+
+    def __init__(self, nbytes):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self.nbytes = nbytes
+        self.pinned = False
+        if torch.cuda.is_available():
+            # Registered rather than taken from torch's pinned allocator, which rounds a request up
+            # to a power of two (8 GiB pinned for a 6 GiB state).
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            self.pinned = int(err) == 0
+            if not self.pinned:
+                warnings.warn(f"hbmio.dcp: page-locking {nbytes} bytes of staging memory failed (CUDA error {int(err)}); "
+                              "staging uses pageable memory, so device-to-host copies into it are slower", RuntimeWarning)
+
+    def start(self):
+        return self.tensor.data_ptr()
+
+    def free(self):
+        # Unregistered before the memory goes back to the allocator (which may hand the addresses
+        # out again, and registering them again would then fail).
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = None
+
+
+class _StagingArena:
+    """The process's staging slabs, shared by every StorageWriter (a DCP user makes a writer per
+    save). A slab lent to a save is never lent again until that save has written its file (or its
+    staged tensors are gone); a slab not lent is kept for the next save, up to the capacity."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._free = []        # slabs not lent
+        self._lent = set()     # ids of the slabs lent
+        self._allocated = 0    # bytes of every slab, lent or not
+        self._in_use = 0       # bytes of the lent ones
+        self._capacity = None  # bytes; None until first use
+
+    def _capacity_locked(self):
+        if self._capacity is None:
+            # save_file's pool's capacity: a quarter of physical memory, at most 64 GiB.
+            self._capacity = int(hbmio._hbmio._staging_pool()[0])
+        return self._capacity
+
+    def set_capacity(self, nbytes):
+        with self._changed:
+            self._capacity = int(nbytes)
+            self._drop_free_locked(lambda: self._allocated > self._capacity)
+            self._changed.notify_all()
+
+    def stats(self):
+        with self._changed:
+            return {"capacity": self._capacity_locked(), "allocated": self._allocated, "in_use": self._in_use,
+                    "slabs": len(self._free) + len(self._lent)}
+
+    def _drop_free_locked(self, while_true):
+        # The largest first: what needs room here usually needs much of it.
+        self._free.sort(key=lambda slab: slab.nbytes)
+        while self._free and while_true():
+            slab = self._free.pop()
+            self._allocated -= slab.nbytes
+            slab.free()
+
+    def acquire(self, need):
+        """A slab of at least `need` bytes, waiting while slabs lent to saves in flight hold the
+        room; None when `need` exceeds the capacity by itself."""
+        with self._changed:
+            while True:
+                capacity = self._capacity_locked()
+                if need > capacity:
+                    return None
+                fitting = [slab for slab in self._free if slab.nbytes >= need]
+                if fitting:
+                    slab = min(fitting, key=lambda s: s.nbytes)
+                    self._free.remove(slab)
+                    break
+                size = min(_slab_bytes(need), capacity)
+                # Slabs too small for this state make room for one that fits.
+                self._drop_free_locked(lambda: self._allocated + size > capacity)
+                if self._allocated + size <= capacity:
+                    self._allocated += size  # counted before the lock is let go
+                    try:
+                        slab = _Slab(size)
+                    except BaseException:
+                        self._allocated -= size
+                        raise
+                    break
+                # The room is lent to saves still writing: wait for one of them to finish, as a
+                # background save waits for pool blocks.
+                self._changed.wait(0.05)
+            self._lent.add(id(slab))
+            self._in_use += slab.nbytes
+            return slab
+
+    def give_back(self, slab):
+        with self._changed:
+            if id(slab) not in self._lent:
+                return
+            self._lent.discard(id(slab))
+            self._in_use -= slab.nbytes
+            if self._allocated <= self._capacity_locked():
+                self._free.append(slab)
+            else:  # the capacity shrank while it was lent
+                self._allocated -= slab.nbytes
+                slab.free()
+            self._changed.notify_all()
+
+    def release(self):
+        with self._changed:
+            dropped = len(self._free)
+            self._drop_free_locked(lambda: True)
+            return dropped
+
+
+_arena = _StagingArena()
+
+
+def release_staging() -> int:
+    """Frees the staging memory that dcp.async_save through hbmio.dcp.StorageWriter keeps between
+    saves (slabs lent to saves still writing are kept); returns how many slabs were freed."""
+    return _arena.release()
+
+
+class _Lease:
+    """The staging memory of one save: a slab of the arena (or none, where the state exceeds its
+    capacity), and device buffers (staging="device"). Given back once, by whichever comes first:
+    write_data having written the file, or the last staged tensor going away."""
+
+    def __init__(self):
+        self.slab = None
+        self.device_buffers = []
+        self._returned = False
+        self._lock = threading.Lock()
+
+    def spans(self):
+        out = []
+        if self.slab is not None:
+            out.append((self.slab.start(), self.slab.start() + self.slab.nbytes))
+        for buffer in self.device_buffers:
+            out.append((buffer.data_ptr(), buffer.data_ptr() + buffer.numel()))
+        return out
+
+    def holds(self, tensor):
+        ptr = tensor.data_ptr()
+        return any(start <= ptr < end for start, end in self.spans())
+
+    def give_back(self):
+        with self._lock:
+            if self._returned:
+                return
+            self._returned = True
+        if self.slab is not None:
+            _arena.give_back(self.slab)
+        self.device_buffers = []  # back to torch's caching allocator, which reuses the blocks
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # its name before torch 2.5
+        from torch.distributed._tensor import DTensor
+    return DTensor
+
+
+def _tensors_of(obj, out):
+    """The tensors _walk gives to its on_tensor, in the same order (DTensors' local tensors)."""
+    if isinstance(obj, _dtensor_type()):
+        out.append(obj._local_tensor)
+    elif _is_sharded_tensor(obj):
+        pass
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors_of(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors_of(v, out)
+    return out
+
+
+def _walk(obj, on_tensor):
+    """`obj` with each tensor replaced by on_tensor(tensor) (DTensors by a DTensor of the same
+    spec over on_tensor(local tensor)); containers rebuilt, other values deep-copied, as DCP's own
+    staging does (a value the caller changes after async_save returned must not reach the file)."""
+    DTensor = _dtensor_type()
+    if isinstance(obj, DTensor):
+        return DTensor(on_tensor(obj._local_tensor), obj._spec, requires_grad=False)
+    if _is_sharded_tensor(obj):
+        # FSDP1's ShardedTensor: staged as DCP's own stager does, by a copy of its own (not into
+        # the staging slab).
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+        return _copy_state_dict({"t": obj}, _create_cpu_state_dict({"t": obj}))["t"]
+    if isinstance(obj, torch.Tensor):
+        return on_tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, on_tensor) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_walk(v, on_tensor) for v in obj]
+        return tuple(out) if isinstance(obj, tuple) else out
+    if isinstance(obj, (int, float, str, bytes)) or obj is None:
+        return obj
+    return copy.deepcopy(obj)
+
+
+def _is_sharded_tensor(obj):
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:
+        return False
+    return isinstance(obj, ShardedTensor)
+
+
+def _stageable(t):
+    # What a slab can hold as a view: a dense tensor of a dtype with whole bytes per element.
+    return t.layout == torch.strided and not t.is_quantized and t.dtype.itemsize > 0 and t.device.type != "meta"
+
+
+def _stage_state(state_dict, staging):
+    """The staged copy of `state_dict` and its lease (see StorageWriter.stage)."""
+    # First pass: every tensor and where its copy goes.
+    tensors = _tensors_of(state_dict, [])
+    host_bytes, device_bytes = 0, {}
+    place = []  # per tensor: ("host", offset) / (device, offset) / None (a copy of its own)
+    for t in tensors:
+        if not _stageable(t):
+            place.append(None)
+            continue
+        nbytes = t.numel() * t.element_size()
+        if staging == "device" and t.device.type == "cuda":
+            at = device_bytes.get(t.device, 0)
+            device_bytes[t.device] = _round_up(at + nbytes, _ALIGN)
+            place.append((t.device, at))
+        else:
+            place.append(("host", host_bytes))
+            host_bytes = _round_up(host_bytes + nbytes, _ALIGN)
+    lease = _Lease()
+    report = {"staging": "device" if device_bytes else "pinned", "staged_bytes": 0, "unpooled_bytes": 0}
+    device_base = {}
+    for device, nbytes in device_bytes.items():
+        buffer = None
+        try:
+            free, _ = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            if nbytes <= free + cached:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:
+            buffer = None
+        if buffer is None:
+            # No room on the device: this device's tensors go to the host slab, as save_file's
+            # device staging falls back to its pinned pool.
+            for i, p in enumerate(place):
+                if p is not None and p[0] == device:
+                    place[i] = ("host", host_bytes)
+                    host_bytes = _round_up(host_bytes + tensors[i].numel() * tensors[i].element_size(), _ALIGN)
+            report["staging"] = "pinned"
+            report["device_fallback"] = f"{device} did not have {nbytes} bytes free"
+        else:
+            lease.device_buffers.append(buffer)
+            device_base[device] = buffer
+    if host_bytes:
+        lease.slab = _arena.acquire(host_bytes)
+        if lease.slab is None:
+            warnings.warn(f"hbmio.dcp: the state's {host_bytes} bytes exceed the staging capacity "
+                          f"({_arena.stats()['capacity']} bytes, hbmio.dcp.StorageWriter(pool_bytes=...)): "
+                          "this save stages into memory of its own, allocated for it and freed after it",
+                          RuntimeWarning, stacklevel=3)
+    # Second pass: the copies, in the same order.
+    order = iter(range(len(tensors)))
+    keep_alive = []
+
+    def on_tensor(t):
+        i = next(order)
+        p = place[i]
+        nbytes = t.numel() * t.element_size()
+        if p is None:
+            staged = t.detach().to("cpu", copy=True)
+        else:
+            where, offset = p
+            if where == "host":
+                base = lease.slab.tensor if lease.slab is not None else None
+            else:
+                base = device_base[where]
+            if base is None:
+                staged = torch.empty(t.shape, dtype=t.dtype)
+                report["unpooled_bytes"] += nbytes
+            else:
+                staged = base[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            # Asynchronous from the device into page-locked memory; synchronized below.
+            staged.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+            report["staged_bytes"] += nbytes
+        keep_alive.append(staged)
+        return staged
+
+    try:
+        with torch.no_grad():
+            staged_dict = _walk(state_dict, on_tensor)
+        for device in {t.device for t in tensors if t.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
+    except BaseException:
+        lease.give_back()  # nothing of this save will be written
+        raise
+    if keep_alive:
+        # Every staged tensor holds the token: once the last of them is gone, the lease is given
+        # back (write_data gives it back earlier, as soon as the file is written).
+        token = _LeaseToken()
+        weakref.finalize(token, lease.give_back)
+        for staged in keep_alive:
+            staged._hbmio_staging = token
+    return staged_dict, lease, report
+
+
+class _LeaseToken:
+    """Held by each tensor of one staged state; its finalizer gives the save's lease back."""
+    __slots__ = ("__weakref__",)
+
+
+_warned = set()
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not None else ())):
     """Writes a DCP checkpoint as safetensors files through hbmio (see the module's text).
 
     path: the checkpoint's directory (created if needed; dcp.save's checkpoint_id replaces it).
     checksums: XXH3-64 of each tensor in its file (hbmio.StorageReader(verify=True) checks them).
-    backend: hbmio's I/O path (None: $HBMIO_BACKEND, else "auto")."""
+    backend: hbmio's I/O path (None: $HBMIO_BACKEND, else "auto").
 
-    def __init__(self, path=None, *, checksums=True, backend=None):
+    dcp.async_save stages through this writer (DCP's AsyncStager: stage() returns the staged state
+    and DCP's upload thread saves that). staging="pinned" (the default) copies every tensor of the
+    rank's state into one slab of host memory, page-locked where CUDA is present, kept between
+    saves for the next one (by any writer of the process) and bounded like save_file's pinned
+    pool: pool_bytes caps it (default that pool's capacity: a quarter of physical memory, at most
+    64 GiB; it is a capacity of its own, beside the pool's). A save waits for room while earlier
+    saves still writing hold it; a state larger than the cap is copied into memory allocated for
+    that save (a warning says so). staging="device" copies CUDA tensors into a buffer on their
+    device (from torch's caching allocator, so later saves reuse its blocks) where the device has
+    the room, else into the slab. The staged memory is given back once the rank's file is written.
+    last_staging: what the last stage() did (staging, staged_bytes, unpooled_bytes, stage_seconds).
+    Where torch has no AsyncStager (before 2.4), async_save stages with its own copy, as DCP does
+    for any writer; staging and pool_bytes then do nothing."""
+
+    # stage() returns once the copies are complete: nothing for async_save to wait for after it.
+    _synchronize_after_execute = False
+
+    def __init__(self, path=None, *, checksums=True, backend=None, staging="pinned", pool_bytes=None):
         super().__init__()
         self.path = None if path is None else os.fspath(path)
         self.checksums = checksums
         self.backend = backend
+        if staging not in ("pinned", "device"):
+            raise ValueError(f"staging must be 'pinned' or 'device', not {staging!r}")
+        self.staging = staging
+        if pool_bytes is not None:
+            _arena.set_capacity(hbmio._parse_size(pool_bytes))
+        if _AsyncStager is None and (staging != "pinned" or pool_bytes is not None):
+            _warn_once("no_stager", f"hbmio.dcp: torch {torch.__version__} has no AsyncStager "
+                                    "(torch.distributed.checkpoint.staging, torch 2.4 and later): dcp.async_save "
+                                    "stages the state with its own copy, and staging/pool_bytes do nothing")
+        self.last_staging = None
+        self._leases = []  # of the saves staged through this writer and not yet written
         self.save_id = None
         self.rank = 0
         self.is_coordinator = True
+
+    def stage(self, state_dict):
+        """DCP's AsyncStager.stage: a copy of `state_dict` that changes made to it after this
+        returns do not reach (tensors in hbmio's staging memory, other values deep-copied)."""
+        started = time.perf_counter()
+        staged, lease, report = _stage_state(state_dict, self.staging)
+        self._leases.append(lease)
+        report["stage_seconds"] = time.perf_counter() - started
+        self.last_staging = report
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: stage() returns with the copies complete."""
+
+    def close(self) -> None:
+        """Nothing to free: the staging memory belongs to the process (hbmio.dcp.release_staging
+        frees what no save holds)."""
 
     def reset(self, checkpoint_id=None) -> None:
         self.path = _checkpoint_path(self.path, checkpoint_id, "StorageWriter", "dcp.save")
@@ -216,11 +627,29 @@ class StorageWriter(_StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
                                        storage_data=_Stored(file, name)))
         metadata = {_BYTES_KEY: json.dumps(sorted(byte_items))} if byte_items else None
-        hbmio.save_file(_unshared(tensors), os.path.join(self.path, file), metadata, checksums=self.checksums,
-                        backend=self.backend)
+        try:
+            hbmio.save_file(_unshared(tensors), os.path.join(self.path, file), metadata, checksums=self.checksums,
+                            backend=self.backend)
+        finally:
+            self._give_back_staging(tensors.values())
         future: Future = Future()
         future.set_result(results)
         return future
+
+    def _give_back_staging(self, written):
+        # The staging of the save whose tensors were just written, now free for the next save. A
+        # plan with no tensors (a rank whose items were all deduplicated away) gives back the
+        # oldest lease: one writer's saves write in the order they were staged.
+        leases = list(self._leases)  # stage() may add one meanwhile, on the caller's thread
+        if not leases:
+            return
+        written = [t for t in written if isinstance(t, torch.Tensor) and t.numel() > 0]
+        mine = [lease for lease in leases if not lease.spans() or any(lease.holds(t) for t in written)]
+        if not written:
+            mine = mine or leases[:1]
+        for lease in mine:
+            self._leases.remove(lease)
+            lease.give_back()
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # Called on the coordinator once every rank's write_data has returned: every data file is

@@ -3,7 +3,8 @@ StorageWriter and StorageReader. Results must equal the state saved and a round 
 torch's own FileSystemWriter/FileSystemReader; the files must be safetensors that the reference
 safetensors reads; a save over an older checkpoint must leave the old or the new one whole.
 1 process, and 2 and 4 ranks on gloo with DTensor-sharded tensors (saved sharded one way, loaded
-sharded another way).
+sharded another way). dcp.async_save stages through the writer: what a rank changes after the call
+does not reach the checkpoint, and the staging memory is reused from save to save within its bound.
 """
 from __future__ import annotations
 
@@ -131,21 +132,154 @@ def test_an_unfinished_directory_is_refused_by_name(tmp_path, caplog):
         assert "no DCP metadata" in text, text
 
 
+# dcp.async_save stages through hbmio's writer only where torch has DCP's staging protocol.
+needs_stager = pytest.mark.skipif(hbmio.dcp._AsyncStager is None,
+                                  reason="this torch has no AsyncStager: async_save stages with its own copy")
+
+
+def staged_tensors_bytes(state):
+    total = 0
+    for v in state.values():
+        if isinstance(v, dict):
+            total += staged_tensors_bytes(v)
+        elif isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+def clone_state(state):
+    return {k: clone_state(v) if isinstance(v, dict) else v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in state.items()}
+
+
+def big_state(seed, mib=32):
+    # Large enough that writing it takes longer than changing it: a save that read the caller's
+    # tensors after async_save returned would catch the change.
+    g = torch.Generator().manual_seed(seed)
+    per = (mib << 20) // 4 // 4
+    return {"model": {f"w{i}": torch.randn(per, generator=g) for i in range(4)},
+            "bf": torch.randn(1001, generator=g).to(torch.bfloat16),
+            "step": seed, "extra": {"lrs": [0.1 * seed, 0.2]}}
+
+
+def test_async_save_stages_through_the_writer_and_later_changes_do_not_reach_the_checkpoint(tmp_path):
+    staging = pytest.importorskip("torch.distributed.checkpoint.staging", reason="this torch has no AsyncStager")
+    state = big_state(6)
+    expected = clone_state(state)
+    expected["extra"]["lrs"] = list(state["extra"]["lrs"])
+    writer = hbmio.dcp.StorageWriter(tmp_path)
+    assert isinstance(writer, staging.AsyncStager)
+    future = dcp.async_save(state, storage_writer=writer)
+    # The training step that follows the call: every tensor and the list change in place.
+    for t in state["model"].values():
+        t.fill_(-1.0)
+    state["bf"].fill_(7)
+    state["extra"]["lrs"].append(99.0)
+    future.result()
+    report = writer.last_staging
+    assert report["staging"] == "pinned" and report["unpooled_bytes"] == 0
+    assert report["staged_bytes"] == staged_tensors_bytes(expected)
+    # The file, read by the reference safetensors, holds the bytes of the state as it was at the call.
+    (data_file,) = tmp_path.glob("model-*.safetensors")
+    ref = st_torch.load_file(str(data_file))
+    for name, t in expected["model"].items():
+        assert torch.equal(ref[f"model.{name}"].view(torch.uint8), t.view(torch.uint8)), name
+    assert torch.equal(ref["bf"].view(torch.uint8), expected["bf"].view(torch.uint8))
+    got = zeros_like_state(expected)
+    got["extra"] = {"lrs": None}
+    dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path))
+    assert_state_equal(got, expected)
+    # The staging memory went back when the file was written.
+    assert hbmio.dcp._arena.stats()["in_use"] == 0
+
+
+@needs_stager
+def test_fifty_async_saves_reuse_one_staging_slab(tmp_path):
+    hbmio.dcp.release_staging()
+    state = big_state(7, mib=8)
+    held, slabs = [], set()
+    for i in range(50):
+        for t in state["model"].values():
+            t.fill_(float(i))
+        state["step"] = i
+        future = dcp.async_save(state, storage_writer=hbmio.dcp.StorageWriter(tmp_path))
+        future.result()
+        stats = hbmio.dcp._arena.stats()
+        held.append((stats["allocated"], stats["slabs"], stats["in_use"]))
+        slabs.update(slab.start() for slab in hbmio.dcp._arena._free)
+    # One slab, allocated by the first save, reused by the 49 others, free between saves.
+    need = staged_tensors_bytes(state)
+    assert need <= held[0][0] < need + (4 << 20), held[0]
+    assert held == [(held[0][0], 1, 0)] * 50, sorted(set(held))
+    assert len(slabs) == 1
+    got = zeros_like_state(state)
+    got["extra"] = {"lrs": None}
+    dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path))
+    assert_state_equal(got, state)
+
+
+@needs_stager
+def test_staging_is_bounded_by_the_pool_capacity(tmp_path):
+    hbmio.dcp.release_staging()
+    capacity = hbmio.dcp._arena.stats()["capacity"]
+    try:
+        # Room for one save's slab: a second save staged while the first still writes waits for it.
+        first, second = big_state(8, mib=6), big_state(9, mib=6)
+        a = dcp.async_save(first, storage_writer=hbmio.dcp.StorageWriter(tmp_path / "a", pool_bytes=8 << 20))
+        b = dcp.async_save(second, storage_writer=hbmio.dcp.StorageWriter(tmp_path / "b"))
+        a.result()
+        b.result()
+        stats = hbmio.dcp._arena.stats()
+        assert stats["allocated"] <= 8 << 20 and stats["slabs"] == 1 and stats["in_use"] == 0, stats
+        for state, where in ((first, "a"), (second, "b")):
+            got = zeros_like_state(state)
+            got["extra"] = {"lrs": None}
+            dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path / where))
+            assert_state_equal(got, state)
+        # A state larger than the capacity by itself: staged in memory of its own, and said so.
+        large = big_state(10, mib=16)
+        writer = hbmio.dcp.StorageWriter(tmp_path / "c")
+        with pytest.warns(RuntimeWarning, match="exceed the staging capacity"):
+            dcp.async_save(large, storage_writer=writer).result()
+        assert writer.last_staging["unpooled_bytes"] == staged_tensors_bytes(large)
+        assert hbmio.dcp._arena.stats()["allocated"] <= 8 << 20
+        got = zeros_like_state(large)
+        got["extra"] = {"lrs": None}
+        dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path / "c"))
+        assert_state_equal(got, large)
+    finally:
+        hbmio.dcp._arena.set_capacity(capacity)
+
+
+@needs_stager
+def test_device_staging_without_a_gpu_stages_on_the_host(tmp_path):
+    state = big_state(11, mib=4)
+    writer = hbmio.dcp.StorageWriter(tmp_path, staging="device")
+    dcp.async_save(state, storage_writer=writer).result()
+    assert writer.last_staging["staging"] == "pinned"  # host tensors: nothing to stage on a device
+    with pytest.raises(ValueError, match="staging must be"):
+        hbmio.dcp.StorageWriter(tmp_path, staging="gpu")
+
+
 # Saves in a loop over one directory; the parent kills the process at some point of one.
 SAVER = textwrap.dedent("""
     import sys, torch, torch.distributed.checkpoint as dcp, hbmio.dcp
-    path = sys.argv[1]
+    path, mode = sys.argv[1], sys.argv[2]
     print("ready", flush=True)
     for i in range(1000):
         state = {f"t{k}": torch.full((6 << 20,), float(i * 4 + k)) for k in range(4)}
-        dcp.save(state, storage_writer=hbmio.dcp.StorageWriter(path))
+        if mode == "async_save":
+            dcp.async_save(state, storage_writer=hbmio.dcp.StorageWriter(path)).result()
+        else:
+            dcp.save(state, storage_writer=hbmio.dcp.StorageWriter(path))
         print(i, flush=True)
 """)
 
 
-def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["save", "async_save"])
+def test_a_killed_save_leaves_the_old_or_the_new_checkpoint(tmp_path, mode):
     for delay in (0.2, 0.6, 1.0, 1.5, 2.2):
-        child = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path), mode], stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdout.readline().strip() == "ready"
             time.sleep(delay)
@@ -206,3 +340,66 @@ def test_ranks_save_their_shards_and_load_them_sharded_another_way(tmp_path, wor
         tensors = st_torch.load_file(str(f))
         rows += sum(t.shape[0] for name, t in tensors.items() if name.startswith("w0"))
     assert rows == 24
+
+
+def _async_rank(rank, world, init_file, path, out):
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        held = []
+        for save in range(3):
+            full = {f"w{i}": torch.arange(save + i * 1000, save + i * 1000 + 256 * 1024, dtype=torch.float32).reshape(256, 1024)
+                    for i in range(3)}
+            state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+            state["bias"] = torch.arange(7, dtype=torch.int32) + save
+            state["step"] = save
+            writer = hbmio.dcp.StorageWriter(path)
+            future = dcp.async_save(state, storage_writer=writer)
+            # The step after the call changes this rank's shards and the plain tensor in place.
+            for k in full:
+                state[k].to_local().fill_(-1.0)
+            state["bias"].fill_(-1)
+            future.result()
+            local = sum(state[k].to_local().numel() * 4 for k in full) + 7 * 4
+            assert writer.last_staging["staged_bytes"] == local and writer.last_staging["unpooled_bytes"] == 0
+            stats = hbmio.dcp._arena.stats()
+            held.append((stats["allocated"], stats["slabs"], stats["in_use"]))
+            target = {k: distribute_tensor(torch.zeros(256, 1024), mesh, [Shard(1)]) for k in full}
+            target.update(bias=torch.zeros(7, dtype=torch.int32), step=0)
+            dcp.load(target, storage_reader=hbmio.dcp.StorageReader(path))
+            for k, v in full.items():
+                assert torch.equal(target[k].full_tensor(), v), (save, k)
+            assert torch.equal(target["bias"], torch.arange(7, dtype=torch.int32) + save) and target["step"] == save
+        assert held == [held[0]] * 3 and held[0][1:] == (1, 0), held  # one slab, reused, free between saves
+        dist.barrier()
+        with open(os.path.join(out, f"rank{rank}"), "w") as f:
+            f.write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_stager
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ranks_async_save_what_they_held_at_the_call(tmp_path, world):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp = pytest.importorskip("torch.multiprocessing")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_async_rank, args=(world, str(tmp_path / "init"), str(ckpt), str(out)), nprocs=world, join=True)
+    assert sorted(p.name for p in out.iterdir()) == [f"rank{r}" for r in range(world)]
+    # The last save's files, read by the reference safetensors: each rank's rows of the tensors as
+    # they were at the call.
+    files = sorted(ckpt.glob("model-*.safetensors"))
+    assert len(files) == world
+    rows = {}
+    for f in files:
+        for name, t in st_torch.load_file(str(f)).items():
+            if name.startswith("w0"):
+                offset = int(name.split("@")[1].split(",")[0]) if "@" in name else 0
+                rows[offset] = t
+    whole = torch.cat([rows[o] for o in sorted(rows)])
+    assert torch.equal(whole, torch.arange(2, 2 + 256 * 1024, dtype=torch.float32).reshape(256, 1024))
