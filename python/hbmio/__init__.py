@@ -709,6 +709,10 @@ def __getattr__(name):
     if name == "ClosedError":
         from ._lazy import _closed_error_type
         return _closed_error_type()
+    if name == "DtypeError":
+        # Likewise made at first use by the binding (a TypeError, and a SafetensorError where
+        # safetensors is installed): the type of the error it makes.
+        return type(_hbmio._dtype_error(_errno.EINVAL, ""))
     raise AttributeError(f"module 'hbmio' has no attribute {name!r}")
 
 
