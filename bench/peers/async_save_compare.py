@@ -12,9 +12,15 @@ Contenders, each in a process of its own (so its peak host memory is its own), o
   async-device    the same with staging="device"
   dcp-fs          torch.distributed.checkpoint.async_save with torch's FileSystemWriter (its
                   default stager), then future.result()
+  dcp-fs-cached   the same with one FileSystemWriter(cache_staged_state_dict=True) kept across
+                  saves (torch's blocking stager into pinned tensors it reuses)
   dcp-fs-pinned   the same with DefaultStager(StagingOptions(pinned, shared memory, async staging,
-                  non-blocking copies)) where this torch has it (torch's documented fast path)
-  dcp-hbmio       dcp.async_save with hbmio.dcp.StorageWriter
+                  non-blocking copies)) where this torch has it (torch's documented fast path);
+                  its stall lasts until its staging_completion future is done (the state may
+                  change only then), the return of the call is reported as return_s
+  dcp-hbmio       dcp.async_save with hbmio.dcp.StorageWriter: it stages itself (DCP's AsyncStager),
+                  one copy into host staging memory it keeps between saves
+  dcp-hbmio-device  the same with StorageWriter(staging="device"): a device-to-device copy
 Every contender's last checkpoint is loaded back and compared with the state it was given
 (torch.equal on the GPU); a mismatch marks the row ok=false. One JSON line per measurement.
 """
@@ -109,9 +115,13 @@ def one(args):
     elif args.one.startswith("dcp-"):
         import torch.distributed.checkpoint as dcp
         kwargs = {}
-        if args.one == "dcp-hbmio":
+        if args.one.startswith("dcp-hbmio"):
             import hbmio.dcp
-            make_writer = lambda: hbmio.dcp.StorageWriter(path)  # noqa: E731
+            staging = "device" if args.one == "dcp-hbmio-device" else "pinned"
+            make_writer = lambda: hbmio.dcp.StorageWriter(path, staging=staging)  # noqa: E731
+        elif args.one == "dcp-fs-cached":
+            kept = dcp.FileSystemWriter(path, cache_staged_state_dict=True)
+            make_writer = lambda: kept  # noqa: E731
         else:
             make_writer = lambda: dcp.FileSystemWriter(path)  # noqa: E731
             if args.one == "dcp-fs-pinned":
@@ -126,18 +136,30 @@ def one(args):
         for i in range(args.rounds):
             step(torch, state)
             shutil.rmtree(path, ignore_errors=True)
+            writer = make_writer()
             t0 = time.perf_counter()
-            fut = dcp.async_save(state, storage_writer=make_writer(), **kwargs)
+            fut = dcp.async_save(state, storage_writer=writer, **kwargs)
+            returned = time.perf_counter() - t0
+            # async_save's future: an AsyncSaveResponse (staging and upload futures) where the
+            # stager stages in the background; the state may change only once staging completed.
+            staging_done = getattr(fut, "staging_completion", None)
+            if staging_done is not None:
+                staging_done.result()
             stall = time.perf_counter() - t0
             if i == args.rounds - 1:
                 expected = {k: v.clone() for k, v in state.items()}
             step(torch, state)
-            # async_save's future: an AsyncSaveResponse (staging and upload futures) in newer torch
             upload = getattr(fut, "upload_completion", fut)
             upload.result()
-            rows.append({"round": i, "stall_s": stall, "durable_s": time.perf_counter() - t0, "rss": rss()})
+            row = {"round": i, "stall_s": stall, "return_s": returned, "durable_s": time.perf_counter() - t0, "rss": rss()}
+            staged = getattr(writer, "last_staging", None)
+            if staged:  # hbmio's writer: what its stage() did
+                row.update({"stage_s": staged["stage_seconds"], "staging": staged["staging"],
+                            "staged_bytes": staged["staged_bytes"], "unpooled_bytes": staged["unpooled_bytes"],
+                            "staging_pool": hbmio.dcp._arena.stats()["allocated"]})
+            rows.append(row)
         got = {k: torch.empty_like(v) for k, v in expected.items()}
-        reader = hbmio.dcp.StorageReader(path) if args.one == "dcp-hbmio" else dcp.FileSystemReader(path)
+        reader = hbmio.dcp.StorageReader(path) if args.one.startswith("dcp-hbmio") else dcp.FileSystemReader(path)
         dcp.load(got, storage_reader=reader)
         out["ok"] = check(torch, got, expected)
     out["peak_rss"] = peak_rss()
@@ -156,7 +178,8 @@ def main():
     p.add_argument("--tensors", type=int, default=48)
     p.add_argument("--saves", type=int, default=20, help="background saves in a row (async-*)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the other contenders")
-    p.add_argument("--only", default="copy,sync,async-pinned,async-device,dcp-fs,dcp-fs-pinned,dcp-hbmio")
+    p.add_argument("--only", default="copy,sync,async-pinned,async-device,dcp-fs,dcp-fs-cached,dcp-fs-pinned,dcp-hbmio,"
+                                     "dcp-hbmio-device")
     p.add_argument("--json", help="also append the JSON lines here")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -191,20 +214,25 @@ def main():
                 f.write(json.dumps(l) + "\n")
     # Summary: medians (async: saves after the first, which also fills the pool).
     print()
-    print(f"{'contender':<14} {'stall s':>9} {'durable s':>10} {'peak RSS GiB':>13} ok")
+    print(f"{'contender':<16} {'stall s':>9} {'durable s':>10} {'peak RSS GiB':>13} ok")
     for contender in args.only.split(","):
         rows = [l for l in lines if l.get("contender") == contender and "stall_s" in l]
         if not rows:
             err = next((l.get("error") or l.get("skipped") for l in lines if l.get("contender") == contender), "no rows")
-            print(f"{contender:<14} {str(err).splitlines()[-1] if err else ''}")
+            print(f"{contender:<16} {str(err).splitlines()[-1] if err else ''}")
             continue
-        later = rows[1:] if contender.startswith("async-") and len(rows) > 1 else rows
+        # Saves after the first, which also allocates (and page-locks) the memory later ones reuse.
+        later = rows[1:] if contender.startswith(("async-", "dcp-")) and len(rows) > 1 else rows
         stall = statistics.median(r["stall_s"] for r in later)
         durable = [r["durable_s"] for r in later if "durable_s" in r]
-        print(f"{contender:<14} {stall:9.3f} {statistics.median(durable) if durable else float('nan'):10.3f} "
+        print(f"{contender:<16} {stall:9.3f} {statistics.median(durable) if durable else float('nan'):10.3f} "
               f"{rows[0]['peak_rss'] / GIB:13.2f} {all(r.get('ok', True) for r in rows)}")
+        if contender.startswith("dcp-"):
+            print(f"{'':<16} first save: stall {rows[0]['stall_s']:.3f} s, durable {rows[0]['durable_s']:.3f} s"
+                  + (f"; staging {rows[-1]['staging']}, copy {statistics.median(r['stage_s'] for r in later):.3f} s, "
+                     f"pool {rows[-1]['staging_pool'] / GIB:.2f} GiB" if "stage_s" in rows[-1] else ""))
         if contender.startswith("async-"):
-            print(f"{'':<14} first save: stall {rows[0]['stall_s']:.3f} s, durable {rows[0]['durable_s']:.3f} s; "
+            print(f"{'':<16} first save: stall {rows[0]['stall_s']:.3f} s, durable {rows[0]['durable_s']:.3f} s; "
                   f"RSS after save 2 / last: {later[0]['rss'] / GIB:.2f} / {rows[-1]['rss'] / GIB:.2f} GiB; "
                   f"pool {rows[-1]['pool_allocated'] / GIB:.2f} GiB")
 
