@@ -532,6 +532,11 @@ def _prepare_save(tensors, where) -> dict:
     for key in tensors:
         if not isinstance(key, str):
             raise TypeError(f"save to {where}: tensor names must be str; the key {key!r} ({type(key).__name__}) is not")
+    # NumPy arrays in big-endian order ('>f4'): the format is little-endian and DLPack hands over
+    # native order only, so they are saved as little-endian copies, as safetensors.numpy byteswaps
+    # them (without this they were refused as "not an array").
+    tensors = {name: t.astype(t.dtype.newbyteorder("<")) if getattr(getattr(t, "dtype", None), "byteorder", "") == ">" else t
+               for name, t in tensors.items()}
     # Only torch tensors get torch's checks; torch is never imported for them (a torch tensor
     # exists only where torch is).
     torch = _sys.modules.get("torch")

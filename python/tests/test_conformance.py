@@ -291,6 +291,17 @@ def test_several_metadata_entries_are_written_sorted():
     assert list(_header(ours)["__metadata__"]) == sorted(metadata)
 
 
+def test_big_endian_arrays_are_saved_little_endian_as_the_reference_saves_them(tmp_path):
+    arrays = {"a": np.arange(6, dtype=">i4").reshape(2, 3), "b": np.linspace(0, 1, 4).astype(">f8"),
+              "c": np.arange(3, dtype="<u2")}
+    ref = st_numpy.save(arrays)
+    assert hbmio.numpy.save(arrays) == ref
+    hbmio.numpy.save_file(arrays, tmp_path / "be.safetensors")
+    assert (tmp_path / "be.safetensors").read_bytes() == ref
+    for name, value in hbmio.numpy.load(ref).items():
+        np.testing.assert_array_equal(value, arrays[name])
+
+
 # --- names -------------------------------------------------------------------------------------
 
 def _public_names(module) -> list:
