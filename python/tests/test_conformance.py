@@ -183,6 +183,22 @@ def test_f4_is_packed_as_the_reference_packs_it(tmp_path):
     assert "does not end up at a byte boundary" in str(ref.value) and "does not end up at a byte boundary" in str(ours.value)
 
 
+def test_slices_of_f4_index_the_packed_tensor(tmp_path):
+    """The reference's get_slice of F4 fails (RuntimeError: it reshapes the bytes to the file's
+    shape); hbmio's indexes the tensor get_tensor gives (docs/python.md lists the difference)."""
+    t = _tensor("float4_e2m1fn_x2", (4, 3))
+    path = tmp_path / "f4.safetensors"
+    st_torch.save_file({"a": t}, str(path))
+    with safetensors.safe_open(str(path), "pt") as ref:
+        assert ref.get_slice("a").get_shape() == [4, 6]
+        with pytest.raises(RuntimeError):
+            ref.get_slice("a")[1:3]
+    with hbmio.open(path, "pt") as f:
+        assert f.get_slice("a").get_shape() == [4, 6] and f.get_slice("a").get_dtype() == "F4"
+        for key in ((slice(1, 3),), (0,), (Ellipsis, slice(0, 2)), (slice(None), 1)):
+            _same(f.get_slice("a")[key], t[key].contiguous())
+
+
 def test_f4_with_an_odd_last_dimension_is_refused_as_the_reference_refuses_it(tmp_path):
     path = tmp_path / "odd.safetensors"
     path.write_bytes(_file({"a": {"dtype": "F4", "shape": [2, 3], "data_offsets": [0, 3]}}, b"\x12\x34\x56"))
