@@ -392,6 +392,66 @@ TEST(CufileProbe, HandleNotRegisteredIsDiagnosed) {
   EXPECT_TRUE(contains(hbmio::detail::diagnose_handle_not_registered(file.fd()), "cause is elsewhere"));
 }
 
+// The way a cufile transfer takes, decided from what the driver reports (stated here, as the
+// driver of each kind of machine would report it) and the file: no GPU or libcufile needed.
+TEST(CufileProbe, TransferPlanNamesTheWayAndWhy) {
+  using hbmio::DataPath;
+  using hbmio::DirectIo;
+  using hbmio::detail::CufileDriverFacts;
+  const TempFile temp(pattern(1 << 20, 3));
+  const hbmio::File file = hbmio::File::open(temp.path(), hbmio::OpenMode::read);
+  const std::string fs_type = hbmio::file_system_type(temp.path());
+  if (fs_type != "ext4" && fs_type != "xfs") GTEST_SKIP() << "the test file is on " << fs_type << ", not a GDS file system";
+  if (!file.direct_io().supported) GTEST_SKIP() << "no O_DIRECT here: " << file.direct_io().reason;
+  const unsigned nvme = 1u << hbmio::shim::CU_FILE_NVME_SUPPORTED, nvme_p2p = 1u << hbmio::shim::CU_FILE_NVME_P2P_SUPPORTED;
+
+  // nvidia-fs loaded and NVMe supported: DMA through nvidia-fs, on the O_DIRECT descriptor.
+  // Stated field by field: the facts as cuFileDriverGetProperties would give them.
+  const auto facts = [](bool nvidia_fs, bool p2pdma, unsigned flags) {
+    CufileDriverFacts f;
+    f.nvidia_fs = nvidia_fs;
+    f.nvidia_fs_version = nvidia_fs ? "2.26" : "";
+    f.p2pdma = p2pdma;
+    f.has_properties = true;
+    f.dstatusflags = flags;
+    return f;
+  };
+  const CufileDriverFacts gds = facts(true, false, nvme);
+  auto plan = hbmio::detail::plan_cufile_transfer(gds, file, DirectIo::automatic, 0, 1 << 20);
+  EXPECT_EQ(plan.path, DataPath::gds_nvidia_fs);
+  EXPECT_TRUE(plan.o_direct);
+  EXPECT_EQ(plan.fd, file.direct_fd());
+  EXPECT_EQ(plan.mode, "GDS (nvidia-fs 2.26)");
+
+  // No nvidia-fs, P2PDMA selected and the driver serving NVMe through it.
+  const CufileDriverFacts p2p = facts(false, true, nvme_p2p);
+  plan = hbmio::detail::plan_cufile_transfer(p2p, file, DirectIo::automatic, 0, 1 << 20);
+  EXPECT_EQ(plan.path, DataPath::gds_p2pdma);
+  EXPECT_EQ(plan.mode, "P2PDMA");
+
+  // Neither: compatibility mode, and why.
+  const CufileDriverFacts neither = facts(false, false, 0);
+  plan = hbmio::detail::plan_cufile_transfer(neither, file, DirectIo::automatic, 0, 1 << 20);
+  EXPECT_EQ(plan.path, DataPath::cufile_compat);
+  EXPECT_TRUE(contains(plan.mode, "no nvidia-fs / P2PDMA")) << plan.mode;
+
+  // A driver that lists no back end for this file system (nvidia-fs without NVMe support).
+  const CufileDriverFacts no_backend = facts(true, false, 0);
+  plan = hbmio::detail::plan_cufile_transfer(no_backend, file, DirectIo::automatic, 0, 1 << 20);
+  EXPECT_EQ(plan.path, DataPath::cufile_compat);
+  EXPECT_TRUE(contains(plan.mode, fs_type + " is not a GDS file system here")) << plan.mode;
+
+  // DMA possible, but O_DIRECT switched off by option, or no O_DIRECT descriptor at all.
+  plan = hbmio::detail::plan_cufile_transfer(gds, file, DirectIo::off, 0, 1 << 20);
+  EXPECT_EQ(plan.path, DataPath::cufile_compat);
+  EXPECT_FALSE(plan.o_direct);
+  EXPECT_TRUE(contains(plan.mode, "O_DIRECT off by option")) << plan.mode;
+  const hbmio::File buffered = hbmio::File::open(temp.path(), hbmio::OpenMode::read, false);
+  plan = hbmio::detail::plan_cufile_transfer(gds, buffered, DirectIo::automatic, 0, 1 << 20);
+  EXPECT_EQ(plan.path, DataPath::cufile_compat);
+  EXPECT_TRUE(contains(plan.mode, "no O_DIRECT descriptor: opened without O_DIRECT")) << plan.mode;
+}
+
 // Run by ctest with HBMIO_CUFILE_LIBRARY=/nonexistent/...: instance() is decided once per
 // process, so this needs a process of its own.
 TEST(CufileEnv, ProbeNamesTheExplicitLibrary) {

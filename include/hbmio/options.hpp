@@ -13,6 +13,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace hbmio {
 
@@ -85,6 +87,30 @@ struct RemoteOptions {
 std::string to_string(DirectIo mode);
 DirectIo parse_direct_io(const std::string& text);  // "on" | "off" | "auto"
 
+// Which way a file's bytes moved between storage and memory.
+enum class DataPath {
+  gds_nvidia_fs,  // cuFile: DMA between storage and GPU memory through the nvidia-fs kernel module
+  gds_p2pdma,     // cuFile: DMA through the kernel's PCI P2PDMA, without nvidia-fs (GDS 1.13+)
+  cufile_compat,  // cuFile's compatibility mode: libcufile's own pread/pwrite through host memory
+  uring,          // io_uring, with O_DIRECT or through the page cache (TransferPath::bytes_direct)
+  posix,          // pread/pwrite through the page cache (and a pageable copy for GPU memory)
+  remote,         // ranged GETs or uploads of an object at a URL
+};
+// "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote".
+std::string_view to_string(DataPath path) noexcept;
+
+// The way one file's bytes took in a transfer, and why that one. A transfer reports one per file
+// and way (Stats::paths): a file read partly by DMA and partly in compatibility mode has two.
+struct TransferPath {
+  std::string file;  // the path the file was opened by, or the object's URL
+  DataPath path = DataPath::posix;
+  // Why this way, in words: the choice ("auto chose uring: host memory, which cuFile does not
+  // move") and how it went ("O_DIRECT refused: tmpfs refuses O_DIRECT: ...; page cache").
+  std::string reason;
+  std::uint64_t bytes = 0;         // moved this way
+  std::uint64_t bytes_direct = 0;  // of `bytes`, bypassing the page cache (O_DIRECT or DMA)
+};
+
 // What one transfer did. Engines fill every field.
 struct Stats {
   std::string backend;                 // the backend that did the work (auto names its pick)
@@ -96,12 +122,18 @@ struct Stats {
   std::uint64_t bounce_copies = 0;     // staging copies through bounce buffers
   unsigned workers = 0;                // threads that took part
   std::string note;                    // e.g. why auto picked this backend, a fallback made
+  // Per file, the way its bytes moved and why, in the order the files were first met. Every
+  // engine, remote read and upload fills it, so a load's, save's or read's Stats say it too.
+  std::vector<TransferPath> paths;
 
   double gib_per_second() const noexcept;
   // Adds the counts of a part of a larger transfer (one of several requests): bytes, direct and
-  // buffered bytes, bounce copies; keeps the largest worker count and the part's backend. Time
-  // and CPU are the caller's to measure over the whole.
-  void add_part(const Stats& part) noexcept;
+  // buffered bytes, bounce copies, paths (add_path); keeps the largest worker count and the part's
+  // backend. Time and CPU are the caller's to measure over the whole.
+  void add_part(const Stats& part);
+  // Adds `path` to `paths`: to the entry of the same file and way if there is one (bytes summed,
+  // a reason it does not hold yet appended), else as a new entry.
+  void add_path(const TransferPath& path);
   bool used_direct_io() const noexcept { return bytes_direct > 0; }
 };
 

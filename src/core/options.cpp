@@ -64,13 +64,43 @@ double Stats::gib_per_second() const noexcept {
   return seconds > 0 ? static_cast<double>(bytes) / seconds / (1024.0 * 1024.0 * 1024.0) : 0.0;
 }
 
-void Stats::add_part(const Stats& part) noexcept {
+void Stats::add_part(const Stats& part) {
   if (!part.backend.empty()) backend = part.backend;
   bytes += part.bytes;
   bytes_direct += part.bytes_direct;
   bytes_buffered += part.bytes_buffered;
   bounce_copies += part.bounce_copies;
   workers = std::max(workers, part.workers);
+  for (const TransferPath& path : part.paths) add_path(path);
+}
+
+// Bounds the reason of a file met in many parts (a load opened a bounded number of files at a time).
+constexpr std::size_t kMaxMergedReason = 1024;
+
+void Stats::add_path(const TransferPath& path) {
+  // A linear search: a transfer touches a few files (a sharded checkpoint: tens), not thousands.
+  for (TransferPath& known : paths)
+    if (known.path == path.path && known.file == path.file) {
+      known.bytes += path.bytes;
+      known.bytes_direct += path.bytes_direct;
+      // A later part that went otherwise (a save's header after its tensors) adds its reason, once.
+      if (known.reason.find(path.reason) == std::string::npos && known.reason.size() < kMaxMergedReason)
+        known.reason += "; " + path.reason;
+      return;
+    }
+  paths.push_back(path);
+}
+
+std::string_view to_string(DataPath path) noexcept {
+  switch (path) {
+    case DataPath::gds_nvidia_fs: return "gds-nvidia-fs";
+    case DataPath::gds_p2pdma: return "gds-p2pdma";
+    case DataPath::cufile_compat: return "cufile-compat";
+    case DataPath::uring: return "uring";
+    case DataPath::posix: return "posix";
+    case DataPath::remote: return "remote";
+  }
+  return "?";
 }
 
 }  // namespace hbmio

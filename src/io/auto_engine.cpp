@@ -34,18 +34,20 @@ class AutoEngine final : public Engine {
     // other check is the serving engine's, whose name the error then carries.
     if (request.file == nullptr) validate_request(request, name());
     if (request.memory.kind() != MemoryKind::device || request.memory.size == 0)
-      return fallback({&request, 1}, host_reasons());
+      return fallback({&request, 1}, host_reasons(), {});
     const int device = request.memory.location.device;
     const AutoChoice choice = choice_for(*request.file, device);
     if (choice.backend == "cufile") {
       if (Engine* cufile = cufile_engine(device)) {
         Stats stats = cufile->submit(request);
         stats.note = fmt::format("auto: cufile ({})", choice.cufile_mode);
+        for (TransferPath& path : stats.paths) path.reason = "auto chose cufile, which moves this file by DMA; " + path.reason;
         return stats;
       }
-      return fallback({&request, 1}, "cufile: " + cufile_reason_);
+      const std::string why = "cufile: " + cufile_reason_;
+      return fallback({&request, 1}, why, {{request.file->path(), why}});
     }
-    return fallback({&request, 1}, choice.passed_over);
+    return fallback({&request, 1}, choice.passed_over, {{request.file->path(), choice.passed_over}});
   }
 
   // A batch goes whole to uring (or posix) unless one of its requests would go to cufile by DMA;
@@ -56,6 +58,7 @@ class AutoEngine final : public Engine {
     bool device = false;
     const File* checked = nullptr;  // requests of one file come in runs: ask once per run
     std::string reasons;            // the first file's, for the note
+    std::map<std::string, std::string> passed_over;  // each file's, for its TransferPath
     for (const IoRequest& request : requests) {
       if (request.memory.kind() != MemoryKind::device || request.memory.size == 0 || request.file == checked) continue;
       device = true;
@@ -63,9 +66,11 @@ class AutoEngine final : public Engine {
       const int gpu = request.memory.location.device;
       const AutoChoice choice = choice_for(*request.file, gpu);
       if (choice.backend == "cufile" && cufile_engine(gpu) != nullptr) return Engine::submit_batch(requests);
-      if (reasons.empty()) reasons = choice.backend == "cufile" ? "cufile: " + cufile_reason_ : choice.passed_over;
+      const std::string why = choice.backend == "cufile" ? "cufile: " + cufile_reason_ : choice.passed_over;
+      if (reasons.empty()) reasons = why;
+      passed_over.emplace(request.file->path(), why);
     }
-    return fallback(requests, device ? reasons : host_reasons());
+    return fallback(requests, device ? reasons : host_reasons(), passed_over);
   }
 
  private:
@@ -87,11 +92,21 @@ class AutoEngine final : public Engine {
   // Host memory never goes through cuFile, so a host load names only what it could have used.
   std::string host_reasons() const { return uring_ ? std::string() : "uring: " + uring_status_.detail; }
 
-  Stats fallback(std::span<const IoRequest> requests, const std::string& reasons) {
+  // `passed_over`: by file path, what auto passed over for that file's device memory; a file not
+  // in it was moved to or from host memory.
+  Stats fallback(std::span<const IoRequest> requests, const std::string& reasons,
+                 const std::map<std::string, std::string>& passed_over) {
     Engine& engine = uring_ ? *uring_ : *posix_;
     Stats stats = engine.submit_batch(requests);
     stats.note = fmt::format("auto picked {}{}{}{}", engine.name(), reasons.empty() ? "" : " (passed over " + reasons + ")",
                              stats.note.empty() ? "" : "; ", stats.note);
+    for (TransferPath& path : stats.paths) {
+      const auto found = passed_over.find(path.file);
+      std::string why;
+      if (found != passed_over.end()) why = "GPU memory, and it passed over " + found->second;
+      else why = "host memory, which cuFile does not move" + (uring_ ? std::string() : "; uring: " + uring_status_.detail);
+      path.reason = fmt::format("auto chose {}: {}; {}", engine.name(), why, path.reason);
+    }
     return stats;
   }
 

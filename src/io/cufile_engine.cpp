@@ -55,9 +55,9 @@ using shim::CUfileError_t;
 using shim::DriverSession;
 
 // The way the driver itself can move data, independent of any file.
-std::string driver_mode(const DriverSession& session) {
-  if (session.nvidia_fs()) return fmt::format("GDS (nvidia-fs {})", session.nvidia_fs_version());
-  if (session.pci_p2pdma()) return "P2PDMA";
+std::string driver_mode(const CufileDriverFacts& driver) {
+  if (driver.nvidia_fs) return fmt::format("GDS (nvidia-fs {})", driver.nvidia_fs_version);
+  if (driver.p2pdma) return "P2PDMA";
   return kCompatNoDirectPath;
 }
 
@@ -65,9 +65,9 @@ std::string driver_mode(const DriverSession& session) {
 // is ext4/XFS on a supported block device; distributed file systems each have their own bit.
 // The block-device kind (NVMe, NVMe-oF, SCSI, ...) is not checked per file: any supported one
 // counts, and cuFile falls back to compat mode itself where the guess is wrong.
-bool file_system_supported(const DriverSession& session, const std::string& fs_type) {
-  if (!session.has_properties()) return false;
-  const unsigned flags = session.properties().nvfs.dstatusflags;
+bool file_system_supported(const CufileDriverFacts& driver, const std::string& fs_type) {
+  if (!driver.has_properties) return false;
+  const unsigned flags = driver.dstatusflags;
   auto has = [flags](int bit) { return (flags & (1u << bit)) != 0; };
   if (fs_type == "ext4" || fs_type == "xfs")
     return has(shim::CU_FILE_NVME_SUPPORTED) || has(shim::CU_FILE_NVMEOF_SUPPORTED) || has(shim::CU_FILE_SCSI_SUPPORTED) ||
@@ -81,22 +81,24 @@ bool file_system_supported(const DriverSession& session, const std::string& fs_t
   return false;
 }
 
-// Which descriptor to hand cuFile, and the path the bytes will take.
-struct TransferPlan {
-  int fd = -1;
-  bool o_direct = false;
-  bool dma = false;  // GDS or P2PDMA; false: compatibility mode
-  std::string fs_type;
-  std::string mode;  // for Stats::note and the verdict
-};
+}  // namespace
 
-// `offset`/`length`: the range, for the page-cache test of DirectIo::automatic (length 0: none).
-TransferPlan plan_transfer(const DriverSession& session, const File& file, DirectIo policy, std::uint64_t offset,
-                           std::uint64_t length) {
-  TransferPlan plan;
+CufileDriverFacts CufileDriverFacts::of(const DriverSession& session) {
+  CufileDriverFacts facts;
+  facts.nvidia_fs = session.nvidia_fs();
+  if (facts.nvidia_fs) facts.nvidia_fs_version = session.nvidia_fs_version();
+  facts.p2pdma = session.pci_p2pdma();
+  facts.has_properties = session.has_properties();
+  if (facts.has_properties) facts.dstatusflags = session.properties().nvfs.dstatusflags;
+  return facts;
+}
+
+CufileTransferPlan plan_cufile_transfer(const CufileDriverFacts& session, const File& file, DirectIo policy,
+                                        std::uint64_t offset, std::uint64_t length) {
+  CufileTransferPlan plan;
   plan.fs_type = file_system_type(file.path());
   const bool has_direct_fd = file.direct_fd() >= 0;
-  const bool driver_dma = session.nvidia_fs() || session.pci_p2pdma();
+  const bool driver_dma = session.nvidia_fs || session.p2pdma;
   const bool fs_ok = driver_dma && file_system_supported(session, plan.fs_type);
 
   // DMA needs O_DIRECT: the data must not pass through the page cache. So where DMA is
@@ -118,8 +120,9 @@ TransferPlan plan_transfer(const DriverSession& session, const File& file, Direc
   plan.fd = use_direct ? file.direct_fd() : file.fd();
   plan.dma = fs_ok && use_direct;
 
+  plan.path = !plan.dma ? DataPath::cufile_compat : session.nvidia_fs ? DataPath::gds_nvidia_fs : DataPath::gds_p2pdma;
   if (plan.dma) {
-    plan.mode = session.nvidia_fs() ? driver_mode(session) : std::string("P2PDMA");
+    plan.mode = session.nvidia_fs ? driver_mode(session) : std::string("P2PDMA");
   } else if (!driver_dma) {
     plan.mode = kCompatNoDirectPath;
   } else if (!fs_ok) {
@@ -131,8 +134,6 @@ TransferPlan plan_transfer(const DriverSession& session, const File& file, Direc
   }
   return plan;
 }
-
-}  // namespace
 
 // Why cuFileHandleRegister said CU_FILE_HANDLE_NOT_REGISTERED. Found with CUFILE_LOGGING_LEVEL=
 // TRACE on an H200 VM (libcufile 1.15.1, no nvidia-fs, no udevd): libcufile looks up the file's
@@ -179,7 +180,7 @@ std::string diagnose_handle_not_registered(int fd) {
 
 namespace {
 
-std::string explain_register_failure(const File& file, const TransferPlan& plan, CUfileError_t status) {
+std::string explain_register_failure(const File& file, const CufileTransferPlan& plan, CUfileError_t status) {
   std::string text = fmt::format("cuFileHandleRegister refused {} ({} descriptor, {}): {}", file.path(),
                                  plan.o_direct ? "O_DIRECT" : "buffered", plan.fs_type, shim::describe_cufile_error(status));
   std::string why;
@@ -288,7 +289,7 @@ std::string error_code_name(long long code) {
 class CufileEngine final : public Engine {
  public:
   CufileEngine(const Options& options, std::shared_ptr<FaultHook> faults, const DriverSession& session)
-      : options_(options), faults_(std::move(faults)), session_(session), api_(session.api()),
+      : options_(options), faults_(std::move(faults)), driver_(CufileDriverFacts::of(session)), api_(session.api()),
         threads_(std::max(options.resolved_workers(), 1u), "cuFile worker") {}
 
   std::string_view name() const noexcept override { return kBackend; }
@@ -316,7 +317,7 @@ class CufileEngine final : public Engine {
 
     const int device = request.memory.location.device;
     const cuda::DeviceGuard guard(device, context);  // the caller's device is restored on return
-    const TransferPlan plan = plan_transfer(session_, *request.file, options_.direct_io, request.offset, size);
+    const CufileTransferPlan plan = plan_cufile_transfer(driver_, *request.file, options_.direct_io, request.offset, size);
 
     if (const int err = inject(faults_.get(), FaultSite::setup, "cuFileHandleRegister"))
       throw Error(errno_code(err), context, "cuFileHandleRegister failed (injected)");
@@ -333,6 +334,12 @@ class CufileEngine final : public Engine {
     (plan.dma || plan.o_direct ? stats.bytes_direct : stats.bytes_buffered) = size;
     stats.workers = workers;
     stats.note = plan.mode;
+    stats.paths.push_back({.file = request.file->path(),
+                           .path = plan.path,
+                           .reason = (plan.dma ? "cuFile registered the file for DMA: " : "cuFile opened the file in ") + plan.mode +
+                                     (plan.o_direct ? "; O_DIRECT descriptor" : "; buffered descriptor"),
+                           .bytes = size,
+                           .bytes_direct = plan.dma || plan.o_direct ? size : 0});
     timer.finish(stats);
     return stats;
   }
@@ -422,7 +429,7 @@ class CufileEngine final : public Engine {
 
   Options options_;
   std::shared_ptr<FaultHook> faults_;
-  const DriverSession& session_;
+  const CufileDriverFacts driver_;
   const shim::CufileApi& api_;
   WorkerThreads threads_;  // the engine's own; each makes the request's device current on itself
   std::mutex mutex_;
@@ -436,7 +443,7 @@ std::string registration_test(const DriverSession& session) {
   try {
     exe = std::filesystem::read_symlink("/proc/self/exe").string();
     const File file = File::open(exe, OpenMode::read);
-    const TransferPlan plan = plan_transfer(session, file, DirectIo::on, 0, 0);
+    const CufileTransferPlan plan = plan_cufile_transfer(CufileDriverFacts::of(session), file, DirectIo::on, 0, 0);
     shim::FileHandle handle;
     const CUfileError_t status = shim::FileHandle::register_fd(session.api(), plan.fd, handle);
     if (status.err != shim::CU_FILE_SUCCESS)
@@ -483,7 +490,7 @@ CufileVerdict cufile_verdict(const File& file, int device) {
       verdict.reason = "file is not open";
       return verdict;
     }
-    const TransferPlan plan = plan_transfer(session, file, DirectIo::on, 0, 0);
+    const CufileTransferPlan plan = plan_cufile_transfer(CufileDriverFacts::of(session), file, DirectIo::on, 0, 0);
     HandleLease handle;
     const CUfileError_t status = HandleLease::acquire(session.api(), plan.fd, handle);
     if (status.err != shim::CU_FILE_SUCCESS) {
@@ -546,7 +553,7 @@ BackendStatus probe_cufile() {
       return status;
     }
     status.available = true;
-    status.detail = fmt::format("libcufile {} ({}); driver open; {}", api.version_string(), api.library_path(), driver_mode(session));
+    status.detail = fmt::format("libcufile {} ({}); driver open; {}", api.version_string(), api.library_path(), driver_mode(CufileDriverFacts::of(session)));
     if (const std::string problem = registration_test(session); !problem.empty()) status.detail += "; warning: " + problem;
   } catch (const std::exception& e) {
     status.available = false;

@@ -3,6 +3,7 @@
 // beats io_uring, since compatibility mode is pread + copy done inside libcufile.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -10,7 +11,40 @@
 #include "hbmio/engine.hpp"
 #include "hbmio/file.hpp"
 
+namespace hbmio::shim {
+class DriverSession;
+}
+
 namespace hbmio::detail {
+
+// What the cuFile driver says it can do, independent of any file: the facts a transfer's path is
+// decided from (plan_cufile_transfer), apart from the session so that tests can state them.
+struct CufileDriverFacts {
+  bool nvidia_fs = false;         // the nvidia-fs kernel module is loaded (its version non-zero)
+  std::string nvidia_fs_version;  // "2.26"
+  bool p2pdma = false;            // PCI P2PDMA supported by the driver and selected in cufile.json
+  bool has_properties = false;    // cuFileDriverGetProperties answered
+  unsigned dstatusflags = 0;      // its back ends (shim::CUfileDriverStatusFlags_t bits)
+  static CufileDriverFacts of(const shim::DriverSession& session);
+};
+
+// Which descriptor a cufile transfer hands cuFile, and the way the bytes then move. cuFile has no
+// call that says which mode a registered handle is in, so this follows its documented rules: DMA
+// needs nvidia-fs or P2PDMA, a file system the driver lists, and an O_DIRECT descriptor;
+// otherwise cuFile preads/pwrites into host memory (compatibility mode). Where cuFile falls back
+// on its own for reasons these facts cannot see (device-mapper below ext4), `hbmio doctor`'s
+// gds.mode:PATH names them.
+struct CufileTransferPlan {
+  int fd = -1;
+  bool o_direct = false;
+  bool dma = false;  // GDS or P2PDMA; false: compatibility mode
+  DataPath path = DataPath::cufile_compat;
+  std::string fs_type;
+  std::string mode;  // "GDS (nvidia-fs 2.26)", "P2PDMA", "compatibility mode (why)": notes and verdicts
+};
+// `offset`/`length`: the range, for the page-cache test of DirectIo::automatic (length 0: none).
+CufileTransferPlan plan_cufile_transfer(const CufileDriverFacts& driver, const File& file, DirectIo policy,
+                                        std::uint64_t offset, std::uint64_t length);
 
 struct CufileVerdict {
   bool usable = false;  // cuFile accepted the file (driver open, handle registered)

@@ -51,6 +51,15 @@ class PosixEngine final : public Engine {
       transfer_all(request, request.offset, memory.data, memory.size);
     }
     stats.bytes = stats.bytes_buffered = memory.size;
+    // The posix backend never uses O_DIRECT: it is the plain baseline, page cache and all.
+    if (memory.size > 0)
+      stats.paths.push_back({.file = request.file->path(),
+                             .path = DataPath::posix,
+                             .reason = memory.kind() == MemoryKind::device
+                                           ? std::string(request.op == IoOp::read ? "pread through the page cache into a pageable buffer, then cudaMemcpy"
+                                                                                  : "cudaMemcpy into a pageable buffer, then pwrite through the page cache")
+                                           : std::string(request.op == IoOp::read ? "pread through the page cache" : "pwrite through the page cache"),
+                             .bytes = memory.size});
     timer.finish(stats);
     return stats;
   }

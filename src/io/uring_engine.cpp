@@ -116,6 +116,7 @@ struct Op {
   int slot = -1;                // slot index when bouncing, else -1
   int fd = -1;
   bool direct = false;
+  bool resumed = false;           // a short O_DIRECT read whose rest goes through the page cache
   std::size_t wanted_offset = 0;  // read through a slot: wanted bytes start here in the slot
   std::byte* user = nullptr;      // read through a slot: where the wanted bytes go
   std::size_t wanted = 0;         // bytes of the request this piece covers
@@ -139,6 +140,15 @@ struct Job {
   // First-use set-up inside this job (rings, bounce buffers, streams), summed over workers, ns.
   std::atomic<std::uint64_t> setup_ns{0}, pinning_ns{0}, registering_ns{0};
   std::atomic<unsigned> workers_set_up{0};
+  // Per part (same index as `parts`): how its bytes went, for Stats::paths.
+  struct PartBytes {
+    std::atomic<std::uint64_t> direct{0};
+    std::atomic<std::uint64_t> cached{0};   // page cache: the chunk was cached (DirectIo::automatic)
+    std::atomic<std::uint64_t> plain{0};    // page cache: the part has no O_DIRECT (Part::alignment 0)
+    std::atomic<std::uint64_t> edges{0};    // page cache: unaligned edges of direct writes
+    std::atomic<std::uint64_t> resumed{0};  // page cache: the rest of a short O_DIRECT read
+  };
+  std::vector<PartBytes> part_bytes;
   std::mutex error_mutex;
   std::exception_ptr error;
   // Unaligned edges of direct writes, written after the direct pieces (see start_next_piece).
@@ -579,6 +589,7 @@ class Worker {
           return;
         }
         op.direct = false;
+        op.resumed = true;
         op.fd = part.first().file->fd();
       }
       retry_.push_back(static_cast<int>(index));
@@ -591,6 +602,8 @@ class Worker {
   void finish_piece(Op& op) {
     const Part& part = *op.part;
     (op.direct ? job_->bytes_direct : job_->bytes_buffered) += op.wanted;
+    Job::PartBytes& counts = job_->part_bytes[static_cast<std::size_t>(&part - job_->parts.data())];
+    (op.direct ? counts.direct : op.resumed ? counts.resumed : part.alignment == 0 ? counts.plain : counts.cached) += op.wanted;
     if (op.slot >= 0) {
       Slot& slot = slots_[op.slot];
       if (job_->op == IoOp::read) {
@@ -665,6 +678,7 @@ class UringEngine final : public Engine {
       return stats;
     }
     job.parts = std::move(plan.parts);  // the requests they point to stay where they are
+    job.part_bytes = std::vector<Job::PartBytes>(job.parts.size());
     job.chunks = plan.chunks;
     job.chunk_size = plan.chunk_size;
     job.device = plan.device;
@@ -696,11 +710,56 @@ class UringEngine final : public Engine {
       note += fmt::format("{}bounce buffers not registered with io_uring ({}): plain reads", note.empty() ? "" : "; ",
                           std::strerror(err));
     stats.note = note;
+    stats.paths = paths_of(job);
     timer.finish(stats);
     return stats;
   }
 
  private:
+  // One TransferPath per file of the job: its parts' bytes summed by the way they went, and why
+  // each way, from the file's O_DIRECT facts and the options.
+  std::vector<TransferPath> paths_of(const Job& job) const {
+    struct Bytes {
+      const Part* part;  // the file's first part: its file and O_DIRECT alignment
+      std::uint64_t direct = 0, cached = 0, plain = 0, edges = 0, resumed = 0;
+    };
+    std::vector<Bytes> files;  // in the order first met; few, so a linear search
+    for (std::size_t i = 0; i < job.parts.size(); ++i) {
+      const Part& part = job.parts[i];
+      auto it = std::find_if(files.begin(), files.end(), [&](const Bytes& b) { return b.part->first().file == part.first().file; });
+      if (it == files.end()) it = files.insert(files.end(), Bytes{.part = &part});
+      const Job::PartBytes& counts = job.part_bytes[i];
+      it->direct += counts.direct, it->cached += counts.cached, it->plain += counts.plain;
+      it->edges += counts.edges, it->resumed += counts.resumed;
+    }
+    std::vector<TransferPath> out;
+    for (const Bytes& b : files) {
+      const File& file = *b.part->first().file;
+      std::string why_plain;  // why a part had no O_DIRECT at all (as plan_batch decided)
+      if (options_.direct_io == DirectIo::off) why_plain = "O_DIRECT off by option (Options::direct_io, HBMIO_DIRECT_IO)";
+      else if (!file.direct_io().supported) why_plain = "O_DIRECT refused: " + file.direct_io().reason;
+      else why_plain = "O_DIRECT needs an alignment above 4 KiB here";
+      const std::pair<std::uint64_t, std::string> ways[] = {
+          {b.direct, job.op == IoOp::read && options_.direct_io == DirectIo::automatic ? "O_DIRECT (not in the page cache)"
+                                                                                      : "O_DIRECT"},
+          {b.cached, "page cache: already cached, so O_DIRECT auto read it from memory"},
+          {b.plain, "page cache: " + why_plain},
+          {b.edges, "page cache: unaligned edges, written after the direct writes"},
+          {b.resumed, "page cache: short O_DIRECT reads resumed at an unaligned offset"},
+      };
+      const auto used = std::count_if(std::begin(ways), std::end(ways), [](const auto& w) { return w.first > 0; });
+      std::string reason;
+      for (const auto& [bytes, how] : ways) {
+        if (bytes == 0) continue;
+        if (!reason.empty()) reason += "; ";
+        reason += used > 1 ? fmt::format("{} {}", format_size(bytes), how) : how;
+      }
+      const std::uint64_t total = b.direct + b.cached + b.plain + b.edges + b.resumed;
+      if (total > 0) out.push_back({.file = file.path(), .path = DataPath::uring, .reason = reason, .bytes = total, .bytes_direct = b.direct});
+    }
+    return out;
+  }
+
   // The unaligned edges of direct writes (each under one block), with pwrite through the page
   // cache, now that no direct write of the job is in flight; fsync makes them durable with the rest.
   void write_edges(Job& job) {
@@ -722,6 +781,7 @@ class UringEngine final : public Engine {
       write_fully(part.first().file->fd(), staging, edge.begin, context,
                   {.faults = faults_.get(), .what = "pwrite (unaligned edge)"});
       job.bytes_buffered += n;
+      job.part_bytes[static_cast<std::size_t>(&part - job.parts.data())].edges += n;
       part.for_each_request(edge.begin, edge.end, [](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
         if (r.progress) *r.progress += hi - lo;
       });

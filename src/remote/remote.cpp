@@ -344,6 +344,11 @@ Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& option
   stats.cpu_seconds = process_cpu_seconds() - cpu_start;
   stats.workers = workers;
   stats.note = fmt::format("{} ranged GETs of up to {} over {} connections", parts.size(), format_size(part_size), workers);
+  // Objects by the name messages use (no query string: a presigned URL's signature stays out).
+  const std::string how = fmt::format("an object at a URL: ranged GETs of up to {} over {} connection(s){}", format_size(part_size), workers,
+                                      options.discard ? ", bytes dropped on arrival (discard)" : "");
+  for (const RemoteRead& r : reads)
+    if (r.into.size > 0) stats.add_path({.file = r.object->shown(), .path = DataPath::remote, .reason = how, .bytes = r.into.size});
   return stats;
 }
 

@@ -299,6 +299,10 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
   stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   stats.cpu_seconds = process_cpu_seconds() - cpu_start;
   stats.note = (parts == 1 ? std::string("one PUT") : fmt::format("multipart upload: {} parts of up to {}", parts, format_size(part))) + stats.note;
+  stats.paths.push_back({.file = target.shown,
+                         .path = DataPath::remote,
+                         .reason = "an s3:// URL: " + (parts == 1 ? std::string("one PUT") : fmt::format("a multipart upload of {} parts", parts)),
+                         .bytes = size});
   return stats;
 }
 

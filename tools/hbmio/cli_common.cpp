@@ -123,7 +123,16 @@ nlohmann::json to_json(const Stats& s) {
           {"direct_io", s.used_direct_io()},
           {"bounce_copies", s.bounce_copies},
           {"workers", s.workers},
-          {"note", s.note}};
+          {"note", s.note},
+          {"paths", to_json(s.paths)}};
+}
+
+nlohmann::json to_json(const std::vector<TransferPath>& paths) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const TransferPath& p : paths)
+    list.push_back({{"file", p.file}, {"path", std::string(to_string(p.path))}, {"reason", p.reason}, {"bytes", p.bytes},
+                    {"bytes_direct", p.bytes_direct}});
+  return list;
 }
 
 std::string fit(const std::string& text, std::size_t width) {
@@ -153,6 +162,7 @@ std::string summary_line(const Stats& s, bool verbose) {
       parts += "\n  " + s.note.substr(at, end - at);
       at = end + 2;
     }
+    for (const TransferPath& p : s.paths) parts += fmt::format("\n  path of {}: {} ({})", p.file, to_string(p.path), p.reason);
     return line + parts;
   }
   const std::string first = s.note.substr(0, s.note.find("; "));

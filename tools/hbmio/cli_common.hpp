@@ -50,7 +50,8 @@ void fill_random(std::byte* data, std::size_t size, std::uint64_t seed);
 // nothing when identical; throws Error when the file is shorter.
 std::optional<std::uint64_t> first_difference(MemorySpan memory, const std::string& path, std::uint64_t offset = 0);
 
-nlohmann::json to_json(const Stats& stats);
+nlohmann::json to_json(const Stats& stats);  // its `paths` too: [{file, path, reason, bytes, bytes_direct}]
+nlohmann::json to_json(const std::vector<TransferPath>& paths);
 // One line of figures and the note's first part, under 120 columns; verbose: the whole note
 // below it, a part per line.
 std::string summary_line(const Stats& stats, bool verbose = false);
