@@ -103,4 +103,38 @@ if [[ -f "$archive" ]]; then
 else
   echo "skipped the recorded-tree case: $archive not found"
 fi
+# --explain: a real read of a file, the way it took and why, and the advice; JSON and text agree.
+head -c 300000 /dev/urandom > "$work/explained.bin"
+set +e
+"$hbmio" doctor --explain "$work/explained.bin" --json "$work/explain.json" > "$work/explain.txt"
+status=$?
+set -e
+[[ $status -le 1 ]] || fail "--explain exited $status"
+python3 - "$work/explain.json" "$work/explained.bin" <<'PY' || fail "--explain JSON: $(cat "$work/explain.json")"
+import json, sys
+e = json.load(open(sys.argv[1]))
+assert e["command"] == "doctor --explain" and e["file"] == sys.argv[2], e
+assert e["stats"]["bytes"] == 300000, e["stats"]
+(p,) = e["stats"]["paths"]
+assert set(p) == {"file", "path", "reason", "bytes", "bytes_direct"}, p
+assert p["file"] == sys.argv[2] and p["bytes"] == 300000 and p["reason"], p
+assert p["path"] in ("gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix"), p
+assert e["advice"] and e["advice"][-1]["id"] == "summary.auto:" + sys.argv[2], e["advice"]
+assert e["summary"].startswith("Read "), e["summary"]
+PY
+grep -q "^Path taken" "$work/explain.txt" || fail "--explain text has no 'Path taken': $(cat "$work/explain.txt")"
+grep -q "^What bounds it" "$work/explain.txt" || fail "--explain text has no advice section"
+set +e
+"$hbmio" doctor --explain "$work/missing.bin" > "$work/missing.txt" 2>&1
+status=$?
+set -e
+[[ $status -eq 1 ]] && grep -q "missing.bin" "$work/missing.txt" || fail "--explain of a missing file: status $status, $(cat "$work/missing.txt")"
+
+# Every transfer's --json names the way each file took.
+"$hbmio" read "$work/explained.bin" --backend posix --json "$work/read.json" > /dev/null
+python3 - "$work/read.json" "$work/explained.bin" <<'PY' || fail "read --json paths: $(cat "$work/read.json")"
+import json, sys
+(p,) = json.load(open(sys.argv[1]))["stats"]["paths"]
+assert p == {"file": sys.argv[2], "path": "posix", "reason": "pread through the page cache", "bytes": 300000, "bytes_direct": 0}, p
+PY
 echo "doctor CLI: all passed"

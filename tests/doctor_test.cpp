@@ -15,6 +15,7 @@
 
 #include "doctor/doctor_internal.hpp"
 #include "hbmio/doctor.hpp"
+#include "hbmio/memory.hpp"
 
 namespace fs = std::filesystem;
 using hbmio::Check;
@@ -1065,4 +1066,147 @@ TEST(DoctorLive, RunsOnThisMachine) {
   EXPECT_EQ(find_check(checks, "storage.path:/nonexistent/hbmio-doctor")->status, CheckStatus::fail);
   // The probe file is gone again.
   for (const auto& entry : fs::directory_iterator(dir)) EXPECT_FALSE(entry.path().filename().string().starts_with(".hbmio-doctor-"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// --explain: a real read, the way it took, and what would make it faster
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+std::vector<std::string> advice_ids(const hbmio::Explanation& e) {
+  std::vector<std::string> ids;
+  for (const auto& c : e.advice) ids.push_back(c.id);
+  return ids;
+}
+
+std::string dump(const hbmio::Explanation& e) { return e.summary + "\n" + dump(e.advice); }
+
+// Explains `path` (inside `tree`), holding `bytes` bytes written there first. The read runs on
+// this machine (host memory without a GPU); the checks judge the tree.
+hbmio::Explanation explain_in(const Tree& tree, const std::string& path, std::size_t bytes = 300000) {
+  tree.write(path.substr(1), std::string(bytes, 'x'));
+  return hbmio::explain_transfer({.path = path, .root = tree.path().string()});
+}
+
+}  // namespace
+
+TEST(DoctorExplain, DeviceMapperVolumeNamesTheModeFirst) {
+  Tree tree;
+  build_gds_server(tree);
+  tree.write("sys/devices/virtual/block/dm-0/dm/name", "vg0-data\n");
+  tree.write("sys/devices/virtual/block/dm-0/dm/uuid", "LVM-Xq2vQ9\n");
+  tree.link("sys/devices/virtual/block/dm-0/slaves/nvme0n1p1",
+            "../../../../../" + ("sys/devices/" + kNvmePath + "/nvme/nvme0/nvme0n1").substr(4) + "/nvme0n1p1");
+  tree.link("sys/dev/block/253:0", "../../devices/virtual/block/dm-0");
+  tree.write("proc/self/mountinfo",
+             "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+             "27 22 253:0 / /lvm rw,noatime - ext4 /dev/mapper/vg0-data rw\n");
+  const auto e = explain_in(tree, "/lvm/model.safetensors");
+  SCOPED_TRACE(dump(e));
+  // The read itself: every byte of the file, one way, named by the file read.
+  ASSERT_EQ(e.stats.paths.size(), 1u);
+  EXPECT_EQ(e.stats.paths[0].file, (tree.path() / "lvm/model.safetensors").string());
+  EXPECT_EQ(e.stats.paths[0].bytes, 300000u);
+  EXPECT_FALSE(e.stats.paths[0].reason.empty());
+  if (hbmio::cuda_device_count() == 0) {
+    EXPECT_EQ(e.into, "host");
+    EXPECT_FALSE(e.why_host.empty());
+  }
+  // The recorded server has a GPU, and the read did not go by DMA: the GDS mode of the file leads.
+  EXPECT_NE(e.summary.find("Not by DMA"), std::string::npos);
+  EXPECT_NE(e.summary.find("the checks judge the recorded one"), std::string::npos);
+  ASSERT_GE(e.advice.size(), 2u);
+  EXPECT_EQ(e.advice.front().id, "gds.mode:/lvm/model.safetensors");
+  EXPECT_NE(e.advice.front().found.find("device-mapper (LVM)"), std::string::npos) << e.advice.front().found;
+  EXPECT_NE(e.advice.front().fix.find("not on LVM"), std::string::npos);
+  EXPECT_EQ(e.advice.back().id, "summary.auto:/lvm/model.safetensors");
+  // ACS on the GPU's switch port bounds any path between storage and the GPU.
+  const auto ids = advice_ids(e);
+  EXPECT_NE(std::find(ids.begin(), ids.end(), "topology.acs:0000:02:00.0"), ids.end());
+  for (const auto& c : e.advice)
+    if (c.id != "gds.mode:/lvm/model.safetensors" && c.id != "summary.auto:/lvm/model.safetensors")
+      EXPECT_NE(c.status, CheckStatus::pass) << c.id;
+}
+
+TEST(DoctorExplain, ContainerWithoutNvidiaFsNodesSaysSo) {
+  Tree tree;
+  build_container(tree);
+  const auto e = explain_in(tree, "/data/shard.bin");
+  SCOPED_TRACE(dump(e));
+  const auto ids = advice_ids(e);
+  EXPECT_EQ(ids.front(), "gds.mode:/data/shard.bin");
+  EXPECT_NE(std::find(ids.begin(), ids.end(), "gds.container_devices"), ids.end());
+  EXPECT_NE(std::find(ids.begin(), ids.end(), "gds.container_mounts"), ids.end());
+}
+
+TEST(DoctorExplain, P2pdmaCapableAndIncapableKernels) {
+  Tree tree;
+  build_p2pdma_server(tree);
+  {
+    // Ready: the mode is P2PDMA (PASS, still shown first), and nothing about P2PDMA to fix.
+    const auto e = explain_in(tree, "/data/a.bin");
+    SCOPED_TRACE(dump(e));
+    EXPECT_EQ(e.advice.front().id, "gds.mode:/data/a.bin");
+    EXPECT_EQ(e.advice.front().status, CheckStatus::pass);
+    EXPECT_TRUE(e.advice.front().found.starts_with("P2PDMA: ")) << e.advice.front().found;
+    const auto ids = advice_ids(e);
+    EXPECT_EQ(std::find(ids.begin(), ids.end(), "gds.p2pdma_mode"), ids.end());
+  }
+  tree.write("proc/kallsyms", "ffffffff81000000 T _text\n");
+  tree.write("proc/sys/kernel/osrelease", "5.15.0-test\n");
+  tree.write("boot/config-5.15.0-test", "CONFIG_PCI=y\n# CONFIG_PCI_P2PDMA is not set\n");
+  const auto e = explain_in(tree, "/data/a.bin");
+  SCOPED_TRACE(dump(e));
+  EXPECT_EQ(e.advice.front().status, CheckStatus::warn);
+  EXPECT_NE(e.advice.front().found.find("P2PDMA mode is not ready"), std::string::npos) << e.advice.front().found;
+  const auto p2pdma = std::find_if(e.advice.begin(), e.advice.end(), [](const Check& c) { return c.id == "gds.p2pdma_mode"; });
+  ASSERT_NE(p2pdma, e.advice.end());
+  EXPECT_NE(p2pdma->found.find("CONFIG_PCI_P2PDMA=n"), std::string::npos) << p2pdma->found;
+}
+
+TEST(DoctorExplain, CufileJsonThatForbidsCompatibilityMode) {
+  Tree tree;
+  build_gds_server(tree);
+  fs::remove_all(tree.path() / "proc/driver/nvidia-fs");
+  fs::remove_all(tree.path() / "sys/module/nvidia_fs");
+  tree.write("etc/cufile.json", "{ \"properties\": { \"allow_compat_mode\": false, \"use_pci_p2pdma\": false } }\n");
+  const auto e = explain_in(tree, "/data/a.bin");
+  SCOPED_TRACE(dump(e));
+  EXPECT_TRUE(e.advice.front().found.starts_with("none: ")) << e.advice.front().found;
+  const auto ids = advice_ids(e);
+  EXPECT_NE(std::find(ids.begin(), ids.end(), "gds.cufile_setting:properties.allow_compat_mode"), ids.end());
+  EXPECT_NE(std::find(ids.begin(), ids.end(), "gds.nvidia_fs"), ids.end());
+}
+
+TEST(DoctorExplain, CapturedVmWithoutGpuTalksOfStorageOnly) {
+  std::string why;
+  const fs::path dev = unpack_archive(fs::path(HBMIO_TEST_DATA) / "doctor" / "dev-vm.tar.xz", "local-dev-vm", why);
+  ASSERT_FALSE(dev.empty()) << why;
+  const fs::path file = dev / "var/tmp/hbmio-explain.bin";
+  fs::create_directories(file.parent_path());
+  std::ofstream(file, std::ios::binary) << std::string(100000, 'y');
+  const auto e = hbmio::explain_transfer({.path = "/var/tmp/hbmio-explain.bin", .root = dev.string()});
+  fs::remove(file);
+  SCOPED_TRACE(dump(e));
+  EXPECT_NE(e.summary.find("No NVIDIA GPU on the recorded machine"), std::string::npos);
+  for (const auto& c : e.advice) EXPECT_FALSE(c.id.starts_with("gds.")) << c.id;
+  EXPECT_EQ(e.advice.back().id, "summary.auto:/var/tmp/hbmio-explain.bin");
+  ASSERT_EQ(e.stats.paths.size(), 1u);
+  EXPECT_EQ(e.stats.paths[0].bytes, 100000u);
+}
+
+TEST(DoctorExplain, LiveDirectoryReadsItsLargestFile) {
+  const fs::path dir = test_dir() / fmt::format("explain-{}", ::getpid());
+  fs::create_directories(dir);
+  std::ofstream(dir / "small", std::ios::binary) << std::string(10, 's');
+  std::ofstream(dir / "large", std::ios::binary) << std::string(5000, 'l');
+  const auto e = hbmio::explain_transfer({.path = dir.string(), .max_bytes = 4096});
+  fs::remove_all(dir);
+  SCOPED_TRACE(dump(e));
+  EXPECT_EQ(e.file, (dir / "large").string());
+  EXPECT_EQ(e.stats.bytes, 4096u);  // at most max_bytes
+  ASSERT_EQ(e.stats.paths.size(), 1u);
+  EXPECT_EQ(e.stats.paths[0].file, (dir / "large").string());
+  EXPECT_EQ(e.advice.back().id, "summary.auto:" + (dir / "large").string());
 }

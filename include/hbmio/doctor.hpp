@@ -13,6 +13,8 @@
 #include <string_view>
 #include <vector>
 
+#include "hbmio/options.hpp"
+
 namespace hbmio {
 
 enum class CheckStatus {
@@ -47,6 +49,38 @@ std::vector<Check> run_doctor(const DoctorOptions& options);
 
 // True when any check FAILs (the CLI's exit status 1).
 bool any_failed(const std::vector<Check>& checks) noexcept;
+
+// `hbmio doctor --explain PATH`: a small real read of a file, the way its bytes took and why,
+// and the doctor's checks that say what would make it faster.
+struct ExplainOptions {
+  // A file, or a directory (its largest regular file is read). With a recorded `root` it is a path
+  // inside the tree, as for DoctorOptions::paths: the checks judge the recorded machine, while the
+  // read runs here, on the file at root/path.
+  std::string path;
+  std::string root = "/";
+  std::string backend;  // posix | uring | cufile | auto; "": configured_backend() (HBMIO_BACKEND, else auto)
+  // The file's first bytes, at most this many: enough for every worker to take part, little
+  // enough to take a moment.
+  std::uint64_t max_bytes = std::uint64_t{64} << 20;
+};
+
+struct Explanation {
+  std::string file;         // the file read
+  std::string into;         // "cuda:0" where this machine has a CUDA device, else "host"
+  std::string why_host;     // why host memory, where it is ("no CUDA device: ...")
+  Stats stats;              // the read's: bytes, seconds, and per file the way it took (Stats::paths)
+  // One or two sentences: what the read did, and whether this machine has a faster way.
+  std::string summary;
+  // The checks of the machine and PATH that bound or explain this path (the GDS mode a file there
+  // gets, nvidia-fs, P2PDMA, cufile.json, O_DIRECT, the PCIe path...), not PASS, most telling
+  // first, each with its fix; then summary.auto:PATH, the ceiling. Only the ceiling: nothing to fix.
+  std::vector<Check> advice;
+};
+
+// Reads the file into GPU memory where there is a CUDA device (cuda:0), else host memory, through
+// the backend asked for, and runs the doctor on PATH. Throws Error naming the file when it cannot
+// be opened or read; the checks themselves never throw.
+Explanation explain_transfer(const ExplainOptions& options);
 
 // The machine a measurement ran on, recorded beside its figures (`hbmio bench`): a figure means
 // little without the CPU, kernel, GPU and storage it came from.

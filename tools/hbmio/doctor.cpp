@@ -20,8 +20,13 @@ struct DoctorFlags {
   std::vector<std::string> paths;
   std::string root = "/";
   std::string json;
+  std::string explain;  // --explain PATH
   bool verbose = false;
 };
+
+nlohmann::json check_json(const Check& c) {
+  return {{"id", c.id}, {"group", c.group}, {"status", std::string(to_string(c.status))}, {"found", c.found}, {"expected", c.expected}, {"fix", c.fix}};
+}
 
 nlohmann::json to_json(const std::vector<Check>& checks, const DoctorFlags& flags) {
   nlohmann::json list = nlohmann::json::array();
@@ -29,7 +34,7 @@ nlohmann::json to_json(const std::vector<Check>& checks, const DoctorFlags& flag
   for (const auto& c : checks) {
     const std::string status(to_string(c.status));
     ++counts[status];
-    list.push_back({{"id", c.id}, {"group", c.group}, {"status", status}, {"found", c.found}, {"expected", c.expected}, {"fix", c.fix}});
+    list.push_back(check_json(c));
   }
   return {{"command", "doctor"}, {"version", version()}, {"root", flags.root}, {"paths", flags.paths},
           {"checks", list}, {"counts", counts}, {"failed", any_failed(checks)}};
@@ -92,6 +97,29 @@ void print_checklist(const std::vector<Check>& checks, const DoctorFlags& flags)
   fmt::print("\n{} PASS, {} WARN, {} FAIL, {} INFO\n", pass, warn, fail, info);
 }
 
+// --explain: what the read did (each way its bytes took, and why), then the advice checks with
+// their fixes, as the checklist prints them.
+void print_explanation(const Explanation& e, const DoctorFlags& flags) {
+  fmt::print("{}\n", e.summary);
+  if (!e.why_host.empty()) fmt::print("(host memory: {})\n", e.why_host);
+  if (!e.stats.paths.empty()) fmt::print("\nPath taken\n");
+  for (const TransferPath& p : e.stats.paths)
+    fmt::print("  {:<13}  {}: {}, {}\n  {:<13}  {}\n", to_string(p.path), p.file, format_size(p.bytes),
+               p.bytes_direct == p.bytes ? "all bypassing the page cache"
+               : p.bytes_direct == 0     ? "all through the page cache"
+                                         : format_size(p.bytes_direct) + " bypassing the page cache",
+               "", p.reason);
+  if (flags.verbose && !e.stats.note.empty()) fmt::print("  engine note: {}\n", e.stats.note);
+  fmt::print("\nWhat bounds it, and what would make it faster\n");
+  if (e.advice.size() <= 1) fmt::print("  nothing to fix found for this path\n");
+  for (const Check& c : e.advice) {
+    fmt::print("  {}  {}\n        {}\n", to_string(c.status), c.id, c.found);
+    if (c.status == CheckStatus::pass) continue;
+    if (!c.expected.empty()) fmt::print("        expected: {}\n", c.expected);
+    if (!c.fix.empty()) fmt::print("        fix: {}\n", c.fix);
+  }
+}
+
 }  // namespace
 
 void add_doctor_command(CLI::App& app, int& exit_status) {
@@ -114,7 +142,27 @@ void add_doctor_command(CLI::App& app, int& exit_status) {
   doctor->add_flag("-v,--verbose", flags->verbose,
                    "Every check in full: the expectation and fix of INFO lines too, long findings uncut, and the fabric "
                    "and GDS checks of a machine without an NVIDIA GPU");
+  doctor->add_option("--explain", flags->explain,
+                     "Read PATH for real (its first 64 MiB; a directory: its largest file) into GPU memory where there is a GPU, "
+                     "else host memory, and say which way its bytes took (GDS through nvidia-fs or P2PDMA, cuFile's compatibility "
+                     "mode, io_uring with or without O_DIRECT, posix), why, how fast, and which checks say what would make it "
+                     "faster. HBMIO_BACKEND picks the backend (default auto). With --root, the checks judge the recorded machine")
+      ->type_name("PATH");
   doctor->callback([flags, &exit_status] {
+    if (!flags->explain.empty()) {
+      const Explanation e = explain_transfer({.path = flags->explain, .root = flags->root});
+      if (!flags->json.empty()) {
+        nlohmann::json advice = nlohmann::json::array();
+        for (const Check& c : e.advice) advice.push_back(check_json(c));
+        write_json({{"command", "doctor --explain"}, {"version", version()}, {"root", flags->root}, {"path", flags->explain},
+                    {"file", e.file}, {"into", e.into}, {"why_host", e.why_host}, {"summary", e.summary},
+                    {"stats", to_json(e.stats)}, {"advice", advice}},
+                   flags->json);
+      }
+      if (flags->json != "-") print_explanation(e, *flags);
+      exit_status = any_failed(e.advice) ? 1 : 0;
+      return;
+    }
     const std::vector<Check> checks = run_doctor({.root = flags->root, .paths = flags->paths});
     if (!flags->json.empty()) write_json(to_json(checks, *flags), flags->json);
     if (flags->json != "-") print_checklist(checks, *flags);
