@@ -248,7 +248,7 @@ def _torch_target(torch, device: str):
     return dev
 
 
-def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
+def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, report=None):
     """Loads into one torch.empty(n, dtype=uint8, device=dev) and returns views of it: on CUDA
     the memory comes from PyTorch's caching allocator, so repeated loads reuse it. None when a
     dtype of the file has no torch equivalent here (the caller then takes the DLPack path)."""
@@ -290,7 +290,8 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress):
     with _ProgressBar(sum(nbytes_of.values()), progress) as bar:
         # The load lays the tensors out as _plan said (same parsed headers, same options).
         def load():
-            _hbmio._load_into(opened, dest, backend=backend, verify=verify, names=names, progress=bar.counter, entries=False)
+            _hbmio._load_into(opened, dest, backend=backend, verify=verify, names=names, progress=bar.counter, entries=False,
+                              report=report)
 
         if len(plan) < _VIEWS_BESIDE_LOAD:
             load()
@@ -371,6 +372,11 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                  ({name: rank}) gives it. Call it on every rank. A rank that fails makes every
                  rank raise. report={} is filled with this rank's and the group's bytes and
                  times. See hbmio/distributed.py.
+      report     a dict, filled (without group) with what the load did: bytes, seconds,
+                 gib_per_second, backend, bytes_direct, note, and paths: per file, the way its
+                 bytes took and why, [{"file", "path", "reason", "bytes", "bytes_direct"}] with
+                 "path" one of "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix",
+                 "remote". mmap=True reads nothing at load time and leaves it as it was.
 
     Torch on CUDA loads straight into one allocation from PyTorch's caching allocator; other
     loads land in hbmio's own memory, which the tensors share without a copy. The GIL is
@@ -401,14 +407,15 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     if torch is not None:
         dev = _torch_target(torch, device)  # None for "pinned", which torch does not name
         if dev is not None and dev.type == "cuda":
-            out = _load_torch_into(torch, path, dev, backend, verify, names, progress)
+            out = _load_torch_into(torch, path, dev, backend, verify, names, progress, report)
             if out is not None:
                 return out
         if dev is not None:
             device = "cpu" if dev.type == "cpu" else str(dev)
     total = _hbmio._tensor_bytes(path, names) if progress else 0
     with _ProgressBar(total, progress) as bar:
-        arrays = _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter)
+        arrays = _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
+                                  report=report)
     if framework == "torch":
         return {name: torch.from_dlpack(array) for name, array in arrays.items()}
     if framework == "numpy":
@@ -462,7 +469,8 @@ def read_into(path, array, offset=0, *, backend=None, progress=False):
     """Reads bytes [offset, offset + array.nbytes) of a file into `array`: any writable
     C-contiguous array with __dlpack__ or the buffer protocol, on the host or a CUDA device. A
     range past the end of the file raises hbmio.Error. backend=None: $HBMIO_BACKEND, else "auto".
-    Returns {bytes, seconds, gib_per_second, backend, note}. The GIL is released during the read."""
+    Returns {bytes, seconds, gib_per_second, backend, bytes_direct, note, paths} (paths: the way
+    the file's bytes took and why, as load_file's report). The GIL is released during the read."""
     backend = _backend(backend)
     with _ProgressBar(_nbytes(array) if progress else 0, progress) as bar:
         return _hbmio._read_into(_os.fspath(path), array, offset, backend=backend, progress=bar.counter)
@@ -473,7 +481,7 @@ def write_from(path, array, offset=0, *, backend=None, sync=True):
     into a file at `offset`, creating the file if it is missing and keeping its other bytes;
     sync=True fsyncs before returning. Not crash-safe like save_file: it writes in place.
     backend=None: $HBMIO_BACKEND, else "auto". Returns {bytes, seconds, gib_per_second, backend,
-    note}."""
+    bytes_direct, note, paths}, as read_into."""
     return _hbmio._write_from(_os.fspath(path), array, offset, backend=_backend(backend), sync=sync)
 
 
@@ -561,7 +569,7 @@ def _prepare_save(tensors, where) -> dict:
 
 
 def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max_shard_size=None, progress=False,
-              blocking=True, staging="pinned", pool_bytes=None, wait_if_busy=True):
+              blocking=True, staging="pinned", pool_bytes=None, wait_if_busy=True, report=None):
     """Writes {name: array} as a safetensors file, crash-safe (an unnamed new file, fsync, rename,
     directory fsync): on any error the previous file at `path` is untouched and nothing of the new
     one is left. Ctrl-C (KeyboardInterrupt) stops the save before it publishes and removes what it
@@ -580,6 +588,8 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max
     (model-0000K-of-0000N.safetensors and model.safetensors.index.json), each shard at most that
     many tensor bytes. backend=None: $HBMIO_BACKEND, else "auto".
     progress=True draws `done/total GiB  rate GiB/s` on stderr while the tensors are written.
+    report={} (blocking saves) is filled as load_file's: bytes, seconds, backend, note, and per
+    file written the way its bytes took and why ("paths").
 
     blocking=False: returns a SaveHandle as soon as every byte has been copied out of the arrays
     (the snapshot); the caller may then change or free them. Writing, checksums, fsync and the
@@ -605,6 +615,8 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max
     if not blocking:
         if progress:
             raise ValueError("progress=True draws a bar while the caller waits; with blocking=False nobody waits")
+        if report is not None:
+            raise ValueError("report= is filled when the save returns; with blocking=False use the handle's report()")
         _synchronize_cuda_streams(tensors)
         pool = 0 if pool_bytes is None else _parse_size(pool_bytes)
         return SaveHandle(_hbmio._save_file_async(tensors, path, metadata, checksums=checksums, backend=_backend(backend),
@@ -615,7 +627,8 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max
     total = sum(int(getattr(t, "nbytes", 0)) for t in tensors.values()) if progress else 0
     with _ProgressBar(total, progress) as bar:
         _hbmio.save_file(tensors, path, metadata,
-                         checksums=checksums, backend=_backend(backend), max_shard_size=shard, progress=bar.counter)
+                         checksums=checksums, backend=_backend(backend), max_shard_size=shard, progress=bar.counter,
+                         report=report)
 
 
 def _synchronize_cuda_streams(tensors):

@@ -255,9 +255,43 @@ hbmio::LoadOptions load_options(const std::string& backend, VerifyMode verify, s
   return options;
 }
 
+// Stats::paths as Python sees them: [{file, path, reason, bytes, bytes_direct}], `path` one of
+// "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote".
+nb::list paths_list(const std::vector<hbmio::TransferPath>& paths) {
+  nb::list out;
+  for (const hbmio::TransferPath& p : paths) {
+    nb::dict d;
+    d["file"] = p.file;
+    d["path"] = std::string(hbmio::to_string(p.path));
+    d["reason"] = p.reason;
+    d["bytes"] = p.bytes;
+    d["bytes_direct"] = p.bytes_direct;
+    out.append(d);
+  }
+  return out;
+}
+
+// Writes a transfer's figures into `into`: the report= of loads and saves, and stats dicts.
+void fill_stats(nb::dict into, const hbmio::Stats& s) {
+  into["bytes"] = s.bytes;
+  into["seconds"] = s.seconds;
+  into["gib_per_second"] = s.gib_per_second();
+  into["backend"] = s.backend;
+  into["bytes_direct"] = s.bytes_direct;
+  into["note"] = s.note;
+  into["paths"] = paths_list(s.paths);
+}
+
+// report=: None, or a dict the call fills with what its transfer did (fill_stats).
+void report_into(nb::handle report, const hbmio::Stats& s) {
+  if (report.is_none()) return;
+  if (!nb::isinstance<nb::dict>(report)) throw nb::type_error("report= takes a dict to fill (or None)");
+  fill_stats(nb::borrow<nb::dict>(report), s);
+}
+
 // Loads and wraps every tensor as a DLPack array owned by one capsule.
 nb::dict load(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
-              std::optional<std::vector<std::string>> names, Progress* progress) {
+              std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report) {
   hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress);
   options.into = parse_device(device);
   auto* loaded = new hbmio::LoadedCheckpoint();
@@ -273,6 +307,7 @@ nb::dict load(const std::string& path, const std::string& device, const std::str
   // From here the capsule owns the checkpoint (its destructor runs when the last array goes).
   nb::capsule owner(loaded, [](void* p) noexcept { delete static_cast<hbmio::LoadedCheckpoint*>(p); });
   warn_unverified(*loaded);
+  report_into(report, loaded->stats());
   nb::dict result;
   for (const auto& t : loaded->tensors()) {
     std::vector<std::size_t> shape = dlpack_shape(t.dtype, t.shape, t.name);
@@ -330,17 +365,27 @@ RawArray raw_array(nb::handle value, bool writable, const char* what) {
 
 nb::dict stats_dict(const hbmio::Stats& s) {
   nb::dict d;
-  d["bytes"] = s.bytes;
-  d["seconds"] = s.seconds;
-  d["gib_per_second"] = s.gib_per_second();
-  d["backend"] = s.backend;
-  d["note"] = s.note;
+  fill_stats(d, s);
   return d;
 }
+
+// What the reads of one SafeOpen did, summed over them: its report().
+struct ReadReport {
+  std::mutex mutex;
+  hbmio::Stats total;
+  std::uint64_t reads = 0;  // batches read
+  void add(const hbmio::Stats& s) {
+    std::lock_guard lock(mutex);
+    total.add_part(s);
+    total.seconds += s.seconds;
+    ++reads;
+  }
+};
 
 struct Handle {
   // Shared with the read-ahead's reader (ReadQueue), which may outlive the Python object.
   std::shared_ptr<const hbmio::OpenedCheckpoint> checkpoint;
+  std::shared_ptr<ReadReport> report = std::make_shared<ReadReport>();  // shared with the reader too
 
   const std::string& path() const noexcept { return checkpoint->path(); }
   const std::vector<hbmio::CheckpointFile>& files() const noexcept { return checkpoint->files(); }
@@ -525,7 +570,8 @@ hbmio::ShardFormat shard_format(const std::string& text) {
 
 class ReadQueue {
  public:
-  ReadQueue(const Handle& h, const std::string& backend) : checkpoint_(h.checkpoint), engine_(backend) {
+  ReadQueue(const Handle& h, const std::string& backend)
+      : checkpoint_(h.checkpoint), report_(h.report), engine_(backend) {
     thread_ = std::thread([this] { run(); });
   }
   ~ReadQueue() {
@@ -593,7 +639,7 @@ class ReadQueue {
       }
       std::exception_ptr error;
       try {
-        checkpoint_->read(*reads, *engine_.get());
+        report_->add(checkpoint_->read(*reads, *engine_.get()));
       } catch (...) {
         error = std::current_exception();
       }
@@ -608,6 +654,7 @@ class ReadQueue {
   }
 
   std::shared_ptr<const hbmio::OpenedCheckpoint> checkpoint_;  // alive while a read may run
+  std::shared_ptr<ReadReport> report_;                          // the handle's: its report() sums these reads too
   EngineLease engine_;
   std::mutex mutex_;
   std::condition_variable changed_;
@@ -638,7 +685,7 @@ Target target_of(nb::handle h) {
 // With entries=False it returns None: a caller that has the layout from _plan (of the same
 // SafeOpen) skips building thousands of tuples.
 nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, nb::handle verify,
-                     std::optional<std::vector<std::string>> names, Progress* progress, bool entries) {
+                     std::optional<std::vector<std::string>> names, Progress* progress, bool entries, nb::handle report) {
   const Target target = target_of(checkpoint);
   RawArray to = raw_array(dest, true, "_load_into");
   hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress);
@@ -658,6 +705,7 @@ nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& 
                           : hbmio::load_checkpoint(target.path, options);
   }
   warn_unverified(loaded);
+  report_into(report, loaded.stats());
   if (!entries) return nb::none();
   nb::list out;
   for (const auto& t : loaded.tensors()) {
@@ -875,7 +923,7 @@ hbmio::SaveOptions save_options(std::optional<std::map<std::string, std::string>
 }
 
 void save(nb::dict tensors, const std::string& path, std::optional<std::map<std::string, std::string>> metadata,
-          bool checksums, const std::string& backend, std::uint64_t max_shard_size, Progress* progress) {
+          bool checksums, const std::string& backend, std::uint64_t max_shard_size, Progress* progress, nb::handle report) {
   SaveInput input = collect_tensors(tensors, path);
   const std::vector<hbmio::TensorToSave>& list = input.list;
   hbmio::SaveOptions options = save_options(std::move(metadata), checksums, backend, max_shard_size);
@@ -887,10 +935,10 @@ void save(nb::dict tensors, const std::string& path, std::optional<std::map<std:
   // had published already finishes, and the KeyboardInterrupt follows it.
   std::atomic<bool> stop{false};
   options.cancel = &stop;
-  std::future<void> done;
+  std::future<hbmio::Stats> done;
   {
     nb::gil_scoped_release release;
-    done = std::async(std::launch::async, [&] { hbmio::save_checkpoint(path, list, options); });
+    done = std::async(std::launch::async, [&] { return hbmio::save_checkpoint(path, list, options); });
   }
   bool interrupted = false;
   for (;;) {
@@ -910,7 +958,7 @@ void save(nb::dict tensors, const std::string& path, std::optional<std::map<std:
     }
     throw nb::python_error();
   }
-  done.get();
+  report_into(report, done.get());
 }
 
 // A background save (hbmio.save_file(..., blocking=False)). Dropping it does not wait: the save
@@ -1258,12 +1306,14 @@ NB_MODULE(_hbmio, m) {
 
   m.def("load_file", &load, nb::arg("path"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
+        nb::arg("report").none() = nb::none(),
         "Loads a .safetensors file, a sharded *.index.json or a directory holding either into `device` "
-        "(\"cpu\", \"pinned\", \"cuda\", \"cuda:N\"). Returns {name: DLPack array} in file order.");
+        "(\"cpu\", \"pinned\", \"cuda\", \"cuda:N\"). Returns {name: DLPack array} in file order. `report`, a "
+        "dict, is filled with bytes, seconds, backend, note and paths (per file: the way it took and why).");
 
   m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
-        nb::arg("entries") = true,
+        nb::arg("entries") = true, nb::arg("report").none() = nb::none(),
         "Loads `checkpoint` (a path, or a SafeOpen: its headers are not read again) into `dest` (a writable "
         "C-contiguous array, host or CUDA, that holds _plan()'s layout: last offset + bytes); "
         "returns [(name, dtype, shape, byte offset in dest)] in file order.");
@@ -1354,9 +1404,10 @@ NB_MODULE(_hbmio, m) {
 
   m.def("save_file", &save, nb::arg("tensors"), nb::arg("path"), nb::arg("metadata") = nb::none(), nb::kw_only(),
         nb::arg("checksums") = true, nb::arg("backend") = "auto", nb::arg("max_shard_size") = 0,
-        nb::arg("progress").none() = nb::none(),
+        nb::arg("progress").none() = nb::none(), nb::arg("report").none() = nb::none(),
         "Writes {name: array} (anything supporting DLPack or the buffer protocol, host or CUDA) as a "
-        "safetensors file, crash-safe (temporary file, fsync, rename, directory fsync).");
+        "safetensors file, crash-safe (temporary file, fsync, rename, directory fsync). `report`, a dict, is "
+        "filled as load_file's.");
 
   nb::class_<BackgroundSave>(m, "BackgroundSave",
                              "A save running in the background (hbmio.save_file(..., blocking=False)).")
@@ -1536,6 +1587,19 @@ NB_MODULE(_hbmio, m) {
         new (self) Handle{std::make_shared<const hbmio::OpenedCheckpoint>(std::move(*opened))};
       }, nb::arg("path"))
       .def_prop_ro("path", [](const Handle& h) { return h.path(); })
+      .def("report", [](const Handle& h) {
+        hbmio::Stats total;
+        std::uint64_t reads = 0;
+        {
+          std::lock_guard lock(h.report->mutex);
+          total = h.report->total;
+          reads = h.report->reads;
+        }
+        nb::dict d = stats_dict(total);
+        d["reads"] = reads;
+        return d;
+      }, "What this handle's reads did so far, summed: bytes, seconds (of the reads, not of the time between), "
+         "reads (batches), backend, bytes_direct, note (the latest read's) and paths (per file: the way it took and why).")
       .def("keys", [](const Handle& h) {
         // Sorted by name, as safetensors' safe_open.keys() (offset_keys() gives file order).
         std::vector<std::string> keys;
@@ -1578,7 +1642,7 @@ NB_MODULE(_hbmio, m) {
         std::vector<hbmio::TensorRead> reads = tensor_reads(*h.checkpoint, indices, dests, offsets, lengths, location);
         nb::gil_scoped_release release;
         EngineLease engine(backend);
-        h.checkpoint->read(reads, *engine.get());
+        h.report->add(h.checkpoint->read(reads, *engine.get()));
       }, nb::arg("indices"), nb::arg("dests"), nb::arg("offsets") = nb::none(), nb::arg("lengths") = nb::none(),
          nb::arg("backend") = "auto", nb::arg("location") = nb::none(),
          "Reads tensors (indices into _entries()), or byte ranges of them, into `dests` in one batch: arrays, or "
@@ -1595,7 +1659,7 @@ NB_MODULE(_hbmio, m) {
       .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
                             const std::string& backend, nb::handle verify) {
         h.info(name);  // KeyError for an unknown name
-        nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr);
+        nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr, nb::none());
         return nb::object(one[nb::str(name.c_str(), name.size())]);
       }, nb::arg("name"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
          nb::arg("verify").none() = false)

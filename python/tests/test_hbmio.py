@@ -647,7 +647,11 @@ def test_read_into_matches_fromfile(tmp_path, backend, counters_settle):
         out = np.full(count, 0xAB, dtype=np.uint8)
         stats = hbmio.read_into(path, out, offset, backend=backend)
         np.testing.assert_array_equal(out, np.fromfile(path, dtype=np.uint8, count=count, offset=offset))
-        assert stats["bytes"] == count and set(stats) == {"bytes", "seconds", "gib_per_second", "backend", "note"}
+        assert stats["bytes"] == count
+        assert set(stats) == {"bytes", "seconds", "gib_per_second", "backend", "bytes_direct", "note", "paths"}
+        # The way the file's bytes took (none for an empty read), and why.
+        assert [(p["file"], p["bytes"]) for p in stats["paths"]] == ([(str(path), count)] if count else [])
+        assert all(p["path"] in ("uring", "posix") and p["reason"] for p in stats["paths"])
     floats = np.zeros((7, 3), dtype=np.float32)  # any dtype: its nbytes bytes
     hbmio.read_into(path, floats, 8, backend=backend)
     assert floats.tobytes() == data[8:8 + 84].tobytes()
