@@ -312,6 +312,16 @@ class _StagingArena:
 _arena = _StagingArena()
 
 
+def _fresh_arena_in_child():
+    # A child of os.fork() has none of the parent's saves in flight, so slabs lent to them would
+    # never come back there; as save_file's pool, the child starts with an empty arena.
+    global _arena
+    _arena = _StagingArena()
+
+
+os.register_at_fork(after_in_child=_fresh_arena_in_child)
+
+
 def release_staging() -> int:
     """Frees the staging memory that dcp.async_save through hbmio.dcp.StorageWriter keeps between
     saves (slabs lent to saves still writing are kept); returns how many slabs were freed."""

@@ -261,6 +261,29 @@ def test_device_staging_without_a_gpu_stages_on_the_host(tmp_path):
         hbmio.dcp.StorageWriter(tmp_path, staging="gpu")
 
 
+@needs_stager
+@pytest.mark.parametrize("staging", ["pinned", "device"])
+def test_async_save_of_a_cuda_state_copies_it_once(tmp_path, staging):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(12)
+    state = {f"w{i}": torch.randn(4 << 20, device="cuda", generator=g).to(torch.bfloat16) for i in range(4)}
+    state["step"] = 12
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    writer = hbmio.dcp.StorageWriter(tmp_path, staging=staging)
+    future = dcp.async_save(state, storage_writer=writer)
+    for i in range(4):
+        state[f"w{i}"].fill_(-3)  # queued on the current stream right after the call
+    future.result()
+    assert writer.last_staging["staging"] == staging and writer.last_staging["unpooled_bytes"] == 0
+    if staging == "pinned":  # the slab is page-locked, so the copy runs at the link's speed
+        assert all(slab.pinned for slab in hbmio.dcp._arena._free)
+    got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in expected.items()}
+    dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path))
+    for k, v in expected.items():
+        assert torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v, k
+
+
 # Saves in a loop over one directory; the parent kills the process at some point of one.
 SAVER = textwrap.dedent("""
     import sys, torch, torch.distributed.checkpoint as dcp, hbmio.dcp
