@@ -11,6 +11,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "hbmio/async_save.hpp"
 #include "testing/fault_injection_file_system.hpp"
@@ -22,6 +23,14 @@ namespace fs = std::filesystem;
 namespace st = safetensors;
 
 std::vector<std::byte> read_all(const std::string& path) { return pread_range(path, 0, static_cast<std::size_t>(fs::file_size(path))); }
+
+constexpr std::uint64_t pool_blocks(std::uint64_t n) { return n * (std::uint64_t{64} << 20); }  // StagingPool's 64 MiB blocks
+
+bool backend_available(const std::string& name) {
+  for (const auto& b : probe_backends())
+    if (b.name == name) return b.available;
+  return false;
+}
 
 // Tensors of several sizes in `where`, one of them larger than a staging block (a tensor cut
 // across blocks) and several smaller (blocks shared by tensors), plus an empty one.
@@ -74,6 +83,142 @@ TEST(AsyncSave, TheFileHoldsTheSnapshotByteForByteAsASynchronousSaveWritesIt) {
     EXPECT_LE(pool.allocated, pool.capacity);
     EXPECT_EQ(pool.in_use, 0u);
   }
+}
+
+// Tensors of odd sizes (U8), so that the writer's rounds end inside tensors and off the 4 KiB
+// grid; their values come from `seed` alone, so a test can say what each should hold.
+struct OddState {
+  static constexpr std::uint64_t kMiB = std::uint64_t{1} << 20;
+  std::vector<Buffer> buffers;
+  std::vector<TensorToSave> tensors;
+  explicit OddState(std::uint64_t seed) {
+    const std::vector<std::uint64_t> sizes = {1,         4095, 4097, 3 * kMiB + 17, 64 * kMiB - 5, 1000,
+                                              65 * kMiB + 3, 0, 12345, 8 * kMiB + 1, 31 * kMiB + 4093};
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      buffers.push_back(Buffer::allocate({MemoryKind::host}, std::max<std::size_t>(sizes[i], 1)));
+      tensors.push_back({fmt::format("t{:02}", i), st::Dtype::U8, {sizes[i]}, buffers.back().span().subspan(0, sizes[i])});
+    }
+    fill(seed);
+  }
+  static std::vector<std::byte> values(std::uint64_t size, std::uint64_t seed, std::size_t i) {
+    return random_bytes(static_cast<std::size_t>(size), seed * 1000 + i);
+  }
+  void fill(std::uint64_t seed) {
+    for (std::size_t i = 0; i < tensors.size(); ++i)
+      if (tensors[i].data.size > 0) {
+        const auto bytes = values(tensors[i].data.size, seed, i);
+        std::memcpy(tensors[i].data.data, bytes.data(), bytes.size());
+      }
+  }
+};
+
+// Each tensor of `path` read back on its own, with the header parsed here (not by the library),
+// against the values of `seed`.
+void expect_tensors_hold(const std::string& path, const OddState& state, std::uint64_t seed) {
+  const auto length_bytes = pread_range(path, 0, 8);
+  std::uint64_t length = 0;
+  for (int b = 7; b >= 0; --b) length = length << 8 | static_cast<std::uint8_t>(length_bytes[static_cast<std::size_t>(b)]);
+  const auto text = pread_range(path, 8, static_cast<std::size_t>(length));
+  const auto header = nlohmann::json::parse(std::string(reinterpret_cast<const char*>(text.data()), text.size()));
+  for (std::size_t i = 0; i < state.tensors.size(); ++i) {
+    const TensorToSave& t = state.tensors[i];
+    SCOPED_TRACE(t.name);
+    const auto offsets = header.at(t.name).at("data_offsets");
+    const std::uint64_t begin = offsets.at(0), end = offsets.at(1);
+    ASSERT_EQ(end - begin, t.data.size);
+    EXPECT_TRUE(pread_range(path, 8 + length + begin, static_cast<std::size_t>(end - begin)) == OddState::values(t.data.size, seed, i))
+        << "the file does not hold the tensor's values at the call";
+  }
+}
+
+// The writer takes what the snapshot has staged, a round at a time, while the snapshot goes on:
+// with a pool of one block (rounds of one block, the snapshot waiting for each) and of three,
+// with and without checksums, every byte lands where it belongs (read back independently), none
+// of what the caller wrote after the call returned does, and the file is the blocking save's.
+TEST(AsyncSave, WritesOverlappingTheSnapshotPutEveryByteWhereItBelongs) {
+  for (const std::uint64_t pool : {pool_blocks(1), pool_blocks(3)})
+    for (const bool checksums : {true, false}) {
+      SCOPED_TRACE(fmt::format("pool {} MiB, checksums {}", pool >> 20, checksums));
+      TempDir dir;
+      OddState state(5);
+      SaveInProgress save = save_checkpoint_async(dir.file("async.safetensors"), state.tensors,
+                                                  {.metadata = {{"note", "x"}}, .checksums = checksums}, {.pool_bytes = pool});
+      state.fill(6);  // the caller changes every tensor as soon as the call returns
+      save.wait();
+      expect_tensors_hold(dir.file("async.safetensors"), state, 5);
+      OddState expected(5);
+      save_checkpoint(dir.file("sync.safetensors"), expected.tensors, {.metadata = {{"note", "x"}}, .checksums = checksums});
+      EXPECT_TRUE(read_all(dir.file("async.safetensors")) == read_all(dir.file("sync.safetensors")));
+      if (checksums) EXPECT_FALSE(verify_checkpoint(dir.file("async.safetensors")).first_bad.has_value());
+      EXPECT_EQ(staging_pool_stats().in_use, 0u);
+    }
+}
+
+// The overlapped writer takes a blocking save's write path, however its rounds fell: the same
+// bytes direct (O_DIRECT, where the file system takes it) and the same few through the page cache
+// (the unaligned head and tail of the data and of the header), with pools of one block and three.
+TEST(AsyncSave, TheOverlappedWriterWritesDirectWhereABlockingSaveDoes) {
+  if (!backend_available("uring")) GTEST_SKIP() << "the uring backend is not available here";
+  for (const std::uint64_t pool : {pool_blocks(1), pool_blocks(3)}) {
+    SCOPED_TRACE(fmt::format("pool {} MiB", pool >> 20));
+    TempDir dir;
+    OddState state(11);
+    const Stats blocking = save_checkpoint(dir.file("sync.safetensors"), state.tensors, {.backend = "uring"});
+    const Stats background =
+        save_checkpoint_async(dir.file("async.safetensors"), state.tensors, {.backend = "uring"}, {.pool_bytes = pool}).wait();
+    EXPECT_EQ(background.bytes, blocking.bytes);
+    EXPECT_EQ(background.bytes_direct, blocking.bytes_direct);
+    EXPECT_EQ(background.bytes_buffered, blocking.bytes_buffered);
+    EXPECT_TRUE(read_all(dir.file("async.safetensors")) == read_all(dir.file("sync.safetensors")));
+  }
+}
+
+// A write failing while the snapshot is still copying: a state of three pool blocks, a pool of
+// one, and the write of a byte in the first block or the second failing (the snapshot cannot take
+// the next block while a piece of the one before is unwritten). wait() throws the write's error
+// (or the call does, if the snapshot met the failure first), the path holds its previous file
+// byte for byte, no temporary is left, the snapshot stopped instead of copying the rest for
+// nobody, and every staging block came back.
+TEST(AsyncSave, AWriteFailingMidSnapshotFailsTheSaveAndKeepsTheOldFile) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  OddState old(7);
+  save_checkpoint(path, old.tensors);
+  const auto old_bytes = read_all(path);
+  std::uint64_t total = 0;
+  for (const auto& t : old.tensors) total += t.data.size;
+  for (const char* backend : {"posix", "uring"})
+    for (const std::uint64_t offset : {std::uint64_t{40} << 20, std::uint64_t{100} << 20}) {
+      SCOPED_TRACE(fmt::format("{}, the write of byte {}", backend, offset));
+      if (std::string(backend) == "uring" && !backend_available("uring")) continue;
+      OddState state(8);
+      auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_errno = EIO, .fail_offset = offset});
+      try {
+        SaveInProgress save = save_checkpoint_async(
+            path, state.tensors, {.backend = backend, .file_system = std::make_shared<FaultInjectionFileSystem>(faults)},
+            {.pool_bytes = pool_blocks(1)});
+        state.fill(9);
+        try {
+          save.wait();
+          ADD_FAILURE() << "a save whose write failed reported success";
+        } catch (const Error& e) {
+          EXPECT_EQ(e.code(), std::errc::io_error) << e.what();
+        }
+        EXPECT_LT(save.report().staged_bytes, total);
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), std::errc::io_error) << e.what();
+      }
+      EXPECT_TRUE(faults->fired());
+      EXPECT_TRUE(read_all(path) == old_bytes);
+      std::size_t temporaries = 0;
+      for (const auto& e : fs::directory_iterator(dir.path())) temporaries += e.path().filename().string().find(".hbmio-tmp-") != std::string::npos;
+      EXPECT_EQ(temporaries, 0u);
+      EXPECT_EQ(staging_pool_stats().in_use, 0u);
+    }
+  // And the path saves again.
+  OddState fresh(10);
+  save_checkpoint_async(path, fresh.tensors).wait();
+  expect_tensors_hold(path, fresh, 10);
 }
 
 TEST(AsyncSave, ShardedSavesStreamEveryShardAndTheIndex) {

@@ -7,6 +7,7 @@ save persists leaves the complete old or complete new file.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -65,6 +66,84 @@ def test_the_file_holds_the_values_at_the_call(tmp_path, big):
     # The same bytes as a blocking save of the snapshot.
     hbmio.save_file(expected, tmp_path / "sync.safetensors", {"step": "1"})
     assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "sync.safetensors").read_bytes()
+
+
+BLOCK = 64 << 20  # the pinned pool's block
+ODD_SIZES = [1, 4095, 4097, (3 << 20) + 17, BLOCK - 5, 1000, BLOCK + (1 << 20) + 3, 0, 12345, (8 << 20) + 1,
+             (31 << 20) + 4093]
+
+
+def odd_state(seed):
+    """Tensors of odd sizes, three pool blocks in all: the writer's rounds end inside tensors and
+    off the 4 KiB grid."""
+    rng = np.random.default_rng(seed)
+    return {f"t{i:02}": rng.integers(0, 255, size=n, dtype=np.uint8) for i, n in enumerate(ODD_SIZES)}
+
+
+def read_independently(path):
+    """Each tensor's bytes, sliced at the offsets of the header as parsed here (nothing of hbmio's
+    or the reference's readers)."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    return {k: data[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]] for k, v in header.items()
+            if k != "__metadata__"}
+
+
+@pytest.mark.parametrize("blocks", [1, 3], ids=["pool-of-one-block", "pool-of-three"])
+def test_writes_overlapping_the_snapshot_put_every_byte_where_it_belongs(tmp_path, blocks):
+    """The writer takes what the snapshot has staged while the snapshot goes on (with a pool of
+    one block, a round per block while the call waits for it): every byte lands where it belongs,
+    nothing the caller wrote after the call returned does, and the file is the blocking save's."""
+    tensors = odd_state(3)
+    expected = snapshot(tensors)
+    handle = hbmio.save_file(tensors, tmp_path / "m.safetensors", {"step": "3"}, blocking=False,
+                             pool_bytes=blocks * BLOCK)
+    for v in tensors.values():
+        v[...] = 0
+    handle.result()
+    got = read_independently(tmp_path / "m.safetensors")
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        assert got[k] == v.tobytes(), f"{k}: the file does not hold the values at the call"
+    hbmio.save_file(expected, tmp_path / "sync.safetensors", {"step": "3"})
+    assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "sync.safetensors").read_bytes()
+
+
+# A write failing while the snapshot still copies: a file system that fills up at 40 MiB (by
+# RLIMIT_FSIZE; SIGXFSZ ignored), a state of three pool blocks and a pool of one, so the snapshot
+# cannot take a second block before the first is written.
+FULL_MID_SNAPSHOT = textwrap.dedent("""
+    import json, resource, signal, sys, numpy as np, hbmio
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    path, backend, sizes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    rng = np.random.default_rng(4)
+    tensors = {f"t{i:02}": rng.integers(0, 255, size=n, dtype=np.uint8) for i, n in enumerate(sizes)}
+    resource.setrlimit(resource.RLIMIT_FSIZE, (40 << 20, 40 << 20))
+    handle = hbmio.save_file(tensors, path, blocking=False, pool_bytes=64 << 20, backend=backend or None)
+    out = {"staged": handle.report["staged_bytes"], "total": sum(v.nbytes for v in tensors.values())}
+    try:
+        handle.result()
+        out["error"] = None
+    except hbmio.Error as e:
+        out["error"] = str(e)
+    print(json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.parametrize("backend", ["posix", ""], ids=["posix", "default-backend"])
+def test_a_write_failing_mid_snapshot_fails_the_save_and_keeps_the_old_file(tmp_path, backend):
+    path = tmp_path / "m.safetensors"
+    hbmio.save_file(odd_state(5), path)
+    old_bytes = path.read_bytes()
+    run = subprocess.run([sys.executable, "-c", FULL_MID_SNAPSHOT, str(path), backend, json.dumps(ODD_SIZES)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["error"] and "File too large" in out["error"], out
+    assert out["staged"] < out["total"], out  # the snapshot stopped instead of copying for nobody
+    assert path.read_bytes() == old_bytes
+    assert not [p for p in tmp_path.iterdir() if ".hbmio-tmp-" in p.name]
 
 
 def test_torch_tensors_and_a_sharded_directory(tmp_path):

@@ -2,8 +2,9 @@
 // persist step that a blocking save runs (persist.hpp).
 //
 // Pinned staging streams: the caller copies each tensor, in file order, into 64 MiB blocks of the
-// pinned pool and queues the pieces; the save's thread writes and hashes them and drops them,
-// which returns their blocks to the pool. A state that fits the pool is copied at the speed of
+// pinned pool and queues the pieces; the save's thread, started first, takes whatever is queued
+// each time it is ready for more (so its writes begin with the first piece and overlap the rest
+// of the snapshot), writes and hashes it and drops it, which returns its blocks to the pool. A state that fits the pool is copied at the speed of
 // device-to-host copies and the call returns; a larger one waits for blocks as the writer frees
 // them (the report's stalled_seconds). Device staging copies into one device buffer and persists
 // from the copies.
@@ -250,11 +251,18 @@ bool stage_on_device(AsyncSaveState& state, const std::vector<TensorToSave>& ten
 }
 
 // Staging::pinned: the caller's tensors in file order, into pool blocks back to back (a block
-// holds the end of one tensor and the start of the next), each piece queued once copied.
-// Returns the seconds spent waiting for blocks. Stops early when the writer failed; throws
-// ECANCELED once `cancel` reads true (checked before each piece and while waiting for a block).
+// holds the end of one tensor and the start of the next), each piece queued once copied. Each
+// file's first byte goes where its block offset and its file offset agree modulo kStagingGrid
+// (a gap of less than that before it), so that the rest of the file agrees too, across blocks
+// (whose size is a multiple of the grid): the writer's direct writes then go straight from the
+// blocks (persist.hpp, staged_files). Returns the seconds spent waiting for blocks. Stops early
+// when the writer failed; throws ECANCELED once `cancel` reads true (checked before each piece
+// and while waiting for a block).
 double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& tensors, const std::atomic<bool>* cancel) {
   StagingPool& pool = StagingPool::shared();
+  const std::vector<StagedFile> files = staged_files(tensors, state.options);
+  std::size_t next_file = 0;
+  std::uint64_t file_left = 0;  // bytes of the file being staged not yet copied
   double waited = 0;
   std::shared_ptr<Buffer> block;
   std::size_t used = 0;
@@ -263,6 +271,16 @@ double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& ten
     for (std::uint64_t at = 0; at < t.data.size;) {
       if (state.stream.failed()) return waited;  // the writer stopped: nothing more is written
       if (stop_requested(cancel)) throw_stopped(state);
+      std::optional<std::size_t> phase;  // set at a file's first byte: where in the grid it goes
+      if (file_left == 0) {
+        while (next_file < files.size() && files[next_file].bytes == 0) ++next_file;
+        if (next_file < files.size()) {
+          file_left = files[next_file].bytes;
+          phase = static_cast<std::size_t>(files[next_file].data_start % kStagingGrid);
+          ++next_file;
+          if (block) used = std::min(block->size(), static_cast<std::size_t>((used + kStagingGrid - *phase - 1) / kStagingGrid * kStagingGrid + *phase));
+        }
+      }
       if (!block || used == block->size()) {
         block.reset();
         const auto start = std::chrono::steady_clock::now();
@@ -270,7 +288,7 @@ double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& ten
         waited += seconds_since(start);
         if (stop_requested(cancel)) throw_stopped(state);
         if (!block) return waited;
-        used = 0;
+        used = phase.value_or(0);
       }
       const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(block->size() - used, t.data.size - at));
       const MemorySpan into = block->span().subspan(used, n);
@@ -279,6 +297,7 @@ double stage_in_pool(AsyncSaveState& state, const std::vector<TensorToSave>& ten
       state.report.staged_bytes += n;
       used += n;
       at += n;
+      file_left -= std::min<std::uint64_t>(file_left, n);
     }
   }
   return waited;

@@ -3,8 +3,10 @@
 #include <fcntl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <future>
 #include <map>
@@ -25,6 +27,7 @@
 #include "core/error_boundary.hpp"
 #include "hbmio/error.hpp"
 #include "io/engine_internal.hpp"
+#include "io/uring_plan.hpp"
 
 namespace hbmio::detail {
 namespace fs = std::filesystem;
@@ -32,15 +35,56 @@ namespace st = safetensors;
 
 namespace {
 
-// Bytes taken from the staging per round: enough to keep every worker of the engine busy, while
-// the snapshot refills the pool behind it.
-constexpr std::uint64_t kStagedRound = std::uint64_t{256} << 20;
+// The bytes a round takes from the staging, at most: half the pool, so that a snapshot larger
+// than the pool fills the other half while a round is written. A state that fits the pool is
+// then written in a few rounds (the first piece, what the snapshot copied meanwhile, the rest),
+// and every round but the file's last ends on the engines' 4 KiB grid (see below).
+// On a failure of the writer's round, tells the snapshot (StagedStream::fail) before the round's
+// pieces are dropped: their blocks then go back to the pool, and a snapshot waiting for a block
+// would otherwise take one and copy more for a save that cannot finish.
+class StopSnapshotOnFailure {
+ public:
+  explicit StopSnapshotOnFailure(StagedStream& stream) : stream_(stream), exceptions_(std::uncaught_exceptions()) {}
+  ~StopSnapshotOnFailure() {
+    if (std::uncaught_exceptions() <= exceptions_) return;
+    try {
+      stream_.fail();
+    } catch (...) {  // the save's thread says it again once the error reaches it (async_save.cpp)
+    }
+  }
+  StopSnapshotOnFailure(const StopSnapshotOnFailure&) = delete;
+  StopSnapshotOnFailure& operator=(const StopSnapshotOnFailure&) = delete;
 
-// The tensors' bytes from a background save's staging: pieces arrive in file order (the snapshot
-// walks the tensors so) and are written a round at a time through the engine, each round hashed
-// beside its writes (XXH3's streaming state gives the digest of the whole tensor). The round's
-// pieces, and with them their staging blocks, are dropped once written and hashed. Returns each
-// tensor's checksum in the order of `tensors` (none without checksums).
+ private:
+  StagedStream& stream_;
+  int exceptions_;
+};
+
+static_assert(kStagingGrid == kSlotAlignment, "rounds and staging must follow the engines' grid");
+
+std::uint64_t staged_round_limit() {
+  return std::max<std::uint64_t>(StagingPool::kBlockBytes, StagingPool::shared().stats().capacity / 2);
+}
+
+// The tensors' bytes from a background save's staging. Pieces arrive in file order (the snapshot
+// walks the tensors so, laid end to end as in the file), and the writer takes whatever has been
+// staged, so the writes start with the first piece and overlap the rest of the snapshot. Each
+// round is one batch of the engine, written as a blocking save writes its tensors, and hashed
+// beside its writes (a tensor's pieces in order into its XXH3 streaming state, tensors on
+// several threads as a blocking save hashes them).
+//
+// A round ends on the 4 KiB grid unless it holds the file's last bytes: the bytes past the
+// round's last grid line (less than 4 KiB) are copied out of their staging block and written
+// at the head of the next round. So every direct write of the file starts and ends where a
+// blocking save's would, and only the file's own first and last bytes go through the page cache
+// as unaligned edges, as in a blocking save: a round ending anywhere would add two such edges
+// per round, and a buffered edge written between direct writes of the same file is what the
+// engine keeps apart from them (uring_engine.cpp). Copying that tail, instead of holding its
+// piece back, returns the staging block at the round's end: a pool of one block would otherwise
+// wait forever for the block that the held piece keeps.
+//
+// A round's pieces, and with them their staging blocks, are dropped once written and hashed.
+// Returns each tensor's checksum in the order of `tensors` (none without checksums).
 std::vector<std::uint64_t> write_staged_tensors(StagedStream& stream, Engine& engine, File& file, std::uint64_t data_start,
                                         const std::vector<TensorToSave>& tensors, const std::vector<st::TensorInfo>& infos,
                                         const SaveOptions& options, Stats& total, double& hashing, const ErrorContext& context) {
@@ -62,35 +106,101 @@ std::vector<std::uint64_t> write_staged_tensors(StagedStream& stream, Engine& en
     states.emplace_back(XXH3_createState(), &XXH3_freeState);
     if (!states.back() || XXH3_64bits_reset(states.back().get()) != XXH_OK) throw Error(errno_code(ENOMEM), context, "XXH3_createState");
   }
+  const std::uint64_t limit = staged_round_limit();
+  // As a blocking save hashes: a quarter of the cores (see persist_file).
+  const unsigned hash_threads = std::max(1u, std::thread::hardware_concurrency() / 4);
+  // The bytes after the last round's grid line, not written yet: file range [carry_at, carry_at + carry_size).
+  Buffer carry;
+  std::uint64_t carry_at = 0;
+  std::uint64_t carry_size = 0;
   while (left > 0) {
     // At most what this file still needs: the queue holds this file's pieces first, then the next
     // file's (a sharded save), and a prefix of `left` bytes is this file's alone.
-    const std::vector<StagedPiece> round = stream.take(std::min(kStagedRound, left));
+    const std::vector<StagedPiece> round = stream.take(std::min(limit, left));
+    const StopSnapshotOnFailure stop_snapshot(stream);  // destroyed before `round`
     if (round.empty())
       throw Error(errno_code(ECANCELED), context,
                   stream.abandoned() ? "the snapshot stopped before every tensor was copied; nothing was published"
                                      : "the staging ended before every tensor arrived (an internal error); nothing was published");
-    std::vector<IoRequest> writes;
-    std::vector<XXH3_state_t*> hash_into;
-    for (const auto& piece : round) {
+    // The round's bytes in file order: the carried tail, then each piece where it goes.
+    struct Run {
+      std::uint64_t at = 0;
+      MemorySpan memory;
+    };
+    std::vector<Run> runs;
+    if (carry_size > 0) runs.push_back({carry_at, carry.span().subspan(0, static_cast<std::size_t>(carry_size))});
+    struct Group {  // consecutive pieces of one tensor, hashed in order on one thread
+      XXH3_state_t* state = nullptr;
+      std::size_t first = 0, end = 0;
+    };
+    std::vector<Group> groups;
+    for (std::size_t k = 0; k < round.size(); ++k) {
+      const StagedPiece& piece = round[k];
       const auto it = place.find(piece.tensor);
       if (it == place.end() || piece.memory.size > it->second.left)
         throw Error(errno_code(EPROTO), context, fmt::format("a staged piece of '{}' that this file does not expect (an internal error)", piece.tensor));
-      writes.push_back({.op = IoOp::write, .file = &file, .offset = it->second.file_offset + piece.offset, .memory = piece.memory,
-                        .progress = options.progress, .cancel = options.cancel});
-      if (options.checksums) hash_into.push_back(states[it->second.index].get());
+      const std::uint64_t at = it->second.file_offset + piece.offset;
+      if (!runs.empty() && runs.back().at + runs.back().memory.size != at)
+        throw Error(errno_code(EPROTO), context,
+                    fmt::format("a staged piece of '{}' at file offset {} does not follow the bytes before it (an internal error)",
+                                piece.tensor, at));
+      runs.push_back({at, piece.memory});
+      if (options.checksums) {
+        XXH3_state_t* state = states[it->second.index].get();
+        if (groups.empty() || groups.back().state != state) groups.push_back({state, k, k});
+        groups.back().end = k + 1;
+      }
       it->second.left -= piece.memory.size;
       left -= piece.memory.size;
     }
+    const std::uint64_t run_begin = runs.front().at;
+    const std::uint64_t run_end = runs.back().at + runs.back().memory.size;
+    // Where this round's writes end: the file's end, else the last grid line (none: all carried).
+    const std::uint64_t cut = left == 0 ? run_end : std::max(run_begin, round_down(run_end, kStagingGrid));
+    std::vector<IoRequest> writes;
+    Buffer next_carry;
+    if (run_end > cut) next_carry = Buffer::allocate({MemoryKind::host}, static_cast<std::size_t>(run_end - cut));
+    for (const Run& run : runs) {
+      const std::uint64_t end = run.at + run.memory.size;
+      if (run.at < cut && end > run.at) {
+        const MemorySpan bytes = run.memory.subspan(0, static_cast<std::size_t>(std::min(end, cut) - run.at));
+        // Pieces laid end to end in a block are one request: a direct write of the engine then
+        // finds all its bytes in one request, at the file's alignment, and goes straight from
+        // the block (the engine bounces a write whose bytes span requests).
+        IoRequest* last = writes.empty() ? nullptr : &writes.back();
+        if (last != nullptr && last->memory.data + last->memory.size == bytes.data && last->memory.location == bytes.location)
+          last->memory.size += bytes.size;
+        else
+          writes.push_back({.op = IoOp::write, .file = &file, .offset = run.at, .memory = bytes, .progress = options.progress,
+                            .cancel = options.cancel});
+      }
+      if (end > cut) {
+        const std::uint64_t from = std::max(run.at, cut);
+        std::memcpy(next_carry.data() + (from - cut), run.memory.data + (from - run.at), static_cast<std::size_t>(end - from));
+      }
+    }
     std::future<void> hashed;  // its destructor waits on every path: no hashing of a dropped block
-    if (options.checksums)
-      hashed = std::async(std::launch::async, [&round, &hash_into, &hashing] {
+    if (!groups.empty())
+      hashed = std::async(std::launch::async, [&round, &groups, &hashing, hash_threads] {
         const auto start = std::chrono::steady_clock::now();
-        for (std::size_t i = 0; i < round.size(); ++i) XXH3_64bits_update(hash_into[i], round[i].memory.data, round[i].memory.size);
+        std::atomic<std::size_t> next{0};
+        const auto work = [&] {
+          for (std::size_t g = next++; g < groups.size(); g = next++)
+            for (std::size_t k = groups[g].first; k < groups[g].end; ++k)
+              XXH3_64bits_update(groups[g].state, round[k].memory.data, round[k].memory.size);
+        };
+        {
+          std::vector<std::jthread> helpers;  // joined before the time is taken, and on every path
+          for (std::size_t i = 1; i < std::min<std::size_t>(hash_threads, groups.size()); ++i) helpers.emplace_back(work);
+          work();
+        }
         hashing += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       });
-    total.add_part(engine.submit_batch(writes));
+    if (!writes.empty()) total.add_part(engine.submit_batch(writes));
     if (hashed.valid()) hashed.get();
+    carry = std::move(next_carry);  // the requests that named the old one are done
+    carry_at = cut;
+    carry_size = run_end - cut;
   }
   std::vector<std::uint64_t> sums;
   for (const auto& state : states) sums.push_back(XXH3_64bits_digest(state.get()));
@@ -299,6 +409,29 @@ Stats persist(const std::string& path, const std::vector<TensorToSave>& tensors,
     if (options.max_shard_size > 0) return persist_sharded(path, tensors, options, staged);
     return persist_file(final_target(path, false, {.op = "save", .path = path}), path, tensors, options, true, staged);
   });
+}
+
+std::vector<StagedFile> staged_files(const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
+  // What persist_file serializes before the data: the header of the file's tensors in the
+  // reference writer's order, with the metadata (and checksum placeholders) it saves.
+  const auto file_of = [](const std::vector<TensorToSave>& file_tensors, const SaveOptions& file_options) {
+    std::vector<st::TensorInfo> infos;
+    std::uint64_t bytes = 0;
+    for (const auto& t : file_tensors) {
+      infos.push_back({t.name, t.dtype, t.shape, 0, t.data.size});
+      bytes += t.data.size;
+    }
+    st::order_like_reference(infos);
+    return StagedFile{.data_start = st::serialize_header(infos, metadata_to_save(file_tensors, file_options),
+                                                         file_options.empty_metadata).size(),
+                      .bytes = bytes};
+  };
+  if (options.max_shard_size == 0) return {file_of(tensors, options)};
+  SaveOptions single = options;  // as persist_sharded saves each shard
+  single.max_shard_size = 0;
+  std::vector<StagedFile> files;
+  for (const auto& shard : plan_shards(tensors, options.max_shard_size).shards) files.push_back(file_of(shard, single));
+  return files;
 }
 
 std::string check_save(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {

@@ -5,6 +5,7 @@
 // from the snapshot it staged. Both run this one step, with the same guarantees.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,20 @@ class StagedStream;
 // from the tensors' own memory.
 Stats persist(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options,
               StagedStream* staged);
+
+// The files a save of `tensors` writes (one, or each shard of a sharded save, in order): where
+// each one's tensor data starts (its header's size, as persist writes it before the checksums
+// are known: placeholders of the same size) and how many tensor bytes it holds. A background
+// save's snapshot lays its staging out by it: each staged byte then sits at the same offset
+// modulo kStagingGrid in its pool block as in its file, so the writer's direct writes go
+// straight from the staging, without a copy into the engine's bounce buffers. It must agree with
+// persist_file; where it did not, those writes would only be bounced again (the bytes written are
+// the same).
+struct StagedFile {
+  std::uint64_t data_start = 0;
+  std::uint64_t bytes = 0;
+};
+std::vector<StagedFile> staged_files(const std::vector<TensorToSave>& tensors, const SaveOptions& options);
 
 // The checks a save makes before touching the disk (names, sizes, what is at `path`, its
 // directory), for a background save to throw them from its call; returns the path a save replaces

@@ -57,6 +57,11 @@ class StagingPool {
   std::vector<Buffer> free_;
 };
 
+// The grid of the engines' direct writes (uring_plan.hpp's kSlotAlignment): a background save
+// stages each byte at the same offset modulo this in its block as in its file (staged_files in
+// persist.hpp), and the writer's rounds end on it.
+inline constexpr std::uint64_t kStagingGrid = 4096;
+
 // Bytes [offset, offset + memory.size) of one tensor, in staging memory held by `block`.
 struct StagedPiece {
   std::string_view tensor;  // the tensor's name, owned by the save
