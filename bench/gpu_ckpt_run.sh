@@ -20,7 +20,8 @@
 #            that loads once pays; the first run's note itemises the set-up)
 #   pytests  the Python test files named in $PYTESTS only
 #   asave    background saves and DCP async_save: stall and time to durable (bench/peers/async_save_compare.py;
-#            SAVES (20), ROUNDS (3), ASAVE_ONLY: contenders)
+#            SAVES (20), ROUNDS (3), ASAVE_ONLY: contenders; ASAVE_ONLY=mix: blocking and background
+#            saves interleaved in one process, the fair time-to-durable ratio on a drifting disk)
 #   stream   hbmio.stream against DataLoader into cuda:0, cold and warm, alone and under a matmul
 #            loop (bench/peers/stream_compare.py; STREAM_GIB (16), ROUNDS (2), STREAM_MODE)
 #   pybench  hbmio.load_file / save_file in Python against safetensors (bench/peers/py_compare.py)

@@ -21,6 +21,12 @@ Contenders, each in a process of its own (so its peak host memory is its own), o
   dcp-hbmio       dcp.async_save with hbmio.dcp.StorageWriter: it stages itself (DCP's AsyncStager),
                   one copy into host staging memory it keeps between saves
   dcp-hbmio-device  the same with StorageWriter(staging="device"): a device-to-device copy
+  mix             blocking, async-pinned and async-device saves of one state in one process,
+                  interleaved and rotated (--saves rounds of the three), each waited for before the
+                  next: the time-to-durable ratio of a background save to a blocking one, on a disk
+                  whose rate drifts over a run of saves (the contenders above run one after the
+                  other, so a later one meets a slower disk); the summary gives each mode's median
+                  and its ratio to the blocking saves'
 Every contender's last checkpoint is loaded back and compared with the state it was given
 (torch.equal on the GPU); a mismatch marks the row ok=false. One JSON line per measurement.
 """
@@ -112,6 +118,37 @@ def one(args):
                          "stalled_s": r["stalled_seconds"], "staging": r["staging"], "pool_allocated": allocated,
                          "rss": resident})
         out["ok"] = check(torch, hbmio.load_file(path + ".safetensors", device=args.device, framework="torch"), expected)
+    elif args.one == "mix":
+        import hbmio
+        modes = ["sync", "async-pinned", "async-device"]
+        expected = {}
+        for i in range(args.saves):
+            for mode in modes[i % 3:] + modes[:i % 3]:
+                step(torch, state)
+                target = f"{path}-{mode}.safetensors"  # each mode replaces its own previous file
+                t0 = time.perf_counter()
+                if mode == "sync":
+                    hbmio.save_file(state, target)
+                    stall = durable = time.perf_counter() - t0
+                    row = {}
+                else:
+                    h = hbmio.save_file(state, target, blocking=False, staging=mode.split("-", 1)[1])
+                    stall = time.perf_counter() - t0
+                    snapshot = {k: v.clone() for k, v in state.items()} if i == args.saves - 1 else None
+                    step(torch, state)  # the next step runs while the save persists
+                    h.result()
+                    durable = h.report["persist_seconds"]
+                    row = {"staging": h.report["staging"], "snapshot_s": h.report["snapshot_seconds"]}
+                    if snapshot is not None:
+                        expected[mode] = snapshot
+                if i == args.saves - 1 and mode == "sync":
+                    expected[mode] = {k: v.clone() for k, v in state.items()}
+                rows.append({"save": i, "mode": mode, "stall_s": stall, "durable_s": durable, **row})
+        out["ok"] = all(check(torch, hbmio.load_file(f"{path}-{m}.safetensors", device=args.device, framework="torch"), e)
+                        for m, e in expected.items())
+        for m in modes:
+            if os.path.exists(f"{path}-{m}.safetensors"):
+                os.unlink(f"{path}-{m}.safetensors")
     elif args.one.startswith("dcp-"):
         import torch.distributed.checkpoint as dcp
         kwargs = {}
@@ -176,7 +213,7 @@ def main():
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--size-gib", type=float, default=6)
     p.add_argument("--tensors", type=int, default=48)
-    p.add_argument("--saves", type=int, default=20, help="background saves in a row (async-*)")
+    p.add_argument("--saves", type=int, default=20, help="background saves in a row (async-*); rounds of the three modes (mix)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the other contenders")
     p.add_argument("--only", default="copy,sync,async-pinned,async-device,dcp-fs,dcp-fs-cached,dcp-fs-pinned,dcp-hbmio,"
                                      "dcp-hbmio-device")
@@ -217,6 +254,16 @@ def main():
     print(f"{'contender':<16} {'stall s':>9} {'durable s':>10} {'peak RSS GiB':>13} ok")
     for contender in args.only.split(","):
         rows = [l for l in lines if l.get("contender") == contender and "stall_s" in l]
+        if contender == "mix" and rows:
+            # Medians over the rounds after the first (which also fills the pool), per mode.
+            later = [r for r in rows if r["save"] > 0] or rows
+            median = {m: statistics.median(r["durable_s"] for r in later if r["mode"] == m)
+                      for m in ("sync", "async-pinned", "async-device")}
+            for m, d in median.items():
+                stall = statistics.median(r["stall_s"] for r in later if r["mode"] == m)
+                print(f"mix {m:<10} {stall:9.3f} {d:10.3f} {rows[0]['peak_rss'] / GIB:13.2f} {all(r.get('ok', True) for r in rows)}"
+                      f"  durable x blocking: {d / median['sync']:.2f}")
+            continue
         if not rows:
             err = next((l.get("error") or l.get("skipped") for l in lines if l.get("contender") == contender), "no rows")
             print(f"{contender:<16} {str(err).splitlines()[-1] if err else ''}")
