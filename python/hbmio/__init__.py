@@ -434,7 +434,7 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     return arrays
 
 
-def open(path, framework="auto", device="cpu", *, backend=None, readahead=None):  # noqa: A001 - safe_open's counterpart
+def open(path, framework="auto", device="cpu", *, backend=None, readahead=None, mmap=False):  # noqa: A001 - safe_open's counterpart
     """Opens a checkpoint (a file, a sharded index or a directory) for access a tensor at a time,
     like safetensors.safe_open(path, framework, device):
 
@@ -449,10 +449,13 @@ def open(path, framework="auto", device="cpu", *, backend=None, readahead=None):
     "torch"/"pt", "numpy"/"np" or "dlpack", device and backend (None: $HBMIO_BACKEND, else
     "auto") as for load_file. readahead: bytes of tensors that a walk in file order may read
     before they are asked for (default 1 GiB, HBMIO_READAHEAD; 0 turns it off); see
-    hbmio/_lazy.py. After the `with` block, keys(), get_tensor(), get_slice(), metadata() and
-    the rest raise hbmio.ClosedError ("File is closed", as safe_open raises; it is also a
-    safetensors.SafetensorError where safetensors is installed)."""
-    return SafeOpen(path, framework, device, backend=backend, readahead=readahead)
+    hbmio/_lazy.py. mmap=True (device "cpu"): tensors and slices are views of a private mapping
+    of the file, as safetensors' own safe_open hands them out on the CPU: returned at once, read
+    on first touch, and (as there) a file truncated while they live makes touching them fail;
+    mmap=False (default) reads each into memory of its own. After the `with` block, keys(),
+    get_tensor(), get_slice(), metadata() and the rest raise hbmio.ClosedError ("File is closed",
+    as safe_open raises; it is also a safetensors.SafetensorError where safetensors is installed)."""
+    return SafeOpen(path, framework, device, backend=backend, readahead=readahead, mmap=mmap)
 
 
 def _nbytes(array) -> int:

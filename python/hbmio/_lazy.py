@@ -117,7 +117,7 @@ class SafeOpen(_hbmio.SafeOpen):
     offset_keys(), metadata(), get_tensor(name), get_slice(name)[...], get_tensors(); a
     context manager. See hbmio.open."""
 
-    def __init__(self, path, framework="auto", device="cpu", *, backend=None, readahead=None):
+    def __init__(self, path, framework="auto", device="cpu", *, backend=None, readahead=None, mmap=False):
         from . import _backend, _device_text, _framework, _require_gpu
         path = _os.fspath(path)
         # Bad arguments fail here, not at the first get_tensor: a framework or device form hbmio
@@ -141,6 +141,11 @@ class SafeOpen(_hbmio.SafeOpen):
         # Frameworks read one handle from several threads (transformers 5 materialises slices on a
         # pool of 4): the read-ahead state is changed under this lock.
         self._lock = _threading.RLock()
+        # mmap=True on the CPU: tensors and slices are views of a private mapping of their file, as
+        # safetensors' own safe_open hands them out (read on first touch; see _mapped_view).
+        self._mmap = bool(mmap)
+        self._maps = {}          # file index -> uint8 array over the whole mapping (None: not mappable)
+        self._where = None     # (file index, byte offset) per tensor, fetched at the first mapping
 
     # --- safe_open's interface -------------------------------------------------------------
     def keys(self):
@@ -207,6 +212,10 @@ class SafeOpen(_hbmio.SafeOpen):
         if own and not verify:
             target = self._own_target()
             dtype = self._entries_list[i][1]
+            if self._mmap:
+                view = self._mapped_view(i, target)
+                if view is not None:
+                    return view
             if target.can(dtype):
                 with self._lock:
                     return self._get(i, target, backend or self._backend)
@@ -239,6 +248,7 @@ class SafeOpen(_hbmio.SafeOpen):
                 ahead.stop()
         self._ahead = self._slices = self._last_rows = None
         self._ready.clear()
+        self._maps.clear()
 
     def __enter__(self):
         return self
@@ -261,6 +271,48 @@ class SafeOpen(_hbmio.SafeOpen):
             return self._index[name]
         except (KeyError, TypeError):
             raise KeyError(f"no tensor named {name!r} in {self.path}") from None
+
+    def _mapped_view(self, i: int, target: _Target):
+        """Tensor i as a view of a private (copy-on-write) mapping of its file, or None where it
+        cannot be one: memory that is not the CPU's, a dtype the framework lacks, a file at a URL.
+        The view keeps the mapping alive. As with safetensors' own safe_open, a file truncated while
+        such views live makes touching them fail (SIGBUS); a file replaced by rename does not, as
+        the mapping is of the file this handle opened (see hbmio/_mapped.py)."""
+        _, dtype, shape, nbytes = self._entries_list[i]
+        if target.location != "cpu" or not target.can(dtype) or dtype in _SUB_BYTE:
+            return None
+        with self._lock:
+            if self._where is None:
+                self._where = self._placements()
+            f, offset = self._where[i]
+            if f not in self._maps:
+                self._maps[f] = self._map_file(f, target)
+            base = self._maps[f]
+        if base is None:
+            return None
+        raw = base[offset:offset + nbytes]
+        element = self._ELEMENT.get(dtype, 1)
+        if offset % element:
+            raw = raw.clone() if target.torch is not None else raw.copy()  # views need aligned offsets
+        return raw.view(target.dtypes[dtype]).reshape(shape)
+
+    # Bytes per element where a view needs an aligned offset (every dtype the fast path maps).
+    _ELEMENT = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+
+    def _map_file(self, f: int, target: _Target):
+        import mmap as _mmap_module
+        fd = self._map_fd(f)
+        if fd is None:
+            return None
+        try:
+            # ACCESS_COPY: private pages, writable as torch.frombuffer wants, never written back.
+            mapping = _mmap_module.mmap(fd, 0, access=_mmap_module.ACCESS_COPY)
+        finally:
+            _os.close(fd)  # the mapping holds the file
+        if target.torch is not None:
+            return target.torch.frombuffer(mapping, dtype=target.torch.uint8)
+        return target.np.frombuffer(mapping, dtype=target.np.uint8)
 
     def _own_target(self) -> _Target:
         if self._target is None:
@@ -635,6 +687,16 @@ class _Slice:
             raise TypeError(f"tensor {self._name!r} ({self._dtype}): get_slice needs a dtype that "
                             f"{owner._resolved} represents on {owner._device!r}")
         out_shape = [len(range(a, b, s)) for a, b, s, is_int in dims if not is_int]
+        if owner._mmap:
+            view = owner._mapped_view(self._index, target)
+            if view is not None:  # a view of the mapping, as safe_open's slices on the CPU are
+                part = view[tuple(a if is_int else slice(a, b, s) for a, b, s, is_int in dims)]
+                # Contiguous, as the reference's slices are: a strided view would refuse .view().
+                if target.torch is not None:
+                    return part.contiguous()
+                # NumPy gives a scalar for an index of ints, and ascontiguousarray a 1-d array for it.
+                np = target.np
+                return part if isinstance(part, np.ndarray) and part.flags.c_contiguous else np.array(part)
         if all(a == 0 and b == n and s == 1 for (a, b, s, _), n in zip(dims, self._shape)):
             tensor = owner._tensor(self._name)  # the whole tensor: read ahead as a walk is
             return tensor.reshape(out_shape)

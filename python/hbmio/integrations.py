@@ -98,8 +98,10 @@ def _safe_open(filename, framework, device="cpu", **kwargs):
         dev = _device_of_the_load(sys._getframe(1)) or dev
     import hbmio  # looked up at each call, so a wrapper put on hbmio.open (tests) sees the calls
     # hbmio.open's handle is safe_open's interface, and safe to share between the threads on
-    # which transformers 5 materialises the slices of one file.
-    return hbmio.open(filename, framework="pt", device=dev)
+    # which transformers 5 materialises the slices of one file. On the CPU, its tensors are views
+    # of a mapping of the file, as safetensors' are there: a copy would only add work (and a small
+    # model of many shards would load slower than stock).
+    return hbmio.open(filename, framework="pt", device=dev, mmap=dev == "cpu")
 
 
 def _enable() -> bool:

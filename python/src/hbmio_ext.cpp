@@ -9,6 +9,7 @@
 // Engines (io_uring rings, worker threads, pinned bounce buffers) take tens of milliseconds to set
 // up, more than a small load takes, so loads, saves and raw reads/writes borrow one from the
 // library's pool (hbmio::EnginePool) instead of making their own; see EngineLease.
+#include <fcntl.h>   // fcntl (F_DUPFD_CLOEXEC)
 #include <stdlib.h>  // on_exit
 #include <unistd.h>  // _exit
 
@@ -916,7 +917,6 @@ hbmio::SaveOptions save_options(std::optional<std::map<std::string, std::string>
     options.empty_metadata = hbmio::safetensors::EmptyMetadata::write;
   }
   options.checksums = checksums;
-
   options.backend = backend;
   options.max_shard_size = max_shard_size;
   return options;
@@ -1653,6 +1653,24 @@ NB_MODULE(_hbmio, m) {
         if (i >= tensors.size()) throw nb::index_error("_data_offsets: no such tensor");
         return nb::make_tuple(tensors[i].info->begin, tensors[i].info->end);
       }, nb::arg("index"))
+      .def("_placements", [](const Handle& h) {
+        // (file index, byte offset in that file) of every tensor in file order: where a mapping of
+        // the file holds it (SafeOpen(mmap=True)).
+        nb::list out;
+        for (const auto& t : h.checkpoint->tensors()) out.append(nb::make_tuple(t.file, t.file_offset));
+        return out;
+      })
+      .def("_map_fd", [](const Handle& h, std::size_t file) -> nb::object {
+        // A new descriptor of file `file` as it was opened (never a file that took its name since),
+        // for the caller to map and close; None for a file at a URL, which cannot be mapped.
+        const auto& files = h.files();
+        if (file >= files.size()) throw nb::index_error("_map_fd: no such file");
+        if (files[file].remote) return nb::none();
+        const std::shared_ptr<const hbmio::File> opened = hbmio::reopen(files[file]);
+        const int fd = ::fcntl(opened->fd(), F_DUPFD_CLOEXEC, 0);
+        if (fd < 0) throw hbmio::Error(hbmio::errno_code(errno), {.op = "duplicate the descriptor of", .path = files[file].path});
+        return nb::int_(fd);
+      }, nb::arg("file"))
       .def("_read_queue", [](const Handle& h, const std::string& backend) { return new ReadQueue(h, backend); },
            nb::arg("backend") = "auto",
            "A reader of batches of this checkpoint's tensors, in order, on a thread and an engine of its own.")

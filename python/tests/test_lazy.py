@@ -196,6 +196,75 @@ def test_index_forms_match_safe_open_bools_lists_none_and_refusals(tmp_path):
                     f.get_slice("w")[np.bool_(True)]
 
 
+
+def mapped_regions(path) -> list:
+    """(start, end) of every mapping of `path` in this process, from /proc/self/maps."""
+    real, out = os.path.realpath(path), []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                out.append((start, end))
+    return out
+
+
+def address(array) -> int:
+    return array.data_ptr() if hasattr(array, "data_ptr") else array.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("framework", frameworks())
+@pytest.mark.parametrize("name", FILES)
+def test_mmap_tensors_and_slices_equal_safe_open_and_are_views_of_the_file(name, framework):
+    """hbmio.open(..., mmap=True) on the CPU: every tensor and every slice form gives what
+    safe_open gives (or the same refusal), and each whole tensor whose offset suits its element
+    size lies in a mapping of the file (a view, read on first touch), not in memory of its own."""
+    path = FIXTURES / name
+    item = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+            "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+    with safe_open(path, framework) as ref, hbmio.open(path, framework=framework, mmap=True) as f:
+        data_start = 8 + int.from_bytes(open(path, "rb").read(8), "little")
+        spans, viewed = header_offsets(path), 0
+        for key in ref.offset_keys():
+            shape, dtype = f.get_slice(key).get_shape(), f.get_slice(key).get_dtype()
+            if not representable(framework, dtype):
+                continue
+            tensor = f.get_tensor(key)
+            assert same(tensor, ref.get_tensor(key)), key
+            begin, end = spans[key]
+            if end > begin and dtype in item and (data_start + begin) % item[dtype] == 0:
+                at = address(tensor)
+                assert any(a <= at and at + (end - begin) <= b for a, b in mapped_regions(path)), key
+                viewed += 1
+            for index in slice_keys(shape):
+                check_index(ref, f, key, index)
+        assert viewed > 0 or framework == "np" or all(e == b for b, e in spans.values())
+
+
+def test_mmap_keeps_the_file_it_opened_and_refuses_what_it_cannot_map(tmp_path):
+    """The mapping is made at the first tensor, of the file the handle opened: a file renamed over
+    the path in between (how every safetensors writer publishes) is not what the tensors show."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file as reference_save
+    path = str(tmp_path / "m.safetensors")
+    old = {"a": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
+    reference_save(old, path)
+    with hbmio.open(path, framework="pt", mmap=True) as f:
+        reference_save({"a": torch.zeros(1000, dtype=torch.float32), "b": torch.zeros(3, 5, dtype=torch.bfloat16)},
+                       path + ".new")
+        os.replace(path + ".new", path)
+        a, rows = f.get_tensor("a"), f.get_slice("b")[1:]
+        assert torch.equal(a, old["a"]) and torch.equal(rows, old["b"][1:])
+        assert rows.is_contiguous()
+    # Private pages: a write to a tensor never reaches the file; whether the next get_tensor of
+    # the same handle sees it is as with the reference's handle.
+    with safe_open(path, "pt") as ref, hbmio.open(path, framework="pt", mmap=True) as f:
+        for handle in (ref, f):
+            handle.get_tensor("a")[0] = 42
+        assert f.get_tensor("a")[0] == ref.get_tensor("a")[0]
+    with hbmio.open(path, framework="pt", mmap=True) as f:
+        assert torch.equal(f.get_tensor("a"), torch.zeros(1000))
+
 def cuda_available() -> bool:
     try:
         import torch

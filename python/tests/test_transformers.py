@@ -115,7 +115,8 @@ def test_from_pretrained_same_bits(checkpoints, opened, layout, dtype):
         through_hbmio = _load(path, **_dtype_kwargs(dtype))
     # Every file of the checkpoint opened through hbmio.open (transformers 4.x opens some twice).
     assert sorted({p for p, _, _ in opened}) == _files(path)
-    assert all(kw == {"framework": "pt", "device": "cpu"} for _, _, kw in opened), opened
+    # On the CPU the handle maps the file, as safetensors' own does there (see test_lazy's mmap tests).
+    assert all(kw == {"framework": "pt", "device": "cpu", "mmap": True} for _, _, kw in opened), opened
     _assert_identical(through_hbmio, stock)
     if dtype is None:  # both are also the weights that were saved
         _assert_identical(stock, reference)
@@ -181,6 +182,7 @@ def test_handle_matches_safe_open(checkpoints, opened):
     with hbmio.use_in_transformers():
         ours = transformers.modeling_utils.safe_open(shard, framework="pt", device="cpu", backend="mmap")
     assert opened and opened[-1][0] == shard  # backend= (safetensors' own) did not keep it from hbmio
+    assert opened[-1][2].get("mmap") is True  # CPU tensors are views of a mapping, not copies
     theirs = safetensors.safe_open(shard, framework="pt", device="cpu")
     assert ours.keys() == theirs.keys()
     assert ours.offset_keys() == theirs.offset_keys()
