@@ -748,6 +748,48 @@ TEST(DoctorModes, WhichModeAFileUnderEachPathGets) {
   EXPECT_NE(c.found.find("compatibility mode (through host memory): ext4 on vda (virtio-blk); vda (virtio-blk) is not NVMe"), std::string::npos) << c.found;
 }
 
+TEST(DoctorStorage, NvmeQueueDepthUnderEachPath) {
+  Tree tree;
+  build_gds_server(tree);
+  const std::string nvme0 = "sys/devices/" + kNvmePath + "/nvme/nvme0/nvme0n1";
+  const std::string nvme1 = "sys/devices/" + kRemoteNvmePath + "/nvme/nvme1/nvme1n1";
+  tree.write(nvme0 + "/queue/nr_requests", "256\n");
+  tree.write(nvme0 + "/queue/scheduler", "none [mq-deadline] kyber\n");
+  for (int q = 0; q < 4; ++q) tree.mkdir(nvme0 + "/mq/" + std::to_string(q));
+  tree.write(nvme1 + "/queue/nr_requests", "1023\n");
+  tree.write(nvme1 + "/queue/scheduler", "[none] mq-deadline\n");
+  tree.write("sys/devices/virtual/block/md0/md/level", "raid0\n");
+  tree.link("sys/devices/virtual/block/md0/slaves/nvme0n1", "../../../../../" + nvme0.substr(4));
+  tree.link("sys/devices/virtual/block/md0/slaves/nvme1n1", "../../../../../" + nvme1.substr(4));
+  tree.link("sys/dev/block/9:0", "../../devices/virtual/block/md0");
+  tree.write("proc/self/mountinfo",
+             "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+             "25 22 259:1 / /data rw,noatime shared:2 - ext4 /dev/nvme0n1p1 rw,data=ordered\n"
+             "26 22 9:0 / /raid rw,noatime - xfs /dev/md0 rw,attr2\n");
+  const auto checks = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data", "/raid", "/"}});
+  SCOPED_TRACE(dump(checks));
+  const Check& data = check_in(checks, "storage.queue_depth:/data");
+  EXPECT_EQ(data.status, CheckStatus::warn);
+  EXPECT_NE(data.found.find("nvme0n1: nr_requests 256, scheduler mq-deadline, 4 hardware queues"), std::string::npos) << data.found;
+  EXPECT_NE(data.fix.find("echo none > /sys/block/nvme0n1/queue/scheduler; echo 1023 > /sys/block/nvme0n1/queue/nr_requests"),
+            std::string::npos) << data.fix;
+  // Every NVMe disk below the RAID is named; only the short one needs the fix.
+  const Check& raid = check_in(checks, "storage.queue_depth:/raid");
+  EXPECT_EQ(raid.status, CheckStatus::warn);
+  EXPECT_NE(raid.found.find("nvme1n1: nr_requests 1023, scheduler none"), std::string::npos) << raid.found;
+  EXPECT_EQ(raid.fix.find("nvme1n1"), std::string::npos) << raid.fix;
+  // Not NVMe (vda): no line.
+  EXPECT_EQ(find_check(checks, "storage.queue_depth:/"), nullptr);
+
+  tree.write(nvme0 + "/queue/nr_requests", "1023\n");
+  const auto fixed = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/raid"}});
+  EXPECT_EQ(check_in(fixed, "storage.queue_depth:/raid").status, CheckStatus::pass) << check_in(fixed, "storage.queue_depth:/raid").found;
+  fs::remove(tree.path() / nvme0 / "queue/nr_requests");
+  const auto unknown = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data"}});
+  EXPECT_EQ(check_in(unknown, "storage.queue_depth:/data").status, CheckStatus::info);
+  EXPECT_NE(check_in(unknown, "storage.queue_depth:/data").found.find("nvme0n1: nr_requests unreadable"), std::string::npos);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pieces
 // ---------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ struct PathFacts {
   std::string dm_kind;                       // "LVM", "dm-crypt", "dm-multipath", "device-mapper" anywhere in the stack
   std::string md_level;                      // "raid0", ... of an md device in the stack
   bool all_members_nvme = false;             // every disk at the bottom of the stack is NVMe
+  std::vector<std::string> disks;            // sysfs directories of the whole disks at the bottom of the stack
   bool direct_io_tried = false, direct_io_works = false;
   bool verdict_tried = false, cufile_usable = false, cufile_direct = false;
   std::string cufile_mode, cufile_reason;

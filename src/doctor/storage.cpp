@@ -184,6 +184,7 @@ void describe_block_device(const Root& root, const Inventory& inventory, unsigne
   };
 
   std::string detail;
+  if (root.list(*real + "/slaves").empty()) facts.disks.push_back(*real);
   if (disk.starts_with("nvme")) {
     facts.block_kind = "NVMe";
     facts.nvme_controllers = controllers_of(*real);
@@ -232,6 +233,7 @@ void describe_block_device(const Root& root, const Inventory& inventory, unsigne
           } else {
             any_disk = true;
             all_nvme = all_nvme && name.starts_with("nvme");
+            facts.disks.push_back(*member);
             names.push_back(name);
             for (auto& c : controllers_of(*member)) facts.nvme_controllers.push_back(std::move(c));
           }
@@ -261,6 +263,54 @@ void describe_block_device(const Root& root, const Inventory& inventory, unsigne
   } else {
     out.push_back(make_check(id, kGroupStorage, CheckStatus::info, found, "NVMe (local, or NVMe-oF over RDMA)",
                              "cuFile can move data by DMA only from NVMe; here it would use compatibility mode"));
+  }
+}
+
+// How many requests the block layer queues per NVMe disk under the PATH: queue/nr_requests, with
+// the I/O scheduler that set it and the hardware queues. NVIDIA's gds-diag asks for 1024 or more;
+// the nvme driver keeps one tag of each hardware queue back, so its full default depth
+// (io_queue_depth 1024) reads 1023, which counts as full here.
+void check_queue_depth(const Root& root, const PathFacts& facts, std::vector<Check>& out) {
+  constexpr long long kWanted = 1023;
+  std::vector<std::string> parts, low, unknown;
+  for (const auto& disk : facts.disks) {
+    const std::string name = name_of(disk);
+    if (!name.starts_with("nvme")) continue;
+    const auto requests = root.read_integer(disk + "/queue/nr_requests");
+    // "[none] mq-deadline": the bracketed one is in use.
+    const std::string schedulers = root.read_attribute(disk + "/queue/scheduler").value_or("");
+    std::string scheduler;
+    if (const auto open = schedulers.find('['); open != std::string::npos)
+      scheduler = schedulers.substr(open + 1, schedulers.find(']', open) - open - 1);
+    const auto hardware_queues = root.list(disk + "/mq").size();
+    if (!requests) {
+      unknown.push_back(name);
+      parts.push_back(name + ": nr_requests unreadable");
+      continue;
+    }
+    std::string part = fmt::format("{}: nr_requests {}", name, *requests);
+    if (!scheduler.empty()) part += ", scheduler " + scheduler;
+    if (hardware_queues > 0) part += fmt::format(", {} hardware queues", hardware_queues);
+    parts.push_back(part);
+    if (*requests < kWanted) low.push_back(name);
+  }
+  if (parts.empty()) return;  // no NVMe below this PATH: nothing of cuFile's to queue
+  const std::string id = "storage.queue_depth:" + facts.path;
+  std::string found;
+  for (const auto& p : parts) found += (found.empty() ? "" : "; ") + p;
+  found += " (/sys/block/<disk>/queue/nr_requests)";
+  if (!low.empty()) {
+    std::string fix;
+    for (const auto& name : low)
+      fix += fmt::format("{}echo none > /sys/block/{}/queue/scheduler; echo 1023 > /sys/block/{}/queue/nr_requests", fix.empty() ? "" : "; ", name, name);
+    fix += " (as root; a scheduler such as mq-deadline caps the queue lower; keep it across boots with a udev rule: "
+           "ACTION==\"add|change\", KERNEL==\"nvme*n*\", ATTR{queue/scheduler}=\"none\", ATTR{queue/nr_requests}=\"1023\")";
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::warn, found + ": a shorter queue than NVIDIA's gds-diag asks for (1024)",
+                             "nr_requests of 1023 or more (the nvme driver's full queue)", fix));
+  } else if (!unknown.empty()) {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::info, found));
+  } else {
+    out.push_back(make_check(id, kGroupStorage, CheckStatus::pass, found));
   }
 }
 
@@ -456,6 +506,7 @@ PathFacts check_path(const Root& root, const Inventory& inventory, const std::st
                              "GDS's local file systems are ext4 and xfs"));
   }
   if (have_device) describe_block_device(root, inventory, major, minor, facts, out);
+  check_queue_depth(root, facts, out);
 
   if (!root.is_live()) {
     out.push_back(make_check("storage.o_direct:" + path, kGroupStorage, CheckStatus::info, kSkippedForRoot));
