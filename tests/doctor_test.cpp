@@ -790,6 +790,216 @@ TEST(DoctorStorage, NvmeQueueDepthUnderEachPath) {
   EXPECT_NE(check_in(unknown, "storage.queue_depth:/data").found.find("nvme0n1: nr_requests unreadable"), std::string::npos);
 }
 
+TEST(DoctorGpus, GraceCoherentGpuMemoryMode) {
+  Tree tree;
+  build_gds_server(tree);
+  // An x86 server: no coherent-memory line at all.
+  const auto x86 = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_EQ(find_check(x86, "gpu.cdmm"), nullptr);
+
+  // A Grace Hopper: Neoverse V2 cores beside the GPU, the driver's parameter not readable yet.
+  tree.write("proc/cpuinfo", "processor\t: 0\nBogoMIPS\t: 2000.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd4f\n");
+  const auto unloaded = hbmio::run_doctor({.root = tree.path().string()});
+  SCOPED_TRACE(dump(unloaded));
+  const Check& none = check_in(unloaded, "gpu.cdmm");
+  EXPECT_EQ(none.status, CheckStatus::warn);
+  EXPECT_NE(none.found.find("Grace (Neoverse V2 cores (CPU part 0xd4f in /proc/cpuinfo) with an NVIDIA GPU)"), std::string::npos) << none.found;
+  EXPECT_NE(none.found.find("the NVIDIA driver is not loaded"), std::string::npos) << none.found;
+
+  tree.write("proc/driver/nvidia/params", "ResmanDebugLevel: 4294967295\nCoherentGPUMemoryMode: \"driver\"\n");
+  const Check cdmm = check_in(hbmio::run_doctor({.root = tree.path().string()}), "gpu.cdmm");
+  EXPECT_EQ(cdmm.status, CheckStatus::pass);
+  EXPECT_NE(cdmm.found.find("CDMM (CoherentGPUMemoryMode=driver in /proc/driver/nvidia/params)"), std::string::npos) << cdmm.found;
+  tree.write("proc/driver/nvidia/params", "CoherentGPUMemoryMode: numa\n");
+  EXPECT_NE(check_in(hbmio::run_doctor({.root = tree.path().string()}), "gpu.cdmm").found.find("NUMA mode"), std::string::npos);
+  tree.write("proc/driver/nvidia/params", "CoherentGPUMemoryMode: \"\"\n");
+  EXPECT_EQ(check_in(hbmio::run_doctor({.root = tree.path().string()}), "gpu.cdmm").status, CheckStatus::info);
+  tree.write("proc/driver/nvidia/params", "CoherentGPUMemoryMode: \"auto\"\n");
+  EXPECT_EQ(check_in(hbmio::run_doctor({.root = tree.path().string()}), "gpu.cdmm").status, CheckStatus::warn);
+
+  // Named by its firmware instead of its cores.
+  tree.write("proc/cpuinfo", "processor\t: 0\nCPU implementer\t: 0x41\n");
+  tree.write("sys/class/dmi/id/product_name", "NVIDIA Grace Hopper x4 P4496\n");
+  EXPECT_NE(check_in(hbmio::run_doctor({.root = tree.path().string()}), "gpu.cdmm").found.find("/sys/class/dmi/id/product_name"),
+            std::string::npos);
+}
+
+// /proc/self/environ: each NAME=value followed by a NUL.
+std::string environ_of(std::initializer_list<const char*> entries) {
+  std::string text;
+  for (const char* e : entries) (text += e) += '\0';
+  return text;
+}
+
+TEST(DoctorModes, CufileEnvironmentOverrides) {
+  Tree tree;
+  build_gds_server(tree);
+  fs::remove_all(tree.path() / "proc/driver/nvidia-fs");  // no DMA mode: forbidding compatibility leaves nothing
+  const auto quiet = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_EQ(check_in(quiet, "gds.cufile_env").status, CheckStatus::info);
+  EXPECT_NE(check_in(quiet, "gds.cufile_env").found.find("no CUFILE_* variable"), std::string::npos);
+
+  // The capture's environment: a file named by CUFILE_ENV_PATH_JSON, compatibility mode forbidden,
+  // a garbled boolean, a log level that does not exist, and a misspelt name.
+  tree.write("proc/self/environ", environ_of({"PATH=/usr/bin", "CUFILE_ENV_PATH_JSON=/opt/app/cufile.json", "CUFILE_ALLOW_COMPAT_MODE=false",
+                                               "CUFILE_USE_PCIP2PDMA=maybe", "CUFILE_LOGGING_LEVEL=VERBOSE", "CUFILE_FORCE_COMPAT=1"}));
+  tree.write("opt/app/cufile.json", "{ \"properties\": { \"allow_compat_mode\": true, \"use_pci_p2pdma\": false } }\n");
+  const auto checks = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data"}});
+  SCOPED_TRACE(dump(checks));
+  const Check& env = check_in(checks, "gds.cufile_env");
+  EXPECT_EQ(env.status, CheckStatus::warn);
+  for (const char* part : {"CUFILE_ALLOW_COMPAT_MODE=false (overrides properties.allow_compat_mode: true in /opt/app/cufile.json)",
+                           "CUFILE_ENV_PATH_JSON=/opt/app/cufile.json (the cufile.json cuFile reads instead of /etc/cufile.json)",
+                           "CUFILE_USE_PCIP2PDMA=maybe (not true, false, 1 or 0: properties.use_pci_p2pdma stays false",
+                           "CUFILE_LOGGING_LEVEL=VERBOSE (not one of NOTICE", "CUFILE_FORCE_COMPAT=1 (not a variable the doctor knows",
+                           "forbids compatibility mode and no DMA mode is available here"})
+    EXPECT_NE(env.found.find(part), std::string::npos) << part << " in " << env.found;
+  EXPECT_NE(env.fix.find("unset CUFILE_ALLOW_COMPAT_MODE"), std::string::npos) << env.fix;
+  // The file it names is the one judged, and the override is what cuFile does with a file there.
+  EXPECT_NE(check_in(checks, "gds.cufile_json").found.find("/opt/app/cufile.json: allow_compat_mode true"), std::string::npos)
+      << check_in(checks, "gds.cufile_json").found;
+  EXPECT_TRUE(check_in(checks, "gds.mode:/data").found.starts_with("none: ")) << check_in(checks, "gds.mode:/data").found;
+
+  // Forcing compatibility mode through the environment.
+  tree.write("proc/self/environ", environ_of({"CUFILE_FORCE_COMPAT_MODE=true"}));
+  const auto forced = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data"}});
+  EXPECT_EQ(check_in(forced, "gds.cufile_env").status, CheckStatus::warn);
+  EXPECT_NE(check_in(forced, "gds.mode:/data").found.find("force_compat_mode is true"), std::string::npos) << check_in(forced, "gds.mode:/data").found;
+}
+
+TEST(DoctorModes, KernelLogErrors) {
+  Tree tree;
+  build_gds_server(tree);
+  const auto none = hbmio::run_doctor({.root = tree.path().string()});
+  EXPECT_EQ(check_in(none, "gds.kernel_log").status, CheckStatus::info);
+  EXPECT_NE(check_in(none, "gds.kernel_log").found.find("no kernel log"), std::string::npos);
+
+  // /dev/kmsg's record format, with continuation lines and benign NVMe and nvidia-fs lines.
+  tree.write("dev/kmsg",
+             "6,100,5000,-;nvme nvme0: Shutdown timeout set to 10 seconds\n"
+             "6,101,5001,-;nvme nvme0: 64/0/0 default/read/poll queues\n"
+             " SUBSYSTEM=pci\n"
+             "6,102,5002,-;nvidia_fs: Initializing nvfs driver module\n");
+  const auto clean = hbmio::run_doctor({.root = tree.path().string()});
+  const Check& ok = check_in(clean, "gds.kernel_log");
+  EXPECT_EQ(ok.status, CheckStatus::pass) << ok.found;
+  EXPECT_NE(ok.found.find("/dev/kmsg: 3 lines read; no nvidia-fs"), std::string::npos) << ok.found;
+
+  tree.write("dev/kmsg",
+             "6,100,5000,-;nvme nvme0: Shutdown timeout set to 10 seconds\n"
+             "4,200,9000,-;nvme nvme0: I/O 17 QID 3 timeout, aborting\n"
+             "3,201,9001,-;nvme0n1: I/O Cmd(0x2) @ LBA 2048, 256 blocks, I/O Error (sct 0x2 / sc 0x81)\n"
+             "3,202,9002,-;nvidia-fs:nvfs_mgroup_check_and_set:error: page not in mgroup\n"
+             "4,203,9003,-;NVRM: Xid (PCI:0000:03:00): 79, pid=1234, GPU has fallen off the bus.\n");
+  const auto bad = hbmio::run_doctor({.root = tree.path().string()});
+  SCOPED_TRACE(dump(bad));
+  const Check& c = check_in(bad, "gds.kernel_log");
+  EXPECT_EQ(c.status, CheckStatus::warn);
+  for (const char* part : {"5 lines read", "1 nvidia-fs error line (last: \"nvidia-fs:nvfs_mgroup_check_and_set:error: page not in mgroup\")",
+                           "2 NVMe error lines (last: \"nvme0n1: I/O Cmd(0x2)", "1 GPU (NVRM Xid) error line"})
+    EXPECT_NE(c.found.find(part), std::string::npos) << part << " in " << c.found;
+  EXPECT_NE(c.fix.find("nvme smart-log"), std::string::npos) << c.fix;
+
+  // Without /dev/kmsg, the syslog's copy; a /dev/kmsg that cannot be read is named.
+  fs::remove(tree.path() / "dev/kmsg");
+  tree.write("var/log/kern.log", "Dec  5 10:00:00 host kernel: [ 12.3] nvme nvme1: controller is down; will reset: CSTS=0xffffffff\n");
+  const Check syslog = check_in(hbmio::run_doctor({.root = tree.path().string()}), "gds.kernel_log");
+  EXPECT_NE(syslog.found.find("/var/log/kern.log: 1 lines read; 1 NVMe error line"), std::string::npos) << syslog.found;
+  fs::remove(tree.path() / "var/log/kern.log");
+  tree.mkdir("dev/kmsg");  // exists, but no file to read
+  tree.write("proc/sys/kernel/dmesg_restrict", "1\n");
+  const Check denied = check_in(hbmio::run_doctor({.root = tree.path().string()}), "gds.kernel_log");
+  EXPECT_EQ(denied.status, CheckStatus::info);
+  EXPECT_NE(denied.found.find("kernel log not readable: /dev/kmsg: not readable"), std::string::npos) << denied.found;
+  EXPECT_NE(denied.found.find("kernel.dmesg_restrict=1: reading the kernel log needs root or CAP_SYSLOG"), std::string::npos) << denied.found;
+  EXPECT_NE(denied.fix.find("as root"), std::string::npos);
+}
+
+TEST(DoctorModes, LibcufileVersionGating) {
+  Tree tree;
+  build_gds_server(tree);
+  tree.write("proc/self/mountinfo",
+             "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+             "25 22 259:1 / /data rw,noatime shared:2 - ext4 /dev/nvme0n1p1 rw,data=ordered\n"
+             "32 22 0:42 / /scratch rw - tmpfs tmpfs rw,size=1g\n"
+             "33 22 0:43 / /pool rw - zfs tank/pool rw,xattr\n");
+  const auto unknown = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data"}});
+  EXPECT_EQ(check_in(unknown, "gds.cufile_version").status, CheckStatus::info);
+  EXPECT_NE(check_in(unknown, "gds.cufile_version").found.find("libcufile version unknown"), std::string::npos);
+
+  tree.write("usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.14.0", "");
+  tree.write("usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.15.1", "");
+  const auto plain = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data"}});
+  const Check& ok = check_in(plain, "gds.cufile_version");
+  EXPECT_EQ(ok.status, CheckStatus::pass) << ok.found;
+  EXPECT_NE(ok.found.find("libcufile 1.15.1 (/usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.15.1)"), std::string::npos) << ok.found;
+
+  tree.write("etc/cufile.json",
+             "{ \"properties\": { \"gpu_bounce_buffer_slab_config\": { \"p2p\": [] } }, \"block\": { \"nvme\": { \"use_pci_p2pdma\": true } } }\n");
+  const auto gated = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/data", "/scratch", "/pool"}});
+  SCOPED_TRACE(dump(gated));
+  const Check& c = check_in(gated, "gds.cufile_version");
+  EXPECT_EQ(c.status, CheckStatus::warn);
+  for (const char* part : {"/scratch on tmpfs (compatibility mode there) needs 1.16", "/pool on zfs (compatibility mode there) needs 1.17",
+                           "properties.gpu_bounce_buffer_slab_config in /etc/cufile.json needs 1.17",
+                           "block.nvme.use_pci_p2pdma read only by releases after 1.15 (ignored)"})
+    EXPECT_NE(c.found.find(part), std::string::npos) << part << " in " << c.found;
+
+  // A newer library serves them all.
+  tree.write("usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.17.0", "");
+  const auto newer = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/scratch", "/pool"}});
+  EXPECT_EQ(check_in(newer, "gds.cufile_version").status, CheckStatus::pass) << check_in(newer, "gds.cufile_version").found;
+}
+
+TEST(DoctorModes, GpfsAndWekaRdmaSettings) {
+  Tree tree;
+  build_gds_server(tree);
+  // A second GPU and NIC, so the load-balancing policy matters.
+  tree.pci(std::string(kSwitch) + "/0000:02:03.0/0000:06:00.0", "0x10de", "0x2335", "0x030200", 0);
+  const std::string nic2 = "pci0000:80/0000:80:02.0/0000:82:00.0";
+  tree.pci(nic2, "0x15b3", "0x101d", "0x020700", 1);
+  tree.write("sys/devices/" + nic2 + "/infiniband/mlx5_1/ports/1/state", "4: ACTIVE\n");
+  tree.write("sys/devices/" + nic2 + "/infiniband/mlx5_1/ports/1/rate", "200 Gb/sec (4X HDR)\n");
+  tree.link("sys/class/infiniband/mlx5_1", "../../devices/" + nic2 + "/infiniband/mlx5_1");
+  tree.write("proc/self/mountinfo",
+             "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+             "40 22 0:50 / /gpfs/fs1 rw,relatime - gpfs fs1 rw\n"
+             "41 22 0:51 / /mnt/weka rw,relatime - wekafs default rw\n");
+  tree.write("proc/net/fib_trie",
+             "Main:\n  +-- 0.0.0.0/0 3 0 5\n     |-- 192.168.10.2\n        /32 host LOCAL\n     |-- 10.0.0.9\n        /32 host LOCAL\n");
+  // cufile.json names the client NIC and a storage server's address.
+  tree.write("etc/cufile.json", "{ \"properties\": { \"rdma_dev_addr_list\": [\"192.168.10.2\", \"192.168.10.50\"] },"
+                                " \"fs\": { \"gpfs\": { \"gds_write_support\": true } } }\n");
+  const auto checks = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/gpfs/fs1", "/mnt/weka", "/"}});
+  SCOPED_TRACE(dump(checks));
+  const Check& gpfs = check_in(checks, "gds.rdma_config:/gpfs/fs1");
+  EXPECT_EQ(gpfs.status, CheckStatus::warn);
+  for (const char* part : {"IBM Storage Scale (GPFS) at /gpfs/fs1", "rdma_dev_addr_list 192.168.10.2, 192.168.10.50 (from properties.rdma_dev_addr_list)",
+                           "not addresses of this machine (/proc/net/fib_trie): 192.168.10.50", "nvidia_peermem loaded", "writes by RDMA",
+                           "rdma_load_balancing_policy RoundRobin (default)"})
+    EXPECT_NE(gpfs.found.find(part), std::string::npos) << part << " in " << gpfs.found;
+  EXPECT_NE(gpfs.fix.find("RoundRobinMaxMin"), std::string::npos) << gpfs.fix;
+  EXPECT_NE(check_in(checks, "gds.rdma_config:/mnt/weka").found.find("writes through compatibility mode (fs.weka.rdma_write_support not true)"),
+            std::string::npos);
+  EXPECT_EQ(find_check(checks, "gds.rdma_config:/"), nullptr);  // ext4: not an RDMA file system
+
+  // Without addresses and without nvidia_peermem: compatibility mode, named with both fixes.
+  fs::remove_all(tree.path() / "sys/module/nvidia_peermem");
+  tree.write("etc/cufile.json", "{ \"properties\": { \"rdma_load_balancing_policy\": \"RoundRobinMaxMin\" } }\n");
+  const Check bare = check_in(hbmio::run_doctor({.root = tree.path().string(), .paths = {"/mnt/weka"}}), "gds.rdma_config:/mnt/weka");
+  EXPECT_EQ(bare.status, CheckStatus::warn);
+  EXPECT_NE(bare.found.find("WekaFS without rdma_dev_addr_list goes through compatibility mode"), std::string::npos) << bare.found;
+  EXPECT_NE(bare.found.find("neither nvidia_peermem nor dma-buf"), std::string::npos) << bare.found;
+  EXPECT_EQ(bare.fix.find("RoundRobinMaxMin\", which"), std::string::npos) << bare.fix;
+
+  // Set up as it should be: the client's own address, nvidia_peermem, the policy.
+  tree.mkdir("sys/module/nvidia_peermem");
+  tree.write("etc/cufile.json", "{ \"properties\": { \"rdma_dev_addr_list\": [\"10.0.0.9\"], \"rdma_load_balancing_policy\": \"RoundRobinMaxMin\" },"
+                                " \"fs\": { \"weka\": { \"rdma_write_support\": true } } }\n");
+  const Check good = check_in(hbmio::run_doctor({.root = tree.path().string(), .paths = {"/mnt/weka"}}), "gds.rdma_config:/mnt/weka");
+  EXPECT_EQ(good.status, CheckStatus::pass) << good.found;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Pieces
 // ---------------------------------------------------------------------------------------------

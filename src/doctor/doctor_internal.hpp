@@ -91,6 +91,8 @@ Check make_check(std::string id, const char* group, CheckStatus status, std::str
 // gpu.cpp
 std::vector<Gpu> find_gpus(const Root& root, const std::vector<PciDevice>& pci);
 void check_gpus(const Root& root, const Inventory& inventory, std::vector<Check>& out);
+// Grace's CoherentGPUMemoryMode (CDMM or NUMA); no line on machines without coherent GPU memory.
+void check_coherent_memory(const Root& root, const Inventory& inventory, std::vector<Check>& out);
 
 // storage.cpp
 std::vector<NvmeController> find_nvme_controllers(const Root& root, const std::vector<PciDevice>& pci);
@@ -115,16 +117,23 @@ void check_topology(const Root& root, const Inventory& inventory, std::vector<Ch
 // cufile.json allows // comments, which JSON does not: removes them (outside strings).
 std::string strip_json_comments(const std::string& text);
 
-// The cufile.json libcufile reads: CUFILE_ENV_PATH_JSON (live machine only), else /etc/cufile.json.
+// The cufile.json libcufile reads: CUFILE_ENV_PATH_JSON, else /etc/cufile.json, and the CUFILE_*
+// variables that override its settings.
 struct CufileConfig {
   std::string shown;                       // the path as cuFile would name it
   bool from_env = false;                   // named by CUFILE_ENV_PATH_JSON
   std::optional<std::string> text;         // nothing: not there or unreadable
   std::optional<nlohmann::json> json;      // nothing: no text, or not valid JSON (parse_error says why)
   std::string parse_error;
-  // The value at "properties.use_pci_p2pdma"; nothing when absent.
+  // CUFILE_* variables of the environment cuFile would see (this process's on the live machine,
+  // proc/self/environ in a recorded tree), sorted by name.
+  std::vector<std::pair<std::string, std::string>> environment;
+  // Boolean settings a CUFILE_* variable overrides: "properties.allow_compat_mode" -> false.
+  std::vector<std::pair<std::string, bool>> overrides;
+  // The value at "properties.use_pci_p2pdma" in the file; nothing when absent.
   const nlohmann::json* find(std::string_view dotted) const;
-  // A boolean setting; nothing when absent or not a boolean.
+  // A boolean setting as cuFile takes it (a CUFILE_* override first, then the file); nothing when
+  // absent or not a boolean.
   std::optional<bool> flag(std::string_view dotted) const;
 };
 CufileConfig load_cufile_config(const Root& root);

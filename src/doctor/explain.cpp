@@ -56,11 +56,14 @@ int rank_of(const Check& c, const std::string& path, bool gpu, bool gds) {
     if (c.id == "gds.verdict:" + path) return 2;
     if (c.status == CheckStatus::info) return -1;
     if (c.id == "gds.nvidia_fs" || c.id == "gds.p2pdma_mode") return 3;
-    if (c.id.starts_with("gds.cufile_setting:") || c.id == "gds.cufile_json") return 4;
-    if (c.id == "gds.udev" || c.id == "gds.libcufile" || c.id.starts_with("gds.container_")) return 5;
+    if (c.id == "gds.rdma_config:" + path) return 3;
+    if (c.id.starts_with("gds.cufile_setting:") || c.id == "gds.cufile_json" || c.id == "gds.cufile_env") return 4;
+    if (c.id == "gds.udev" || c.id == "gds.libcufile" || c.id == "gds.cufile_version" || c.id.starts_with("gds.container_")) return 5;
   }
   if (c.status == CheckStatus::info) return -1;
-  if (c.id == "storage.o_direct:" + path || c.id == "storage.filesystem:" + path) return 6;
+  if (c.id == "storage.o_direct:" + path || c.id == "storage.filesystem:" + path || c.id == "storage.queue_depth:" + path ||
+      c.id == "gds.kernel_log")
+    return 6;
   if (gpu && (starts_with_any(c.id, {"topology.path:", "topology.acs:", "gpu.link:"}) || c.id == "topology.iommu")) return 7;
   return -1;
 }

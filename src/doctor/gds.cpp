@@ -1,6 +1,11 @@
 // GDS: libcufile, cufile.json, nvidia-fs, PCI P2PDMA, udev, and cuFile's verdict on each PATH.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
+#include <cstring>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -13,6 +18,8 @@
 
 #include "doctor/doctor_internal.hpp"
 #include "shim/cufile_api.hpp"
+
+extern char** environ;  // this process's environment (unistd.h declares it only with _GNU_SOURCE)
 
 namespace hbmio::doctor {
 
@@ -58,17 +65,84 @@ bool kernel_has_symbol(const Root& root, std::string_view symbol, bool& readable
 
 }  // namespace
 
+namespace {
+
+// The CUFILE_* variables cuFile reads in place of a cufile.json setting, with the setting each
+// overrides. Sources: NVIDIA gds-diag's list of environment overrides (checks/cufile_config.py,
+// ENV_OVERRIDES), the GDS documentation for CUFILE_ENV_PATH_JSON and CUFILE_LOGFILE_PATH, and
+// NVIDIA's GDS troubleshooting guide for CUFILE_EXPERIMENTAL_FS.
+struct CufileVariable {
+  std::string_view name, setting, what;
+  bool boolean;
+};
+constexpr CufileVariable kCufileVariables[] = {
+    {"CUFILE_ENV_PATH_JSON", "", "the cufile.json cuFile reads instead of /etc/cufile.json", false},
+    {"CUFILE_LOGFILE_PATH", "logging.dir", "cuFile's log file, ahead of logging.dir", false},
+    {"CUFILE_LOGGING_LEVEL", "logging.level", "cuFile's log level", false},
+    {"CUFILE_FORCE_COMPAT_MODE", "properties.force_compat_mode", "", true},
+    {"CUFILE_ALLOW_COMPAT_MODE", "properties.allow_compat_mode", "", true},
+    {"CUFILE_USE_PCIP2PDMA", "properties.use_pci_p2pdma", "", true},
+    {"CUFILE_NVTX", "profile.nvtx", "", true},
+    {"CUFILE_SKIP_TOPOLOGY_DETECTION", "miscellaneous.skip_topology_detection", "", true},
+    {"CUFILE_EXPERIMENTAL_FS", "", "lets cuFile open files on file systems outside its supported list", false},
+};
+
+const CufileVariable* cufile_variable(std::string_view name) {
+  for (const auto& v : kCufileVariables)
+    if (v.name == name) return &v;
+  return nullptr;
+}
+
+// "true"/"1" and "false"/"0", the spellings NVIDIA's examples use; nothing for anything else.
+std::optional<bool> environment_flag(std::string value) {
+  std::transform(value.begin(), value.end(), value.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (value == "true" || value == "1") return true;
+  if (value == "false" || value == "0") return false;
+  return std::nullopt;
+}
+
+// CUFILE_* variables cuFile would see. On the live machine this process's environment, which a
+// program started from the same shell inherits; a recorded tree holds its capture's in
+// proc/self/environ.
+std::vector<std::pair<std::string, std::string>> cufile_environment(const Root& root) {
+  std::vector<std::pair<std::string, std::string>> found;
+  const auto add = [&](std::string_view entry) {
+    const auto equals = entry.find('=');
+    if (entry.starts_with("CUFILE_") && equals != std::string_view::npos)
+      found.emplace_back(std::string(entry.substr(0, equals)), std::string(entry.substr(equals + 1)));
+  };
+  if (root.is_live()) {
+    for (char** entry = environ; entry && *entry; ++entry) add(*entry);
+  } else if (const auto text = root.read_file("proc/self/environ")) {
+    for (std::size_t at = 0; at < text->size();) {
+      const auto end = std::min(text->find('\0', at), text->size());
+      add(std::string_view(*text).substr(at, end - at));
+      at = end + 1;
+    }
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+}  // namespace
+
 CufileConfig load_cufile_config(const Root& root) {
   CufileConfig config;
-  // CUFILE_ENV_PATH_JSON is this process's environment: it names a file on the live machine only.
-  const char* env = root.is_live() ? std::getenv("CUFILE_ENV_PATH_JSON") : nullptr;
-  config.from_env = env && *env;
-  config.shown = config.from_env ? std::string(env) : "/etc/cufile.json";
-  if (config.from_env) {
-    std::ifstream in(env, std::ios::binary);
+  config.environment = cufile_environment(root);
+  std::string env;
+  for (const auto& [name, value] : config.environment) {
+    if (name == "CUFILE_ENV_PATH_JSON") env = value;
+    const auto* variable = cufile_variable(name);
+    if (variable && variable->boolean)
+      if (const auto on = environment_flag(value)) config.overrides.emplace_back(std::string(variable->setting), *on);
+  }
+  config.from_env = !env.empty();
+  config.shown = config.from_env ? env : "/etc/cufile.json";
+  if (config.from_env && root.is_live()) {
+    std::ifstream in(env, std::ios::binary);  // relative to this process's directory, as cuFile takes it
     if (in) config.text = std::string(std::istreambuf_iterator<char>(in), {});
   } else {
-    config.text = root.read_file("etc/cufile.json");
+    config.text = root.read_file(config.from_env ? env : "etc/cufile.json");
   }
   if (!config.text) return config;
   const std::string stripped = strip_json_comments(*config.text);  // comments leave their newlines: lines stay the file's
@@ -105,6 +179,8 @@ const nlohmann::json* CufileConfig::find(std::string_view dotted) const {
 }
 
 std::optional<bool> CufileConfig::flag(std::string_view dotted) const {
+  for (const auto& [setting, on] : overrides)
+    if (setting == dotted) return on;
   const auto* value = find(dotted);
   if (!value || !value->is_boolean()) return std::nullopt;
   return value->get<bool>();
@@ -838,6 +914,397 @@ void check_path_mode(const Root& root, const Inventory& inventory, const PathFac
 
 }  // namespace
 
+namespace {
+
+// The CUFILE_* variables set, what each overrides, and those that force or forbid a mode.
+void check_cufile_env(const Inventory& inventory, const CufileConfig& cufile, const P2pdmaFacts& p2pdma, bool nvidia_fs,
+                      std::vector<Check>& out) {
+  if (cufile.environment.empty()) {
+    out.push_back(make_check("gds.cufile_env", kGroupGds, CheckStatus::info,
+                             "no CUFILE_* variable in the environment: " + cufile.shown + " alone sets cuFile's behaviour"));
+    return;
+  }
+  const bool have_gpu = !inventory.gpus.empty();
+  std::vector<std::string> parts, problems, fixes;
+  for (const auto& [name, value] : cufile.environment) {
+    const auto* variable = cufile_variable(name);
+    std::string part = name + "=" + value;
+    if (!variable) {
+      part += " (not a variable the doctor knows cuFile to read: misspelt?)";
+    } else if (variable->boolean) {
+      const auto on = environment_flag(value);
+      const auto* in_file = cufile.find(variable->setting);
+      const std::string file_value = in_file ? in_file->dump() : "unset";
+      if (!on) {
+        part += fmt::format(" (not true, false, 1 or 0: {} stays {} from {})", variable->setting, file_value, cufile.shown);
+        problems.push_back(name + " is not a boolean");
+        fixes.push_back(fmt::format("set {} to true or false", name));
+      } else {
+        part += fmt::format(" (overrides {}: {} in {})", variable->setting, file_value, cufile.shown);
+        if (variable->setting == "properties.force_compat_mode" && *on && have_gpu) {
+          problems.push_back(name + " forces compatibility mode: every file goes through host memory");
+          fixes.push_back("unset " + name);
+        } else if (variable->setting == "properties.allow_compat_mode" && !*on && have_gpu && !nvidia_fs && !p2pdma.ready()) {
+          problems.push_back(name + " forbids compatibility mode and no DMA mode is available here: cuFile refuses every file");
+          fixes.push_back("unset " + name + ", or make nvidia-fs or P2PDMA available");
+        }
+      }
+    } else if (name == "CUFILE_LOGGING_LEVEL") {
+      static constexpr std::string_view levels[] = {"NOTICE", "ERROR", "WARN", "INFO", "DEBUG", "TRACE"};
+      if (std::find(std::begin(levels), std::end(levels), value) == std::end(levels)) {
+        part += " (not one of NOTICE, ERROR, WARN, INFO, DEBUG, TRACE)";
+        problems.push_back(name + " is not a log level");
+        fixes.push_back("set " + name + " to one of NOTICE, ERROR, WARN, INFO, DEBUG, TRACE");
+      } else {
+        part += " (overrides logging.level)";
+      }
+    } else {
+      part += " (" + std::string(variable->what) + ")";
+    }
+    parts.push_back(part);
+  }
+  std::string found;
+  for (const auto& p : parts) found += (found.empty() ? "" : "; ") + p;
+  found = "environment: " + found;
+  if (problems.empty()) {
+    out.push_back(make_check("gds.cufile_env", kGroupGds, CheckStatus::info, found));
+    return;
+  }
+  std::string why, fix;
+  for (const auto& p : problems) why += (why.empty() ? "" : "; ") + p;
+  for (const auto& f : fixes) fix += (fix.empty() ? "" : "; ") + f;
+  out.push_back(make_check("gds.cufile_env", kGroupGds, CheckStatus::warn, found + ": " + why,
+                           "CUFILE_* variables that do not force, forbid or garble a setting", fix));
+}
+
+// One line of the kernel log, the message only: /dev/kmsg writes "6,339,5140900,-;text".
+std::string kernel_message(std::string_view line) {
+  const auto semicolon = line.find(';');
+  const auto comma = line.find(',');
+  if (semicolon != std::string_view::npos && comma != std::string_view::npos && comma < semicolon &&
+      std::isdigit(static_cast<unsigned char>(line[0])))
+    line.remove_prefix(semicolon + 1);
+  return std::string(line);
+}
+
+// The kernel's log: /dev/kmsg (live: every record still in the ring buffer; a recorded tree may
+// hold a copy at dev/kmsg), else the syslog files. `denied` says why /dev/kmsg could not be read.
+std::optional<std::string> read_kernel_log(const Root& root, std::string& source, std::string& denied) {
+  constexpr std::size_t kLimit = 8u << 20;
+  if (root.is_live()) {
+    const int fd = ::open("/dev/kmsg", O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+      denied = fmt::format("/dev/kmsg: {}", std::strerror(errno));
+    } else {
+      // Each read returns one record; EAGAIN: none left; EPIPE: the next was overwritten, go on.
+      std::string text;
+      char record[8192];
+      for (int skipped = 0; text.size() < kLimit && skipped < 1000;) {
+        const ssize_t n = ::read(fd, record, sizeof record);
+        if (n > 0) text.append(record, static_cast<std::size_t>(n));
+        else if (n < 0 && errno == EPIPE) ++skipped;
+        else if (n < 0 && errno == EINTR) continue;
+        else break;
+      }
+      const int error = errno;
+      ::close(fd);
+      if (!text.empty() || error == EAGAIN) {
+        source = "/dev/kmsg";
+        return text;
+      }
+      denied = fmt::format("/dev/kmsg: {}", std::strerror(error));
+    }
+  } else if (root.exists("dev/kmsg")) {
+    if (auto text = root.read_file("dev/kmsg", kLimit)) {
+      source = "/dev/kmsg";
+      return text;
+    }
+    denied = "/dev/kmsg: not readable";
+  }
+  for (const char* file : {"var/log/kern.log", "var/log/dmesg", "var/log/messages", "var/log/syslog"}) {
+    // The end of a long log: the current boot's lines are last.
+    std::ifstream in(root.path(file), std::ios::binary | std::ios::ate);
+    if (!in) continue;
+    const auto size = static_cast<std::size_t>(std::max<std::streamoff>(in.tellg(), 0));
+    in.seekg(static_cast<std::streamoff>(size > kLimit ? size - kLimit : 0));
+    std::string text(std::istreambuf_iterator<char>(in), {});
+    source = "/" + std::string(file);
+    return text;
+  }
+  return std::nullopt;
+}
+
+bool contains_any(const std::string& lowered, std::initializer_list<std::string_view> words) {
+  return std::any_of(words.begin(), words.end(), [&](std::string_view w) { return lowered.find(w) != std::string::npos; });
+}
+
+// Errors from nvidia-fs, NVMe and the GPU driver in the kernel log: what the kernel saw go wrong
+// under a transfer that cuFile or the engines only report as a failed read.
+void check_kernel_log(const Root& root, const Inventory& inventory, std::vector<Check>& out) {
+  std::string source, denied;
+  const auto text = read_kernel_log(root, source, denied);
+  if (!text) {
+    const auto restrict = root.read_attribute("proc/sys/kernel/dmesg_restrict");
+    std::string found = denied.empty() ? "no kernel log: no /dev/kmsg and no /var/log/kern.log, dmesg, messages or syslog"
+                                       : "kernel log not readable: " + denied + "; no /var/log/kern.log, dmesg, messages or syslog";
+    if (restrict == "1") found += " (kernel.dmesg_restrict=1: reading the kernel log needs root or CAP_SYSLOG)";
+    out.push_back(make_check("gds.kernel_log", kGroupGds, CheckStatus::info, found, "",
+                             denied.empty() ? "" : "run hbmio doctor as root (sudo) to include nvidia-fs, NVMe and GPU errors from the kernel log"));
+    return;
+  }
+  struct Kind {
+    const char* name;
+    const char* fix;
+    std::vector<std::string> lines;
+  };
+  Kind nvfs{"nvidia-fs", "look the message up in NVIDIA's GDS troubleshooting guide; after fixing, reload it: modprobe -r nvidia_fs && modprobe nvidia_fs", {}};
+  Kind peermem{"nvidia_peermem", "reload it after the NVIDIA driver and MOFED/DOCA it was built against: modprobe nvidia_peermem", {}};
+  Kind nvme{"NVMe", "check the drive and its link: nvme smart-log /dev/nvmeX, nvme error-log /dev/nvmeX, and the PCIe link (gpu.link, storage lines)", {}};
+  Kind xid{"GPU (NVRM Xid)", "look the Xid up in NVIDIA's Xid catalog; nvidia-smi -q shows the GPU's state", {}};
+  std::size_t lines = 0;
+  std::istringstream in(*text);
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty() || line[0] == ' ') continue;  // /dev/kmsg's continuation lines (SUBSYSTEM=...)
+    ++lines;
+    const std::string message = kernel_message(line);
+    std::string lowered = message;
+    std::transform(lowered.begin(), lowered.end(), lowered.begin(), [](unsigned char c) { return std::tolower(c); });
+    const bool bad = contains_any(lowered, {"error", "fail", "not supported", "unable", "mismatch", "invalid", "timeout", "denied"});
+    if (lowered.find("nvrm: xid") != std::string::npos) xid.lines.push_back(message);
+    else if (bad && contains_any(lowered, {"nvidia-fs", "nvidia_fs", "nvfs"})) nvfs.lines.push_back(message);
+    else if (bad && lowered.find("nvidia_peermem") != std::string::npos) peermem.lines.push_back(message);
+    // NVMe: "I/O ... timeout, aborting", "I/O Error", resets; not "Shutdown timeout set to 10 seconds".
+    else if (lowered.find("nvme") != std::string::npos &&
+             contains_any(lowered, {"error", "fail", "abort", "timeout,", "resetting", "controller is down", "not supported"}))
+      nvme.lines.push_back(message);
+  }
+  std::string found = fmt::format("{}: {} lines read", source, lines), fix;
+  bool any = false;
+  for (const Kind* kind : {&nvfs, &peermem, &nvme, &xid}) {
+    if (kind->lines.empty()) continue;
+    any = true;
+    std::string last = kind->lines.back();
+    if (last.size() > 160) last = last.substr(0, 157) + "...";
+    found += fmt::format("; {} {} error line{} (last: \"{}\")", kind->lines.size(), kind->name, kind->lines.size() == 1 ? "" : "s", last);
+    fix += (fix.empty() ? "" : "; ") + std::string(kind->name) + ": " + kind->fix;
+  }
+  if (!any) {
+    found += "; no nvidia-fs, nvidia_peermem, NVMe or GPU (Xid) errors";
+    out.push_back(make_check("gds.kernel_log", kGroupGds, CheckStatus::pass, found));
+  } else {
+    out.push_back(make_check("gds.kernel_log", kGroupGds, inventory.gpus.empty() && nvme.lines.empty() ? CheckStatus::info : CheckStatus::warn,
+                             found, "no errors from nvidia-fs, NVMe or the GPU driver", fix));
+  }
+}
+
+// "1.15.1" -> {1, 15, 1}; nothing for text that does not start with a number ("unknown (before
+// GDS 1.8)").
+std::vector<int> version_numbers(std::string_view text) {
+  std::vector<int> numbers;
+  if (text.empty() || !std::isdigit(static_cast<unsigned char>(text[0]))) return numbers;
+  for (std::size_t at = 0; at < text.size();) {
+    if (!std::isdigit(static_cast<unsigned char>(text[at]))) {
+      if (text[at] != '.') break;
+      ++at;
+      continue;
+    }
+    int n = 0;
+    while (at < text.size() && std::isdigit(static_cast<unsigned char>(text[at]))) n = n * 10 + (text[at++] - '0');
+    numbers.push_back(n);
+  }
+  return numbers;
+}
+
+bool at_least(const std::vector<int>& version, std::initializer_list<int> minimum) {
+  return std::lexicographical_compare(version.begin(), version.end(), minimum.begin(), minimum.end()) == false;
+}
+
+// What the cufile.json and the PATHs use that needs a libcufile newer than the one installed.
+// The releases that brought each: NVIDIA gds-diag's file-system matrix (checks/fs_matrix.py,
+// from the GDS release notes: compatibility mode on tmpfs, ramfs, squashfs and overlay from 1.16,
+// on zfs and btrfs from 1.17) and its configuration schema (properties.gpu_bounce_buffer_slab_config,
+// 1.17); keys only later releases read are the audit's list above.
+void check_cufile_version(const Root& root, const CufileConfig& cufile, const std::vector<PathFacts>& paths, std::vector<Check>& out) {
+  std::string version_text, where;
+  if (root.is_live()) {
+    const auto& api = shim::CufileApi::instance();
+    if (api.loaded()) {
+      version_text = api.version_string();
+      where = api.library_path();
+    }
+  }
+  if (version_text.empty() || version_numbers(version_text).size() < 2) {
+    // The highest libcufile.so.<version> file in the usual directories.
+    for (const auto& [file, version] : find_libraries(root, "libcufile"))
+      if (version_text.empty() || version_numbers(version) > version_numbers(version_text)) {
+        version_text = version;
+        where = file;
+      }
+  }
+  const auto version = version_numbers(version_text);
+  struct Need {
+    std::string what;
+    int major, minor;
+  };
+  std::vector<Need> needs;
+  for (const auto& facts : paths) {
+    const std::string fs = facts.fs_type == "overlayfs" ? "overlay" : facts.fs_type;
+    if (fs == "tmpfs" || fs == "ramfs" || fs == "squashfs" || fs == "overlay")
+      needs.push_back({fmt::format("{} on {} (compatibility mode there)", facts.path, fs), 1, 16});
+    else if (fs == "zfs" || fs == "btrfs")
+      needs.push_back({fmt::format("{} on {} (compatibility mode there)", facts.path, fs), 1, 17});
+  }
+  if (cufile.find("properties.gpu_bounce_buffer_slab_config")) needs.push_back({"properties.gpu_bounce_buffer_slab_config in " + cufile.shown, 1, 17});
+  std::vector<std::string> later;
+  if (cufile.json && cufile.json->is_object()) {
+    std::vector<std::pair<std::string, const nlohmann::json*>> settings;
+    flatten(*cufile.json, "", settings);
+    for (const auto& [key, value] : settings)
+      if (listed(kCufileKeysLater, key) && key != "properties.gpu_bounce_buffer_slab_config") later.push_back(key);  // that one is above
+  }
+  std::string in_use;
+  for (const auto& n : needs) in_use += fmt::format("{}{} (libcufile {}.{} or later)", in_use.empty() ? "" : "; ", n.what, n.major, n.minor);
+  if (!later.empty())
+    in_use += fmt::format("{}{} key{} of releases after 1.15 in {}", in_use.empty() ? "" : "; ", later.size(), later.size() == 1 ? "" : "s", cufile.shown);
+  if (in_use.empty()) in_use = "nothing that needs a particular release";
+  if (version.size() < 2) {
+    out.push_back(make_check("gds.cufile_version", kGroupGds, CheckStatus::info,
+                             "libcufile version unknown (not loadable here, no libcufile.so.<version> in the usual directories); in use: " + in_use));
+    return;
+  }
+  std::vector<std::string> missing;
+  for (const auto& n : needs)
+    if (!at_least(version, {n.major, n.minor})) missing.push_back(fmt::format("{} needs {}.{}", n.what, n.major, n.minor));
+  if (!later.empty() && !at_least(version, {1, 16}))
+    missing.push_back(fmt::format("{} read only by releases after 1.15 (ignored)", fmt::join(later, ", ")));
+  const std::string found = fmt::format("libcufile {} ({}); in use: {}", version_text, where, in_use);
+  if (missing.empty()) {
+    out.push_back(make_check("gds.cufile_version", kGroupGds, CheckStatus::pass, found));
+  } else {
+    std::string why;
+    for (const auto& m : missing) why += (why.empty() ? "" : "; ") + m;
+    out.push_back(make_check("gds.cufile_version", kGroupGds, CheckStatus::warn, found + ": " + why,
+                             "a libcufile that serves what the PATHs and cufile.json use",
+                             "install a newer libcufile (the CUDA toolkit's, or pip install nvidia-cufile-cu13), or keep the data on ext4/xfs"));
+  }
+}
+
+// The IPv4 addresses this machine owns, from /proc/net/fib_trie ("|-- 10.0.0.5" followed by
+// "/32 host LOCAL"); nothing when it cannot be read.
+std::optional<std::vector<std::string>> local_addresses(const Root& root) {
+  const auto text = root.read_file("proc/net/fib_trie", 4 << 20);
+  if (!text) return std::nullopt;
+  std::vector<std::string> addresses;
+  std::istringstream in(*text);
+  std::string last;
+  for (std::string line; std::getline(in, line);) {
+    if (const auto at = line.find("|-- "); at != std::string::npos) last = attribute_value(line.substr(at + 4));
+    else if (line.find("host LOCAL") != std::string::npos && !last.empty() &&
+             std::find(addresses.begin(), addresses.end(), last) == addresses.end())
+      addresses.push_back(last);
+  }
+  return addresses;
+}
+
+bool is_ipv4(const std::string& text) {
+  int parts = 0;
+  for (std::size_t at = 0; at <= text.size(); ++parts) {
+    const auto end = std::min(text.find('.', at), text.size());
+    const std::string part = text.substr(at, end - at);
+    if (part.empty() || part.size() > 3 || part.find_first_not_of("0123456789") != std::string::npos || std::stoi(part) > 255) return false;
+    at = end + 1;
+  }
+  return parts == 4;
+}
+
+void collect_strings(const nlohmann::json& node, std::vector<std::string>& out) {
+  if (node.is_string()) out.push_back(node.get<std::string>());
+  else if (node.is_array() || node.is_object())
+    for (const auto& item : node) collect_strings(item, out);
+}
+
+// A PATH on IBM Storage Scale (GPFS) or WekaFS: cuFile moves its data by its own (user-space) RDMA,
+// which needs the client NICs in rdma_dev_addr_list (without them cuFile uses compatibility mode:
+// the cuFile API reference, "cuFile Compatibility Mode"), nvidia_peermem or dma-buf to register GPU
+// memory, and write support switched on per file system; with several GPUs and NICs gds-diag
+// recommends the RoundRobinMaxMin policy.
+void check_rdma_config(const Root& root, const Inventory& inventory, const PathFacts& facts, const CufileConfig& cufile,
+                       std::vector<Check>& out) {
+  const std::string fs = facts.fs_type;
+  if (fs != "gpfs" && fs != "wekafs") return;
+  const std::string section = fs == "gpfs" ? "gpfs" : "weka";
+  const std::string name = fs == "gpfs" ? "IBM Storage Scale (GPFS)" : "WekaFS";
+  std::vector<std::string> addresses, sources;
+  for (const auto& key : std::vector<std::string>{"properties.rdma_dev_addr_list", "fs." + section + ".rdma_dev_addr_list", "fs." + section + ".mount_table"})
+    if (const auto* value = cufile.find(key)) {
+      const auto before = addresses.size();
+      collect_strings(*value, addresses);
+      if (addresses.size() > before) sources.push_back(key);
+    }
+  std::vector<std::string> parts, problems, fixes;
+  parts.push_back(addresses.empty() ? fmt::format("no rdma_dev_addr_list in {}", cufile.shown)
+                                    : fmt::format("rdma_dev_addr_list {} (from {})", fmt::join(addresses, ", "), fmt::join(sources, ", ")));
+  if (addresses.empty()) {
+    problems.push_back(name + " without rdma_dev_addr_list goes through compatibility mode");
+    fixes.push_back("list this machine's RDMA NIC addresses in properties.rdma_dev_addr_list of " + cufile.shown);
+  } else {
+    std::vector<std::string> invalid, foreign;
+    const auto local = local_addresses(root);
+    for (const auto& a : addresses) {
+      if (!is_ipv4(a)) invalid.push_back(a);
+      else if (local && std::find(local->begin(), local->end(), a) == local->end()) foreign.push_back(a);
+    }
+    if (!invalid.empty()) {
+      problems.push_back(fmt::format("not IPv4 addresses: {}", fmt::join(invalid, ", ")));
+      fixes.push_back("write each entry as an IPv4 address");
+    }
+    if (!foreign.empty()) {
+      problems.push_back(fmt::format("not addresses of this machine (/proc/net/fib_trie): {}", fmt::join(foreign, ", ")));
+      fixes.push_back("rdma_dev_addr_list names this client's own RDMA NIC addresses, not the storage servers'");
+    }
+    if (!local) parts.push_back("this machine's addresses unknown (no /proc/net/fib_trie)");
+  }
+  const bool peermem = root.exists("sys/module/nvidia_peermem");
+  const auto* peer_type = cufile.find("properties.rdma_peer_type");
+  const bool dmabuf = peer_type && peer_type->is_string() && peer_type->get<std::string>() == "dmabuf";
+  parts.push_back(fmt::format("nvidia_peermem {}, rdma_peer_type {}", peermem ? "loaded" : "not loaded", peer_type ? peer_type->dump() : "unset"));
+  if (!peermem && !dmabuf) {
+    problems.push_back("GPU memory cannot be registered for RDMA: neither nvidia_peermem nor dma-buf");
+    fixes.push_back("modprobe nvidia_peermem (or set \"rdma_peer_type\": \"dmabuf\" with a libcufile that reads it)");
+  }
+  // Writes: off unless the file system's switch is on, and gds_rdma_write_support false overrides it.
+  const std::string write_key = fs == "gpfs" ? "fs.gpfs.gds_write_support" : "fs.weka.rdma_write_support";
+  const bool writes = cufile.flag(write_key) == true && cufile.flag("properties.gds_rdma_write_support") != false;
+  parts.push_back(writes ? "writes by RDMA" : fmt::format("writes through compatibility mode ({} not true{})", write_key,
+                                                           cufile.flag("properties.gds_rdma_write_support") == false ? ", or gds_rdma_write_support false" : ""));
+  std::size_t active_nics = 0;
+  for (const auto& r : inventory.rdma) active_nics += r.active() ? 1 : 0;
+  const auto* policy = cufile.find("properties.rdma_load_balancing_policy");
+  const std::string policy_text = policy && policy->is_string() ? policy->get<std::string>() : "RoundRobin (default)";
+  parts.push_back("rdma_load_balancing_policy " + policy_text);
+  std::string advice;
+  if (inventory.gpus.size() > 1 && active_nics > 1 && !policy_text.starts_with("RoundRobinMaxMin"))
+    advice = fmt::format("{} GPUs and {} active RDMA NICs: NVIDIA's gds-diag recommends \"rdma_load_balancing_policy\": \"RoundRobinMaxMin\", "
+                         "which spreads GPUs over the nearest NICs least shared",
+                         inventory.gpus.size(), active_nics);
+  std::string found;
+  for (const auto& p : parts) found += (found.empty() ? "" : "; ") + p;
+  found = fmt::format("{} at {}: {}", name, facts.path, found);
+  const std::string id = "gds.rdma_config:" + facts.path;
+  if (problems.empty()) {
+    out.push_back(make_check(id, kGroupGds, advice.empty() ? CheckStatus::pass : CheckStatus::info, found, "", advice));
+    return;
+  }
+  std::string why, fix;
+  for (const auto& p : problems) why += (why.empty() ? "" : "; ") + p;
+  for (const auto& f : fixes) fix += (fix.empty() ? "" : "; ") + f;
+  if (!advice.empty()) fix += "; " + advice;
+  out.push_back(make_check(id, kGroupGds, inventory.gpus.empty() ? CheckStatus::info : CheckStatus::warn, found + ": " + why,
+                           "rdma_dev_addr_list with this machine's RDMA NICs, and nvidia_peermem or dma-buf", fix));
+}
+
+}  // namespace
+
 void check_gds(const Root& root, const Inventory& inventory, const std::vector<PathFacts>& paths, std::vector<Check>& out) {
   const bool have_gpu = !inventory.gpus.empty();
   if (root.is_live()) {
@@ -885,6 +1352,8 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
   const P2pdmaFacts p2pdma_facts = find_p2pdma_facts(root, inventory, cufile);
   check_p2pdma_mode(root, inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
   check_cufile_audit(root, inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
+  check_cufile_env(inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
+  check_cufile_version(root, cufile, paths, out);
   check_container(root, inventory, nvidia_fs.has_value(), cufile, out);
 
   if (!root.is_live() && !root.exists("run")) {
@@ -899,6 +1368,7 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
   }
 
   for (const auto& facts : paths) check_path_mode(root, inventory, facts, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
+  for (const auto& facts : paths) check_rdma_config(root, inventory, facts, cufile, out);
 
   for (const auto& facts : paths) {
     const std::string id = "gds.verdict:" + facts.path;
@@ -917,6 +1387,8 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
                                "cuFile unusable here: " + facts.cufile_reason, "GDS or P2PDMA", "see the reason; auto will not pick cufile"));
     }
   }
+
+  check_kernel_log(root, inventory, out);
 }
 
 }  // namespace hbmio::doctor

@@ -1,7 +1,9 @@
 // GPUs: each NVIDIA GPU's PCI address, NUMA node, PCIe link and BAR1; the driver; CUDA's view.
-#include <fmt/format.h>
-
+#include <algorithm>
+#include <cctype>
 #include <sstream>
+
+#include <fmt/format.h>
 
 #include "doctor/doctor_internal.hpp"
 #include "hbmio/memory.hpp"
@@ -54,6 +56,75 @@ std::vector<Gpu> find_gpus(const Root& root, const std::vector<PciDevice>& pci) 
   return gpus;
 }
 
+namespace {
+
+// Why this machine is an NVIDIA Grace (Grace Hopper, Grace Blackwell), or empty: an Arm machine
+// whose firmware or device tree names Grace or NVIDIA, or whose cores are Neoverse V2 (CPU part
+// 0xd4f, Grace's core) beside an NVIDIA GPU, as NVIDIA's gds-diag decides it.
+std::string grace_evidence(const Root& root, const Inventory& inventory) {
+  const std::string cpuinfo = root.read_file("proc/cpuinfo", 4 << 20).value_or("");
+  const std::string arch = root.read_attribute("proc/sys/kernel/arch").value_or("");
+  const bool arm = arch == "aarch64" || cpuinfo.find("CPU implementer") != std::string::npos;
+  if (!arm) return {};
+  for (const char* file : {"sys/class/dmi/id/product_name", "sys/class/dmi/id/product_family", "sys/class/dmi/id/board_name",
+                           "sys/class/dmi/id/sys_vendor", "proc/device-tree/compatible"}) {
+    std::string value = attribute_value(root.read_file(file).value_or(""));
+    std::string lowered = value;
+    std::transform(lowered.begin(), lowered.end(), lowered.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (lowered.find("grace") != std::string::npos || lowered.find("nvidia") != std::string::npos)
+      return fmt::format("/{} \"{}\"", file, value);
+  }
+  if (cpuinfo.find("0xd4f") != std::string::npos && !inventory.gpus.empty())
+    return "Neoverse V2 cores (CPU part 0xd4f in /proc/cpuinfo) with an NVIDIA GPU";
+  return {};
+}
+
+}  // namespace
+
+// Grace's coherent GPU memory: CoherentGPUMemoryMode in /proc/driver/nvidia/params says whether the
+// driver keeps GPU memory to itself ("driver", CDMM) or onlines it as a NUMA node ("numa").
+void check_coherent_memory(const Root& root, const Inventory& inventory, std::vector<Check>& out) {
+  const std::string grace = grace_evidence(root, inventory);
+  const auto params = root.read_file("proc/driver/nvidia/params");
+  std::optional<std::string> mode;
+  if (params) {
+    std::istringstream in(*params);
+    for (std::string line; std::getline(in, line);)
+      if (line.starts_with("CoherentGPUMemoryMode:")) {
+        mode = attribute_value(line.substr(22));
+        if (mode->size() >= 2 && mode->front() == '"' && mode->back() == '"') *mode = mode->substr(1, mode->size() - 2);
+      }
+  }
+  if (grace.empty() && (!mode || mode->empty())) return;  // not a coherent-memory machine: nothing to say
+  std::string numa;
+  for (const auto& gpu : inventory.gpus)
+    if (gpu.memory_numa_node) numa += fmt::format("{}{} memory is NUMA node {}", numa.empty() ? "" : ", ", gpu.pci.address, *gpu.memory_numa_node);
+  const std::string on = (grace.empty() ? std::string("coherent GPU memory") : "Grace (" + grace + ")") + (numa.empty() ? "" : "; " + numa);
+  const char* id = "gpu.cdmm";
+  if (!mode) {
+    out.push_back(make_check(id, kGroupGpus, CheckStatus::warn,
+                             on + ": no CoherentGPUMemoryMode in /proc/driver/nvidia/params (" +
+                                 (params ? "a driver without the parameter" : "the NVIDIA driver is not loaded") + ")",
+                             "CoherentGPUMemoryMode driver (CDMM) or numa", "load the NVIDIA driver (modprobe nvidia) and run the doctor again"));
+  } else if (*mode == "driver") {
+    out.push_back(make_check(id, kGroupGpus, CheckStatus::pass,
+                             on + ": CDMM (CoherentGPUMemoryMode=driver in /proc/driver/nvidia/params): the driver manages GPU memory, "
+                                  "which is not onlined as a NUMA node"));
+  } else if (*mode == "numa") {
+    out.push_back(make_check(id, kGroupGpus, CheckStatus::pass,
+                             on + ": NUMA mode (CoherentGPUMemoryMode=numa in /proc/driver/nvidia/params): GPU memory is onlined as a NUMA node"));
+  } else if (mode->empty()) {
+    out.push_back(make_check(id, kGroupGpus, CheckStatus::info,
+                             on + ": CoherentGPUMemoryMode empty in /proc/driver/nvidia/params: the driver's default mode" +
+                                 (numa.empty() ? "" : " (NUMA here: GPU memory is onlined)"),
+                             "", "to choose, set the nvidia module's CoherentGPUMemoryMode parameter to driver (CDMM) or numa and reload it"));
+  } else {
+    out.push_back(make_check(id, kGroupGpus, CheckStatus::warn,
+                             fmt::format("{}: CoherentGPUMemoryMode \"{}\" in /proc/driver/nvidia/params, neither driver nor numa", on, *mode),
+                             "driver (CDMM) or numa", "set the nvidia module's CoherentGPUMemoryMode parameter to driver or numa"));
+  }
+}
+
 void check_gpus(const Root& root, const Inventory& inventory, std::vector<Check>& out) {
   if (inventory.gpus.empty()) {
     out.push_back(make_check("gpu.count", kGroupGpus, CheckStatus::info,
@@ -101,6 +172,8 @@ void check_gpus(const Root& root, const Inventory& inventory, std::vector<Check>
     out.push_back(make_check("gpu.driver", kGroupGpus, CheckStatus::warn, "no /proc/driver/nvidia/version: NVIDIA driver not loaded",
                              "NVIDIA kernel driver loaded", "install the NVIDIA driver and load it: modprobe nvidia"));
   }
+
+  check_coherent_memory(root, inventory, out);
 
   if (!root.is_live()) {
     out.push_back(make_check("gpu.cuda", kGroupGpus, CheckStatus::info, kSkippedForRoot));
