@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <pthread.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
@@ -23,6 +25,7 @@
 #include "io/page_cache.hpp"
 #include "core/positional_io.hpp"
 #include "core/worker_threads.hpp"
+#include "core/executor.hpp"
 #include "memory/cuda_runtime.hpp"
 #include "test_support.hpp"
 
@@ -92,6 +95,119 @@ TEST(WorkerThreads, ThreadsStartOnlyWhenNeeded) {
     EXPECT_EQ(threads_of_process(), before + 2) << "task 0 runs on the caller's thread, 1 and 2 on two started";
   }
   EXPECT_EQ(threads_of_process(), before) << "threads outlived their owner";
+}
+
+// Threads of this process named `prefix`... (per /proc/self/task).
+int threads_named(std::string_view prefix) {
+  int n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(entry.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    n += name.starts_with(prefix);
+  }
+  return n;
+}
+
+// The pool for everything that is not an engine's: every task once, the caller's thread among
+// those that run them, on named threads that the pool keeps.
+TEST(Executor, RunCallsEveryTaskOnceOnTheCallerAndNamedPoolThreads) {
+  const int before = threads_named("hbmio-pool");  // the shared pool's, of other tests
+  detail::Executor pool;
+  std::mutex mutex;
+  std::vector<int> calls(200);
+  std::set<std::thread::id> ran_on;
+  pool.run(calls.size(), 4, [&](std::size_t i) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    std::lock_guard lock(mutex);
+    ++calls[i];
+    ran_on.insert(std::this_thread::get_id());
+  });
+  EXPECT_EQ(std::count(calls.begin(), calls.end(), 1), 200) << "a task ran twice or never";
+  EXPECT_TRUE(ran_on.contains(std::this_thread::get_id())) << "the caller takes tasks too";
+  EXPECT_LE(ran_on.size(), 4u) << "width 4: the caller and at most 3 pool threads";
+  EXPECT_LE(pool.threads(), 3u);
+  EXPECT_EQ(threads_named("hbmio-pool"), before + static_cast<int>(pool.threads()));
+  pool.shutdown();
+  EXPECT_EQ(pool.threads(), 0u);
+  EXPECT_EQ(threads_named("hbmio-pool"), before) << "shutdown left a thread running";
+  // Work after shutdown starts threads again.
+  std::atomic<int> ran{0};
+  pool.run(3, 3, [&](std::size_t) { ++ran; });
+  EXPECT_EQ(ran.load(), 3);
+}
+
+TEST(Executor, AFailedTaskStopsTheRestAndReachesTheCallerAfterTheStartedOnesReturn) {
+  detail::Executor pool;
+  std::atomic<int> started{0}, returned{0};
+  try {
+    pool.run(1000, 2, [&](std::size_t i) {
+      ++started;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      ++returned;
+      if (i == 3) throw std::runtime_error("task 3 failed");
+    });
+    FAIL() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "task 3 failed");
+  }
+  EXPECT_EQ(started.load(), returned.load()) << "run returned before a started task did";
+  EXPECT_LT(started.load(), 1000) << "tasks not yet started ran after the failure";
+}
+
+// A run inside a posted job, with every pool thread busy, must not wait for threads that never
+// come: the caller's share finishes it. Here the pool holds one thread, itself running the job.
+TEST(Executor, ARunInsideAJobFinishesWhenNoThreadIsFree) {
+  detail::Executor pool(1);
+  std::atomic<bool> release{false};
+  std::vector<detail::Pending<std::size_t>> jobs;
+  for (int k = 0; k < 8; ++k)
+    jobs.push_back(pool.start([&] {
+      std::atomic<std::size_t> sum{0};
+      pool.run(100, 16, [&](std::size_t i) { sum += i; });
+      while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return sum.load();
+    }));
+  release = true;
+  for (auto& job : jobs) EXPECT_EQ(job.get(), 4950u);
+  EXPECT_EQ(pool.threads(), 1u) << "the bound was not kept";
+}
+
+TEST(Executor, StartGivesTheResultOrTheExceptionAndWaitsWhenDropped) {
+  detail::Executor pool;
+  EXPECT_EQ(pool.start([] { return 42; }).get(), 42);
+  auto failing = pool.start([]() -> int { throw Error(errno_code(EIO), {.op = "test job"}, "it failed"); });
+  EXPECT_THROW(failing.get(), Error);
+  std::atomic<bool> done{false};
+  {
+    auto slow = pool.start([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      done = true;
+    });
+  }
+  EXPECT_TRUE(done.load()) << "a dropped Pending did not wait for its job";
+}
+
+// A child of fork() has none of the parent's threads: the shared pool there starts afresh.
+TEST(Executor, AForkedChildRunsJobsOnAPoolOfItsOwn) {
+  auto& pool = detail::Executor::shared();
+  std::atomic<bool> hold{true};
+  pool.post([&] {
+    while (hold.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    std::atomic<int> ran{0};
+    detail::Executor::shared().run(4, 4, [&](std::size_t) { ++ran; });
+    auto job = detail::Executor::shared().start([] { return 7; });
+    ::_exit(ran.load() == 4 && job.get() == 7 ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  hold = false;
+  ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit (killed or hung)";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's pool did not run its jobs";
 }
 
 TEST(PositionalIo, ShortReadsResumeAndEveryByteArrives) {

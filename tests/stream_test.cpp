@@ -7,11 +7,13 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 
 #include <fmt/format.h>
 
+#include "core/executor.hpp"
 #include "format/npy.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/stream.hpp"
@@ -79,9 +81,16 @@ std::vector<std::vector<std::uint64_t>> drain(BatchStream& stream) {
   return ids;
 }
 
+// Threads of this process, those of the library's pool left out: a stream's fill runs there, and
+// its thread stays, idle, for the pool's next job.
 int thread_count() {
   int n = 0;
-  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(e.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    n += name != "hbmio-pool";
+  }
   return n;
 }
 
@@ -551,6 +560,10 @@ TEST(Stream, ClosingEarlyLeaksNoThreadOrBuffer) {
     EXPECT_EQ(memory_counters().host_buffers, before.host_buffers);
     EXPECT_EQ(open_fd_count(), fds);
   }
+  // Every fill left the pool: shutting it down (as Python's exit handler does) joins all its
+  // threads, where a fill still running would hang here.
+  detail::Executor::shared().shutdown();
+  EXPECT_EQ(detail::Executor::shared().threads(), 0u);
 }
 
 TEST(Stream, OptionsThatCannotWorkAreRefusedAtOnce) {

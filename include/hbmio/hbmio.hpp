@@ -14,4 +14,5 @@
 #include "hbmio/remote.hpp"
 #include "hbmio/safetensors.hpp"
 #include "hbmio/stream.hpp"
+#include "hbmio/threads.hpp"
 #include "hbmio/version.hpp"

@@ -49,9 +49,9 @@ __version__ = _hbmio.__version__
 __all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "StateError", "load_file", "save_file", "SaveHandle", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers", "stream", "Stream",
            "cuda_device_count", "cuda_unavailable_reason"]
 
-# Free the pooled engines while the CUDA runtime is still alive (a static destructor would run
-# after its teardown).
-_atexit.register(_release_engines)
+# Join the library's threads and free the pooled engines while the CUDA runtime is still alive (a
+# static destructor would run after its teardown); the saves and streams are finished before.
+_atexit.register(_hbmio._shutdown)
 
 _FRAMEWORKS = {"auto": "auto", "torch": "torch", "pt": "torch", "numpy": "numpy", "np": "numpy",
                "dlpack": "dlpack"}
@@ -704,7 +704,7 @@ def _finish_saves():
         _hbmio._fail_exit_status()
 
 
-_atexit.register(_finish_saves)  # after _release_engines: atexit runs it first
+_atexit.register(_finish_saves)  # after _hbmio._shutdown: atexit runs it first
 
 
 def _after_fork_in_child():

@@ -42,7 +42,7 @@ _DTYPES = {
 
 
 # Streams not closed yet: closed at exit, before the engines and the CUDA runtime go (atexit runs
-# this before hbmio's _release_engines, registered earlier).
+# this before hbmio's _hbmio._shutdown, registered earlier).
 _live: "_weakref.WeakSet[Stream]" = _weakref.WeakSet()
 
 

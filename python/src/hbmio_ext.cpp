@@ -53,6 +53,7 @@
 #include "hbmio/file.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
+#include "hbmio/threads.hpp"
 #include "hbmio/safetensors.hpp"
 #include "hbmio/stream.hpp"
 #include "hbmio/version.hpp"
@@ -922,43 +923,39 @@ hbmio::SaveOptions save_options(std::optional<std::map<std::string, std::string>
   return options;
 }
 
+// For run_interruptible, from a thread that released the GIL: takes it to ask whether a signal
+// came (Python's handler only sets a flag, which PyErr_CheckSignals turns into the exception,
+// KeyboardInterrupt for Ctrl-C). The exception stays set, raised by the caller once the work ended.
+bool interrupted_by_signal() {
+  nb::gil_scoped_acquire acquire;
+  return PyErr_CheckSignals() != 0;
+}
+
 void save(nb::dict tensors, const std::string& path, std::optional<std::map<std::string, std::string>> metadata,
           bool checksums, const std::string& backend, std::uint64_t max_shard_size, Progress* progress, nb::handle report) {
   SaveInput input = collect_tensors(tensors, path);
   const std::vector<hbmio::TensorToSave>& list = input.list;
   hbmio::SaveOptions options = save_options(std::move(metadata), checksums, backend, max_shard_size);
   if (progress) options.progress = &progress->done;
-  // The save runs on a thread of its own while this one checks for Ctrl-C every 50 ms (Python's
+  // The save runs on the library's pool while this thread checks for Ctrl-C every 50 ms (Python's
   // handler only sets a flag, which PyErr_CheckSignals turns into KeyboardInterrupt). On one the
   // save stops before it publishes (SaveOptions::cancel), removing what it wrote, and the
   // KeyboardInterrupt is raised once it has: `path` then holds what it held before. A save that
   // had published already finishes, and the KeyboardInterrupt follows it.
-  std::atomic<bool> stop{false};
-  options.cancel = &stop;
-  std::future<hbmio::Stats> done;
+  hbmio::Stats stats;
+  hbmio::InterruptibleRun run;
   {
     nb::gil_scoped_release release;
-    done = std::async(std::launch::async, [&] { return hbmio::save_checkpoint(path, list, options); });
+    run = hbmio::run_interruptible(
+        [&](const std::atomic<bool>& stop) {
+          options.cancel = &stop;
+          stats = hbmio::save_checkpoint(path, list, options);
+        },
+        interrupted_by_signal);
   }
-  bool interrupted = false;
-  for (;;) {
-    {
-      nb::gil_scoped_release release;
-      if (done.wait_for(std::chrono::milliseconds(50)) == std::future_status::ready) break;
-    }
-    if (!interrupted && PyErr_CheckSignals() != 0) {  // the KeyboardInterrupt stays set, raised below
-      interrupted = true;
-      stop = true;
-    }
-  }
-  if (interrupted) {
-    try {
-      done.get();
-    } catch (const hbmio::Error&) {  // ECANCELED, or a failure: the KeyboardInterrupt says it all
-    }
-    throw nb::python_error();
-  }
-  report_into(report, done.get());
+  if (run.interrupted) throw nb::python_error();  // ECANCELED, or a failure: the KeyboardInterrupt says it all
+  if (run.error) std::rethrow_exception(run.error);
+  report_into(report, stats);
 }
 
 // A background save (hbmio.save_file(..., blocking=False)). Dropping it does not wait: the save
@@ -1022,36 +1019,33 @@ std::unique_ptr<BackgroundSave> save_async(nb::dict tensors, const std::string& 
   // save is cancelled (SaveInProgress::cancel); either way it stops before it publishes, and the
   // KeyboardInterrupt is raised once it has: `path` then holds what it held before. A save that had
   // published already finishes, and the KeyboardInterrupt follows it.
-  std::atomic<bool> stop{false};
-  async.cancel = &stop;
-  std::future<hbmio::SaveInProgress> started;
+  std::optional<hbmio::SaveInProgress> started;
+  hbmio::InterruptibleRun run;
   {
     nb::gil_scoped_release release;
-    started = std::async(std::launch::async, [&] { return hbmio::save_checkpoint_async(path, input.list, options, async); });
+    // interrupted_by_signal is asked before the first wait: a Ctrl-C that came while the arrays
+    // were collected stops the snapshot before its first copy.
+    run = hbmio::run_interruptible(
+        [&](const std::atomic<bool>& stop) {
+          async.cancel = &stop;
+          started.emplace(hbmio::save_checkpoint_async(path, input.list, options, async));
+        },
+        interrupted_by_signal);
   }
-  bool interrupted = false;
-  for (;;) {
-    // Checked before the first wait: a Ctrl-C that came while the arrays were collected stops the
-    // snapshot before its first copy.
-    if (!interrupted && PyErr_CheckSignals() != 0) {  // the KeyboardInterrupt stays set, raised below
-      interrupted = true;
-      stop = true;
-    }
-    nb::gil_scoped_release release;
-    if (started.wait_for(std::chrono::milliseconds(50)) == std::future_status::ready) break;
-  }
-  if (!interrupted && PyErr_CheckSignals() != 0) interrupted = true;  // one during the last copies
-  if (interrupted) {
-    try {
-      hbmio::SaveInProgress save = started.get();
-      save.cancel();
+  if (!run.interrupted && PyErr_CheckSignals() != 0) run.interrupted = true;  // one during the last copies
+  if (run.interrupted) {
+    if (started) {
+      started->cancel();
       nb::gil_scoped_release release;
-      (void)save.wait();
-    } catch (const hbmio::Error&) {  // ECANCELED, or a failure: the KeyboardInterrupt says it all
+      try {
+        (void)started->wait();
+      } catch (const hbmio::Error&) {  // ECANCELED, or a failure: the KeyboardInterrupt says it all
+      }
     }
     throw nb::python_error();
   }
-  return std::make_unique<BackgroundSave>(started.get());
+  if (run.error) std::rethrow_exception(run.error);
+  return std::make_unique<BackgroundSave>(std::move(*started));
 }
 
 // Safetensors bytes in memory (hbmio.torch.save/load, as safetensors.torch.save/load): the
@@ -1400,6 +1394,11 @@ NB_MODULE(_hbmio, m) {
     return hbmio::EnginePool::shared().release_all();
   }, "Frees the idle engines that loads keep for reuse (their rings, threads and pinned buffers); "
      "returns how many. Engines in use by a running call go back to the pool when it ends.");
+  m.def("_shutdown", [] {
+    nb::gil_scoped_release release;
+    hbmio::shutdown();
+  }, "At exit, while the CUDA runtime is alive: waits for the library's background jobs, joins its "
+     "threads and frees the idle engines (hbmio::shutdown).");
   m.def("_idle_engines", [] { return hbmio::EnginePool::shared().idle_counts(); }, "{backend: idle engines kept for reuse}.");
 
   m.def("save_file", &save, nb::arg("tensors"), nb::arg("path"), nb::arg("metadata") = nb::none(), nb::kw_only(),

@@ -1,4 +1,4 @@
-// Background saves: the snapshot on the caller's thread, then on a thread of the save's own the
+// Background saves: the snapshot on the caller's thread, then on a thread of the library's pool the
 // persist step that a blocking save runs (persist.hpp).
 //
 // Pinned staging streams: the caller copies each tensor, in file order, into 64 MiB blocks of the
@@ -28,6 +28,7 @@
 #include "checkpoint/save_layout.hpp"
 #include "checkpoint/staging.hpp"
 #include "core/error_boundary.hpp"
+#include "core/executor.hpp"
 #include "hbmio/error.hpp"
 
 namespace hbmio {
@@ -329,7 +330,7 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
     bool on_device = false;
     try {
       on_device = async.staging == Staging::device && detail::stage_on_device(*state, tensors, async.cancel);
-      if (on_device) std::thread(detail::persist_snapshot, state).detach();
+      if (on_device) detail::Executor::shared().post([state] { detail::persist_snapshot(state); });
     } catch (...) {
       give_up(std::current_exception());
       throw;
@@ -339,7 +340,7 @@ SaveInProgress save_checkpoint_async(const std::string& path, const std::vector<
       state->report.staging = Staging::pinned;
       // The writer starts first and drains the pool while the snapshot fills it.
       try {
-        std::thread(detail::persist_snapshot, state).detach();
+        detail::Executor::shared().post([state] { detail::persist_snapshot(state); });
       } catch (...) {
         give_up(std::current_exception());
         throw;

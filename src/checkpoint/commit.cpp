@@ -14,6 +14,8 @@
 #include <fmt/format.h>
 #include <xxhash.h>
 
+#include "core/executor.hpp"
+
 namespace hbmio::detail {
 namespace fs = std::filesystem;
 
@@ -202,7 +204,7 @@ ReplacedFile::ReplacedFile(const fs::path& target) : fd_(::open(target.c_str(), 
 ReplacedFile::~ReplacedFile() {
   if (fd_ < 0) return;
   try {
-    std::thread([fd = fd_] { ::close(fd); }).detach();
+    Executor::shared().post([fd = fd_] { ::close(fd); });
   } catch (...) {  // no thread to be had: close here, the caller waits a little longer
     ::close(fd_);
   }

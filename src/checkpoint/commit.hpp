@@ -84,7 +84,7 @@ void sync_published(FileSystem& files, const std::filesystem::path& dir, const s
 
 // The file a save replaces, held (O_PATH: no read permission needed, never blocks on a FIFO)
 // across the rename so that freeing its blocks, which takes the kernel seconds for a large file,
-// happens at our close instead of inside rename(2); the close runs on a thread of its own, so it
+// happens at our close instead of inside rename(2); the close runs on a thread of the pool, so it
 // need not delay the caller either. At process exit the kernel finishes the job itself.
 class ReplacedFile {
  public:

@@ -1,5 +1,6 @@
 #include "checkpoint/integrity.hpp"
 #include "core/error_boundary.hpp"
+#include "core/executor.hpp"
 #include "core/positional_io.hpp"
 
 #include <unistd.h>
@@ -64,11 +65,7 @@ std::vector<std::uint64_t> xxh3_of_each(const std::vector<MemorySpan>& spans, un
   };
   const unsigned threads = static_cast<unsigned>(std::min<std::size_t>(
       {spans.size(), std::max(1u, std::thread::hardware_concurrency()), 16, max_threads != 0 ? max_threads : 16}));
-  {
-    std::vector<std::jthread> pool;
-    for (unsigned i = 1; i < threads; ++i) pool.emplace_back(work);
-    work();
-  }
+  Executor::shared().run(threads, threads, [&](std::size_t) { work(); });
   if (error) std::rethrow_exception(error);
   return result;
 }

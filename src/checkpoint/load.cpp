@@ -19,6 +19,7 @@
 #include "checkpoint/integrity.hpp"
 #include "checkpoint/load_internal.hpp"
 #include "core/error_boundary.hpp"
+#include "core/executor.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 #include "io/engine_internal.hpp"
@@ -508,24 +509,11 @@ void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<Chec
 
 namespace {
 
-// Runs f(k) for k in [0, n) on n threads; rethrows the first failure after all have finished.
+// Runs f(k) for k in [0, n) at once (the pool's threads and the caller's); rethrows the first
+// failure after all have finished.
 template <typename F>
 void on_threads(std::size_t n, F&& f) {
-  std::mutex mutex;
-  std::exception_ptr first;
-  {
-    std::vector<std::jthread> threads;
-    for (std::size_t k = 0; k < n; ++k)
-      threads.emplace_back([&, k] {
-        try {
-          f(k);
-        } catch (...) {
-          std::lock_guard lock(mutex);
-          if (!first) first = std::current_exception();
-        }
-      });
-  }
-  if (first) std::rethrow_exception(first);
+  detail::Executor::shared().run(n, 0, f);
 }
 
 }  // namespace

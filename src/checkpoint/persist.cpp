@@ -25,6 +25,7 @@
 #include "checkpoint/save_layout.hpp"
 #include "checkpoint/staging.hpp"
 #include "core/error_boundary.hpp"
+#include "core/executor.hpp"
 #include "hbmio/error.hpp"
 #include "io/engine_internal.hpp"
 #include "io/uring_plan.hpp"
@@ -179,21 +180,14 @@ std::vector<std::uint64_t> write_staged_tensors(StagedStream& stream, Engine& en
         std::memcpy(next_carry.data() + (from - cut), run.memory.data + (from - run.at), static_cast<std::size_t>(end - from));
       }
     }
-    std::future<void> hashed;  // its destructor waits on every path: no hashing of a dropped block
+    Pending<void> hashed;  // its destructor waits on every path: no hashing of a dropped block
     if (!groups.empty())
-      hashed = std::async(std::launch::async, [&round, &groups, &hashing, hash_threads] {
+      hashed = Executor::shared().start([&round, &groups, &hashing, hash_threads] {
         const auto start = std::chrono::steady_clock::now();
-        std::atomic<std::size_t> next{0};
-        const auto work = [&] {
-          for (std::size_t g = next++; g < groups.size(); g = next++)
-            for (std::size_t k = groups[g].first; k < groups[g].end; ++k)
-              XXH3_64bits_update(groups[g].state, round[k].memory.data, round[k].memory.size);
-        };
-        {
-          std::vector<std::jthread> helpers;  // joined before the time is taken, and on every path
-          for (std::size_t i = 1; i < std::min<std::size_t>(hash_threads, groups.size()); ++i) helpers.emplace_back(work);
-          work();
-        }
+        Executor::shared().run(groups.size(), hash_threads, [&](std::size_t g) {
+          for (std::size_t k = groups[g].first; k < groups[g].end; ++k)
+            XXH3_64bits_update(groups[g].state, round[k].memory.data, round[k].memory.size);
+        });
         hashing += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       });
     if (!writes.empty()) total.add_part(engine.submit_batch(writes));
@@ -256,9 +250,9 @@ Stats persist_file(const fs::path& target, const std::string& shown, const std::
     } else {
       // Hashing runs beside the writes; the future's destructor waits for it on every path, so
       // no hashing thread reads the tensors after a failed save returns.
-      std::future<std::vector<std::uint64_t>> sums;
+      Pending<std::vector<std::uint64_t>> sums;
       if (options.checksums)
-        sums = std::async(std::launch::async, [&spans, &hashing, &seconds_since] {
+        sums = Executor::shared().start([&spans, &hashing, &seconds_since] {
           const Clock::time_point start = Clock::now();
           // A quarter of the cores: hashing on all of them starved the writers' threads (saves
           // with checksums ran slower than without, though hashing took a small part of the

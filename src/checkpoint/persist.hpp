@@ -1,7 +1,7 @@
 // The persist step of a local save: the tensors' bytes written through the engine (hashed beside
 // the writes), the sealed header, fsync, the publishing rename, the directory's fsync (commit.hpp).
 // A blocking save (save_checkpoint) persists from the tensors' own memory once the path's
-// background saves are done; a background save (save_checkpoint_async) persists on its own thread
+// background saves are done; a background save (save_checkpoint_async) persists on a pool thread
 // from the snapshot it staged. Both run this one step, with the same guarantees.
 #pragma once
 

@@ -21,6 +21,7 @@
 #include "checkpoint/integrity.hpp"
 #include "checkpoint/remote_save.hpp"
 #include "checkpoint/save_layout.hpp"
+#include "core/executor.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/remote.hpp"
@@ -59,9 +60,9 @@ Stats save_remote_file(const std::string& url, const std::vector<TensorToSave>& 
   }
 
   // Checksums beside the upload; the header is sealed once, by the first fill that needs it.
-  std::future<std::vector<std::uint64_t>> sums;
+  Pending<std::vector<std::uint64_t>> sums;
   if (options.checksums)
-    sums = std::async(std::launch::async, [&spans] { return xxh3_of_each(spans, std::max(1u, std::thread::hardware_concurrency() / 4)); });
+    sums = Executor::shared().start([&spans] { return xxh3_of_each(spans, std::max(1u, std::thread::hardware_concurrency() / 4)); });
   std::once_flag sealed;
   std::string header = placeholder;
   const auto final_header = [&]() -> const std::string& {

@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/executor.hpp"
 #include "format/npy.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/file.hpp"
@@ -276,7 +277,7 @@ struct BatchStream::State {
   StreamStats total_stats, epoch_stats;
   std::vector<StreamStats> epochs_done;
 
-  std::thread thread;
+  bool filling = false;  // the fill job (run()) has not returned: close() waits for it
 
   void run() noexcept;
   void scan();
@@ -331,7 +332,15 @@ BatchStream::BatchStream(std::vector<std::string> files, StreamOptions options) 
   check_options(files, options);
   state_->files = std::move(files);
   state_->options = std::move(options);
-  state_->thread = std::thread([state = state_.get()] { state->run(); });
+  state_->filling = true;
+  // close() waits for `filling` to fall, under the mutex; the job's last touch of the state is the
+  // unlock after it, so the state (and its buffers) may go as soon as close() returns.
+  detail::Executor::shared().post([state = state_.get()] {
+    state->run();
+    std::lock_guard lock(state->mutex);
+    state->filling = false;
+    state->changed.notify_all();
+  });
 }
 
 BatchStream::~BatchStream() { close(); }
@@ -344,8 +353,8 @@ void BatchStream::close() noexcept {
     state_->finished = true;
   }
   state_->changed.notify_all();
-  if (state_->thread.joinable()) state_->thread.join();
-  std::lock_guard lock(state_->mutex);
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait(lock, [&] { return !state_->filling; });
   state_->ready.clear();
 }
 
@@ -482,8 +491,10 @@ std::optional<Batch> BatchStream::next(void* cuda_stream) {
 
 void BatchStream::State::run() noexcept {
   try {
-    // This thread is the library's own: the batches' device stays current on it (events).
-    if (options.device.kind == MemoryKind::device) cuda::set_device(options.device.device, {.op = "stream"});
+    // The batches' device is current on this pool thread while the stream fills (events), and
+    // what was current before comes back for the pool's next job.
+    std::optional<cuda::DeviceGuard> device;
+    if (options.device.kind == MemoryKind::device) device.emplace(options.device.device, ErrorContext{.op = "stream"});
     scan();
     const detail::EngineInUse engine(options.engine, options.backend, std::nullopt);
     std::vector<std::pair<int, BatchPlan>> group;

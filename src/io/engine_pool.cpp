@@ -6,6 +6,9 @@
 
 #include "hbmio/config.hpp"
 #include "hbmio/engine.hpp"
+#include "hbmio/threads.hpp"
+
+#include "core/executor.hpp"
 
 namespace hbmio {
 
@@ -69,6 +72,11 @@ std::size_t EnginePool::release_all() {
   std::size_t n = 0;
   for (const auto& [name, engines] : doomed) n += engines.size();
   return n;  // `doomed` frees them here, outside the lock
+}
+
+void shutdown() {
+  detail::Executor::shared().shutdown();  // first: a background persist may hold an engine
+  EnginePool::shared().release_all();
 }
 
 std::map<std::string, std::size_t> EnginePool::idle_counts() const {

@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "core/executor.hpp"
 #include "hbmio/error.hpp"
 #include "memory/cuda_runtime.hpp"
 #include "remote/http.hpp"
@@ -333,11 +334,7 @@ Stats read_remote(std::span<const RemoteRead> reads, const RemoteOptions& option
       failed = true;
     }
   };
-  {
-    std::vector<std::jthread> threads;
-    for (unsigned w = 1; w < workers; ++w) threads.emplace_back(work);
-    if (workers > 0) work();
-  }
+  detail::Executor::shared().run(workers, workers, [&](std::size_t) { work(); });
   if (first_error) std::rethrow_exception(first_error);
   for (const RemoteRead& r : reads) stats.bytes += r.into.size;
   stats.seconds = std::chrono::duration<double>(Clock::now() - start).count();

@@ -17,6 +17,7 @@
 
 #include <fmt/format.h>
 
+#include "core/executor.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/remote.hpp"
 #include "remote/http.hpp"
@@ -263,11 +264,7 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
       }
     };
     const unsigned workers = static_cast<unsigned>(std::min<std::uint64_t>(std::max(1u, options.connections), parts));
-    {
-      std::vector<std::jthread> threads;
-      for (unsigned w = 1; w < workers; ++w) threads.emplace_back(work);
-      work();
-    }
+    detail::Executor::shared().run(workers, workers, [&](std::size_t) { work(); });
     if (!first_error && cancel != nullptr && cancel->load())
       first_error = std::make_exception_ptr(Error(errno_code(ECANCELED), context, "stopped: the upload was aborted, the key is as it was"));
     if (!first_error) {

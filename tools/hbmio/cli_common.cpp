@@ -276,7 +276,7 @@ std::string drop_page_cache(const std::string& path) {
 #include <pthread.h>
 #include <signal.h>
 
-#include <future>
+#include "hbmio/threads.hpp"
 
 namespace hbmio::cli {
 
@@ -285,23 +285,28 @@ int run_stoppable(const std::function<int(const std::atomic<bool>& stop)>& work,
   sigemptyset(&stop_signals);
   for (const int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop_signals, sig);
   pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
-  std::atomic<bool> stop{false};
-  std::future<int> done = std::async(std::launch::async, [&] { return work(stop); });
   const timespec now{};
   int received = 0;
-  while (done.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) {
-    siginfo_t info{};
-    if (const int sig = sigtimedwait(&stop_signals, &info, &now); sig > 0 && received == 0) {
-      received = sig;
-      stop = true;
-      fmt::print(stderr, "\nhbmio: SIG{} received: stopping at the next safe point\n", sigabbrev_np(sig));
-    }
-  }
+  int status = 0;
+  const InterruptibleRun run = run_interruptible([&](const std::atomic<bool>& stop) { status = work(stop); },
+                                                 [&] {
+                                                   siginfo_t info{};
+                                                   const int sig = sigtimedwait(&stop_signals, &info, &now);
+                                                   if (sig <= 0) return false;
+                                                   received = sig;
+                                                   fmt::print(stderr, "\nhbmio: SIG{} received: stopping at the next safe point\n",
+                                                              sigabbrev_np(sig));
+                                                   return true;
+                                                 },
+                                                 std::chrono::milliseconds(10));
   pthread_sigmask(SIG_SETMASK, &previous, nullptr);
-  if (received == 0) return done.get();
+  if (!run.interrupted) {
+    if (run.error) std::rethrow_exception(run.error);
+    return status;
+  }
   bool stopped = false;
   try {
-    (void)done.get();
+    if (run.error) std::rethrow_exception(run.error);
   } catch (const Error& e) {
     stopped = e.code() == std::errc::operation_canceled;
     if (!stopped) fmt::print(stderr, "hbmio: {}\n", e.what());
