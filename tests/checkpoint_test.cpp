@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "core/executor.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "testing/fault_injection_file_system.hpp"
 #include "shim/nccl_api.hpp"
@@ -1038,6 +1039,72 @@ TEST(OpenedCheckpoints, ReadTensorsAndRangesInAnyOrder) {
                 *engine);
     EXPECT_EQ(std::memcmp(again.data(), sample.bytes[0].data(), sample.bytes[0].size()), 0);
   }
+}
+
+// The read-ahead's reader: batches queued while the caller goes on, each read whole and in order,
+// each error reaching the wait of its own batch only, and a queue dropped with batches still
+// queued stopping without touching them.
+TEST(OpenedCheckpoints, AReadQueueReadsBatchesInOrderAndGivesEachItsOwnError) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string path = dir.file("model");
+  save_checkpoint(path, sample.tensors, {.max_shard_size = 300000});
+  const auto opened = std::make_shared<const OpenedCheckpoint>(path);
+  std::atomic<int> reads{0};
+  std::uint64_t bytes = 0;
+  {
+    ReadQueue queue(opened, "uring", [&](const Stats& s) {
+      ++reads;
+      bytes += s.bytes;  // one reading thread at a time
+    });
+    EXPECT_EQ(&queue.checkpoint(), opened.get());
+    std::vector<Buffer> into;
+    std::vector<std::uint64_t> ids;
+    std::uint64_t expected = 0;
+    for (std::size_t k = 0; k < sample.tensors.size(); ++k) {
+      into.push_back(Buffer::allocate({MemoryKind::host}, std::max<std::size_t>(sample.bytes[k].size(), 1)));
+      ids.push_back(queue.push({{.tensor = *opened->find(sample.tensors[k].name), .offset = 0, .length = sample.bytes[k].size(),
+                                 .into = into.back().span()}}));
+      expected += sample.bytes[k].size();
+    }
+    Buffer one = Buffer::allocate({MemoryKind::host}, 16);
+    const std::uint64_t bad = queue.push({{.tensor = *opened->find("norm"), .offset = 300, .length = 16, .into = one.span()}});
+    // Waited for out of order: the last first.
+    for (std::size_t k = ids.size(); k-- > 0;) {
+      queue.wait(ids[k]);
+      if (!sample.bytes[k].empty())
+        EXPECT_EQ(std::memcmp(into[k].data(), sample.bytes[k].data(), sample.bytes[k].size()), 0) << sample.tensors[k].name;
+    }
+    try {
+      queue.wait(bad);
+      ADD_FAILURE() << "a range past the tensor's end was read";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), std::errc::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("'norm'"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(reads.load(), static_cast<int>(ids.size())) << "each good batch reports its Stats once";
+    EXPECT_EQ(bytes, expected);
+    try {
+      queue.wait(ids[0]);
+      ADD_FAILURE() << "a batch was waited for twice";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), std::errc::invalid_argument);
+    }
+  }
+  // Dropped with many batches queued: the destructor returns once the batch being read is done.
+  std::vector<Buffer> late;
+  {
+    ReadQueue queue(opened, "posix");
+    for (int round = 0; round < 50; ++round)
+      for (std::size_t k = 0; k < sample.tensors.size(); ++k) {
+        late.push_back(Buffer::allocate({MemoryKind::host}, std::max<std::size_t>(sample.bytes[k].size(), 1)));
+        queue.push({{.tensor = *opened->find(sample.tensors[k].name), .offset = 0, .length = sample.bytes[k].size(),
+                     .into = late.back().span()}});
+      }
+  }
+  // Poisoned after the queue went: a read still running would write over it (ASan/TSan see it).
+  for (auto& b : late) fill_memory(b.span(), std::byte{0x5a});
+  EXPECT_EQ(detail::Executor::shared().start([] { return 1; }).get(), 1) << "the pool is fit for more work";
 }
 
 // Many loads at once, as a server restoring several models does: 16 threads, each loading 4 of 8

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -182,6 +183,32 @@ class OpenedCheckpoint {
   std::vector<CheckpointFile> files_;
   std::vector<Tensor> tensors_;
   std::map<std::string, std::size_t, std::less<>> by_name_;
+};
+
+// Batches of reads of an opened checkpoint, read one after another on a thread of the library's
+// pool while the caller goes on: a read-ahead (Python's SafeOpen walks queue the next tensors
+// while the caller uses the last). push() queues a batch and returns its id; wait(id) waits for it
+// and rethrows its read's error; each batch is waited for once. Its destinations must stay valid
+// until then, or until the queue is destroyed, which waits for the batch being read and drops the
+// batches not started. `on_read` gets each batch's Stats (on the reading thread). Thread-safe.
+class ReadQueue {
+ public:
+  // `backend`: of the engine leased from EnginePool::shared() for the queue's life ("": the
+  // configured one).
+  ReadQueue(std::shared_ptr<const OpenedCheckpoint> checkpoint, std::string_view backend,
+            std::function<void(const Stats&)> on_read = nullptr);
+  ~ReadQueue();
+  ReadQueue(const ReadQueue&) = delete;
+  ReadQueue& operator=(const ReadQueue&) = delete;
+
+  const OpenedCheckpoint& checkpoint() const noexcept;
+  std::uint64_t push(std::vector<TensorRead> reads);
+  // Throws Error(EINVAL) for an id that is not queued (waited for already).
+  void wait(std::uint64_t id);
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
 };
 
 // Loads tensors into memory of one kind. Reads are planned: tensors adjacent in the file and in

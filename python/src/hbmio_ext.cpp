@@ -28,10 +28,7 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,7 +36,6 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
-#include <thread>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -570,34 +566,26 @@ hbmio::ShardFormat shard_format(const std::string& text) {
   throw nb::value_error(("format must be 'auto', 'npy', 'safetensors' or 'raw', not '" + text + "'").c_str());
 }
 
+// The read-ahead's reader (hbmio::ReadQueue, which reads on the library's pool), holding each
+// batch's destination arrays until the batch is waited for.
 class ReadQueue {
  public:
   ReadQueue(const Handle& h, const std::string& backend)
-      : checkpoint_(h.checkpoint), report_(h.report), engine_(backend) {
-    thread_ = std::thread([this] { run(); });
-  }
+      : queue_(std::in_place, h.checkpoint, backend, [report = h.report](const hbmio::Stats& s) { report->add(s); }) {}
   ~ReadQueue() {
     {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    changed_.notify_all();
-    {
       nb::gil_scoped_release release;
-      thread_.join();
+      queue_.reset();  // waits for the batch being read
     }
-    batches_.clear();  // with the GIL held: it drops the arrays
+    keep_.clear();  // with the GIL held: it drops the arrays
   }
   ReadQueue(const ReadQueue&) = delete;
   ReadQueue& operator=(const ReadQueue&) = delete;
-  const hbmio::OpenedCheckpoint& checkpoint() const noexcept { return *checkpoint_; }
+  const hbmio::OpenedCheckpoint& checkpoint() const noexcept { return queue_->checkpoint(); }
 
   std::uint64_t push(std::vector<hbmio::TensorRead> reads, nb::object keep) {
-    std::lock_guard lock(mutex_);
-    const std::uint64_t id = next_id_++;
-    batches_.emplace(id, Batch{std::move(reads), std::move(keep)});
-    queue_.push_back(id);
-    changed_.notify_all();
+    const std::uint64_t id = queue_->push(std::move(reads));
+    keep_.emplace(id, std::move(keep));
     return id;
   }
 
@@ -606,65 +594,19 @@ class ReadQueue {
     std::exception_ptr error;
     {
       nb::gil_scoped_release release;
-      std::unique_lock lock(mutex_);
-      const auto it = batches_.find(id);
-      if (it == batches_.end()) throw nb::value_error("ReadQueue.wait: no such batch (waited for already?)");
-      changed_.wait(lock, [&] { return it->second.done; });
-      error = it->second.error;
+      try {
+        queue_->wait(id);
+      } catch (...) {
+        error = std::current_exception();
+      }
     }
-    {
-      std::lock_guard lock(mutex_);  // the reader no longer touches a batch that is done
-      batches_.erase(id);             // the GIL is held again: dropping the arrays is safe
-    }
+    keep_.erase(id);  // the GIL is held again: dropping the arrays is safe
     if (error) std::rethrow_exception(error);
   }
 
  private:
-  struct Batch {
-    std::vector<hbmio::TensorRead> reads;
-    nb::object keep;
-    bool done = false;
-    std::exception_ptr error;
-  };
-
-  void run() {
-    for (;;) {
-      std::vector<hbmio::TensorRead>* reads = nullptr;
-      std::uint64_t id = 0;
-      {
-        std::unique_lock lock(mutex_);
-        changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (stop_) return;
-        id = queue_.front();
-        queue_.pop_front();
-        reads = &batches_.at(id).reads;  // map nodes stay put; only wait() erases, once done
-      }
-      std::exception_ptr error;
-      try {
-        report_->add(checkpoint_->read(*reads, *engine_.get()));
-      } catch (...) {
-        error = std::current_exception();
-      }
-      {
-        std::lock_guard lock(mutex_);
-        Batch& batch = batches_.at(id);
-        batch.error = error;
-        batch.done = true;
-      }
-      changed_.notify_all();
-    }
-  }
-
-  std::shared_ptr<const hbmio::OpenedCheckpoint> checkpoint_;  // alive while a read may run
-  std::shared_ptr<ReadReport> report_;                          // the handle's: its report() sums these reads too
-  EngineLease engine_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::map<std::uint64_t, Batch> batches_;
-  std::deque<std::uint64_t> queue_;  // batches not started yet, in order
-  std::uint64_t next_id_ = 0;
-  bool stop_ = false;
-  std::thread thread_;  // last: it starts after every member it uses exists
+  std::optional<hbmio::ReadQueue> queue_;
+  std::map<std::uint64_t, nb::object> keep_;  // touched with the GIL held only
 };
 
 // A load's checkpoint: a path, or a SafeOpen (Handle) whose headers were read already, so a caller
