@@ -441,7 +441,7 @@ class _ReadAhead:
     def __init__(self, owner: "SafeOpen", start: int, target: _Target, backend: str, plan=None):
         self._owner, self._target = owner, target
         self._plan = plan or self._whole
-        self._queue = owner._read_queue(backend)  # its thread reads the batches in order
+        self._queue = owner._read_queue(backend)  # reads the batches in order, on the library's pool
         self._count = len(owner._entries_list)
         self._budget = owner._budget
         self._ready = {}      # index -> (array, key) read and not yet taken

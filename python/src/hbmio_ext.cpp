@@ -1507,7 +1507,7 @@ NB_MODULE(_hbmio, m) {
       .def("epoch_stats", &PyStream::epoch_stats)
       .def("close", &PyStream::close);
 
-  nb::class_<ReadQueue>(m, "_ReadQueue", "The read-ahead's reader: batches of a SafeOpen read in order on a thread of its own.")
+  nb::class_<ReadQueue>(m, "_ReadQueue", "The read-ahead's reader: batches of a SafeOpen read in order on the library's pool (hbmio::ReadQueue).")
       .def("push", [](ReadQueue& q, const std::vector<std::size_t>& indices, const nb::list& dests,
                       const std::string& location, nb::object keep, std::optional<std::vector<std::uint64_t>> offsets,
                       std::optional<std::vector<std::uint64_t>> lengths) {
