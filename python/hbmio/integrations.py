@@ -24,6 +24,7 @@ memory as asked.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 
@@ -76,6 +77,17 @@ def _one_cuda_device(device_map):
     return dev
 
 
+# Files from this size on are read straight into the device a transformers 5 load asks for.
+_DIRECT_MIN_BYTES = 16 << 20
+
+
+def _file_size(filename):
+    try:
+        return os.stat(filename).st_size
+    except OSError:  # hbmio.open says what is wrong with it
+        return _DIRECT_MIN_BYTES
+
+
 def _device_of_the_load(frame):
     """The one CUDA device the from_pretrained calling safe_open loads onto (transformers 5: the
     `load_config.device_map` of the calling function), or None."""
@@ -95,7 +107,13 @@ def _safe_open(filename, framework, device="cpu", **kwargs):
     if framework not in ("pt", "torch") or dev is None or unknown:
         return _original(filename, framework, device=device, **kwargs)
     if dev == "cpu" and "backend" in kwargs:  # transformers 5: on the CPU, to be moved afterwards
-        dev = _device_of_the_load(sys._getframe(1)) or dev
+        target = _device_of_the_load(sys._getframe(1))
+        # Straight into the device, except files too small to gain from it: there the engine's
+        # set-up on the device (pinned buffers, streams) cost more than the CPU's copy out of the
+        # mapping and transformers' move, and a model of many small shards loaded slower than
+        # stock. Those stay mapped on the CPU, as stock's are.
+        if target is not None and _file_size(filename) >= _DIRECT_MIN_BYTES:
+            dev = target
     import hbmio  # looked up at each call, so a wrapper put on hbmio.open (tests) sees the calls
     # hbmio.open's handle is safe_open's interface, and safe to share between the threads on
     # which transformers 5 materialises the slices of one file. On the CPU, its tensors are views
