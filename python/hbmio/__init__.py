@@ -257,11 +257,11 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
     # the parsed headers (a 3,072-tensor header takes milliseconds to parse).
     opened = _hbmio.SafeOpen(path)
     plan = _hbmio._plan(opened, names)
-    torch_dtypes = {name: getattr(torch, _TORCH_DTYPES.get(dtype, ""), None) for name, dtype, _, _, _ in plan}
+    torch_dtypes = {t.name: getattr(torch, _TORCH_DTYPES.get(t.dtype, ""), None) for t in plan}
     if not all(isinstance(d, torch.dtype) for d in torch_dtypes.values()):
         return None
-    nbytes_of = {name: nbytes for name, _, _, nbytes, _ in plan}
-    size = plan[-1][4] + plan[-1][3] if plan else 0
+    nbytes_of = {t.name: t.size for t in plan}
+    size = plan[-1].offset + plan[-1].size if plan else 0
     # max(.., 1): an all-empty checkpoint still needs a real pointer to load "into".
     dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
     if dev.type == "cuda":
@@ -274,7 +274,8 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
         # Offsets are multiples of 256, so whole elements. Views need no data, only the plan.
         typed = {}
         out = {}
-        for name, _, shape, _, offset in plan:
+        for t in plan:
+            name, shape, offset = t.name, t.shape, t.offset
             dtype = torch_dtypes[name]
             base = typed.get(dtype)
             if base is None:

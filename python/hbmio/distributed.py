@@ -47,16 +47,15 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
         opened = _hbmio.SafeOpen(path)
         plan, run, ranges, digest = _hbmio._plan_distributed(
             opened, names, world, placement, {k: int(v) for k, v in (shard_map or {}).items()}, bool(verify))
-        for name, dtype, _, _, _ in plan:
-            if not isinstance(getattr(torch, _TORCH_DTYPES.get(dtype, ""), None), torch.dtype):
-                raise TypeError(f"tensor {name}: dtype {dtype} has no torch equivalent here")
-        sizes = [p[3] for p in plan]
-        mine = [p[0] for p, r in zip(plan, run) if r == rank]
+        for t in plan:
+            if not isinstance(getattr(torch, _TORCH_DTYPES.get(t.dtype, ""), None), torch.dtype):
+                raise TypeError(f"tensor {t.name}: dtype {t.dtype} has no torch equivalent here")
+        mine = [t.name for t, r in zip(plan, run) if r == rank]
         counter = _hbmio._Progress()
         if placement == "shard":
             if mine:
                 own = _hbmio._plan(opened, mine)  # this rank's layout: its tensors only
-                size = own[-1][4] + own[-1][3]
+                size = own[-1].offset + own[-1].size
                 dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
                 if dev.type == "cuda":
                     torch.cuda.current_stream(dev).synchronize()
@@ -66,15 +65,14 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
         else:
             # The whole layout on every rank (the library's, from _plan); this rank's run read
             # into its place in it.
-            offsets = [p[4] for p in plan]
-            end = offsets[-1] + sizes[-1] if plan else 0
+            end = plan[-1].offset + plan[-1].size if plan else 0
             dest = torch.empty(max(end, 1), dtype=torch.uint8, device=dev)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()
             if mine:
                 # Runs are contiguous: the run starts at its first tensor. Its own layout, shifted by
                 # that (aligned) offset, is the whole layout's.
-                first = offsets[run.index(rank)]
+                first = plan[run.index(rank)].offset
                 # verify: each rank checks the run it read, against the file's checksums.
                 got = _hbmio._load_into(opened, dest[first:], backend=backend, verify=verify, names=mine, progress=counter)
                 for name, dtype, shape, offset in got:
@@ -110,17 +108,17 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
                                group=group)
             if src != rank:
                 moved += hi - lo
-        for i, p in enumerate(plan):
-            entries.setdefault(p[0], (p[1], p[2], offsets[i]))
+        for t in plan:
+            entries.setdefault(t.name, (t.dtype, t.shape, t.offset))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - start
 
     out = {}
-    for p in plan:
-        if p[0] in entries:
-            dtype, shape, offset = entries[p[0]]
-            out[p[0]] = dest[offset:offset + p[3]].view(getattr(torch, _TORCH_DTYPES[dtype])).view(shape)
+    for t in plan:
+        if t.name in entries:
+            dtype, shape, offset = entries[t.name]
+            out[t.name] = dest[offset:offset + t.size].view(getattr(torch, _TORCH_DTYPES[dtype])).view(shape)
 
     # Every rank takes part in this gather, whether or not it asked for a report (a report asked
     # for on one rank only must not leave it waiting for the others).

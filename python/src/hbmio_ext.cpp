@@ -1268,6 +1268,23 @@ NB_MODULE(_hbmio, m) {
     return total;
   }, nb::arg("path"), nb::arg("names") = nb::none());
 
+  // One tensor of a load's plan (hbmio::PlannedTensor), by name: where it lands in the load's one
+  // allocation. Python reads it as the library made it, never by position.
+  nb::class_<hbmio::PlannedTensor>(m, "_PlannedTensor")
+      .def_ro("name", &hbmio::PlannedTensor::name)
+      .def_prop_ro("dtype", [](const hbmio::PlannedTensor& t) { return std::string(hbmio::safetensors::to_string(t.dtype)); })
+      .def_prop_ro("shape", [](const hbmio::PlannedTensor& t) {
+        nb::list shape;
+        for (auto n : t.shape) shape.append(n);
+        return shape;
+      })
+      .def_ro("size", &hbmio::PlannedTensor::size, "bytes")
+      .def_ro("offset", &hbmio::PlannedTensor::memory_offset, "byte offset in the load's allocation")
+      .def("__repr__", [](const hbmio::PlannedTensor& t) {
+        return "<PlannedTensor " + t.name + " " + std::string(hbmio::safetensors::to_string(t.dtype)) + " " +
+               std::to_string(t.size) + " B at " + std::to_string(t.memory_offset) + ">";
+      });
+
   m.def("_plan", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
     const Target target = target_of(checkpoint);
     // The tensors a load takes, in the order it lays them out, and where each lands in the single
@@ -1281,15 +1298,9 @@ NB_MODULE(_hbmio, m) {
       // ENOENT for a name it does not hold
       plan = target.files ? hbmio::plan_load_files(target.path, *target.files, options) : hbmio::plan_load(target.path, options);
     }
-    nb::list out;
-    for (const auto& t : plan) {
-      nb::list shape;
-      for (auto n : t.shape) shape.append(n);
-      out.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, t.size, t.memory_offset));
-    }
-    return out;
+    return plan;
   }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
-     "(name, dtype, shape, bytes, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
+     "A PlannedTensor (name, dtype, shape, size, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
 
   m.def("_plan_distributed", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names, int world,
                                  const std::string& placement, std::map<std::string, int> shard_map, nb::handle verify) {
@@ -1312,17 +1323,11 @@ NB_MODULE(_hbmio, m) {
       plan = hbmio::plan_distributed(target.path, target.files ? *target.files : opened, options, world,
                                      placement == "shard" ? hbmio::Placement::shard : hbmio::Placement::replicate, shard_map);
     }
-    nb::list tensors;
-    for (const auto& t : plan.tensors) {
-      nb::list shape;
-      for (auto n : t.shape) shape.append(n);
-      tensors.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, t.size, t.memory_offset));
-    }
     nb::list ranges;
     for (const auto& [begin, end] : plan.range) ranges.append(nb::make_tuple(begin, end));
     char digest[17];
     std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(plan.digest));
-    return nb::make_tuple(tensors, plan.reader, ranges, std::string(digest));
+    return nb::make_tuple(plan.tensors, plan.reader, ranges, std::string(digest));
   }, nb::arg("checkpoint"), nb::arg("names").none(), nb::arg("world"), nb::arg("placement"), nb::arg("shard_map"), nb::arg("verify").none(),
      "hbmio::plan_distributed: (plan, reader per tensor, (begin, end) per rank, digest).");
 
