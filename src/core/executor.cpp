@@ -119,9 +119,15 @@ void Executor::run(std::size_t count, unsigned width, const std::function<void(s
     }
   }
   batch->work();
-  std::unique_lock lock(batch->mutex);
-  batch->finished.wait(lock, [&] { return batch->done == count; });
-  if (batch->error) std::rethrow_exception(batch->error);
+  std::exception_ptr error;
+  {
+    std::unique_lock lock(batch->mutex);
+    batch->finished.wait(lock, [&] { return batch->done == count; });
+    // Taken out of the batch: a helper that drops the batch later must not be the one that frees
+    // the exception the caller is handling.
+    error = std::exchange(batch->error, nullptr);
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 void Executor::shutdown() {
