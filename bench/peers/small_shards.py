@@ -21,8 +21,11 @@ from transformers import AutoModelForCausalLM
 import transformers.modeling_utils, transformers.models.llama.modeling_llama  # imports are nobody's load time
 mdir, device, calls, which = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 ctx = None
-if which == "hbmio":
+if which.startswith("hbmio"):
     import hbmio
+    if which == "hbmio-direct":  # every file read straight into the device, however small
+        from hbmio import integrations
+        integrations._DIRECT_MIN_BYTES = 0
     ctx = hbmio.use_in_transformers()
     ctx.__enter__()
 def load():
@@ -70,9 +73,10 @@ def main():
     size = sum(os.path.getsize(os.path.join(mdir, f)) for f in shards)
     print(f"model: {mdir}, {len(shards)} shards, {size / 2**20:.1f} MiB; device {a.device}; "
           f"{a.runs} fresh processes x (first call + {a.calls})", flush=True)
-    results = {"stock": [], "hbmio": []}
+    contenders = ["stock", "hbmio"] + (["hbmio-direct"] if a.device.startswith("cuda") else [])
+    results = {which: [] for which in contenders}
     for run in range(a.runs):
-        for which in (("stock", "hbmio") if run % 2 == 0 else ("hbmio", "stock")):
+        for which in contenders[run % len(contenders):] + contenders[:run % len(contenders)]:  # rotated
             out = subprocess.run([sys.executable, "-c", CHILD, mdir, a.device, str(a.calls), which],
                                  capture_output=True, text=True, check=True)
             results[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -92,7 +96,8 @@ def main():
                                     "first_all": [r["first"] for r in rs]}) + "\n")
     print(f"{'contender':<34} {'first call (s)':>15} {'later calls (s)':>16}")
     for which, first, later in rows:
-        name = "from_pretrained, stock" if which == "stock" else "inside hbmio.use_in_transformers()"
+        name = {"stock": "from_pretrained, stock", "hbmio": "inside hbmio.use_in_transformers()",
+                "hbmio-direct": "  the same, every file into the GPU"}[which]
         print(f"{name:<34} {first:>15.4f} {later:>16.4f}")
     print("every load checked equal to the stock load")
 
