@@ -144,25 +144,14 @@ std::vector<CheckpointFile> open_checkpoint_once(const std::string& path) {
       if (errno == ENOENT && !still_named(*dir, dir_path)) throw DirectorySwapped{};
       throw checkpoint_error(errno, target, fmt::format("shard '{}' named by the index cannot be opened", shard));
     }
-    CheckpointFile* file;
     try {
-      file = open_one(shard, shard_path, files);
+      open_one(shard, shard_path, files);
     } catch (const Error& e) {
       if (e.code() == std::errc::no_such_file_or_directory && !still_named(*dir, dir_path)) throw DirectorySwapped{};
       throw;
     }
-    std::erase_if(file->header.tensors, [&](const st::TensorInfo& t) {
-      const auto it = index.weight_map.find(t.name);
-      return it == index.weight_map.end() || it->second != shard;
-    });
   }
-  for (const auto& [tensor, shard] : index.weight_map) {
-    const auto file = std::find_if(files.begin(), files.end(), [&](const CheckpointFile& f) {
-      return fs::path(f.path).filename() == shard;
-    });
-    if (file == files.end() || file->header.find(tensor) == nullptr)
-      throw checkpoint_error(EINVAL, target, fmt::format("tensor '{}' is missing from its shard '{}'", tensor, shard));
-  }
+  detail::keep_indexed_tensors(files, index, {.op = "open checkpoint", .path = target});
   return files;
 }
 
@@ -589,6 +578,22 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
   timer.finish(total);
   result.seconds = total.seconds;
   return result;
+}
+
+void detail::keep_indexed_tensors(std::vector<CheckpointFile>& files, const st::ShardIndex& index, const ErrorContext& context) {
+  if (files.size() != index.shards.size())
+    throw Error(errno_code(EPROTO), context,
+                fmt::format("{} shards opened for the {} the index names (an internal error)", files.size(), index.shards.size()));
+  for (std::size_t k = 0; k < files.size(); ++k)
+    std::erase_if(files[k].header.tensors, [&](const st::TensorInfo& t) {
+      const auto it = index.weight_map.find(t.name);
+      return it == index.weight_map.end() || it->second != index.shards[k];
+    });
+  for (const auto& [tensor, shard] : index.weight_map) {
+    const auto k = static_cast<std::size_t>(std::find(index.shards.begin(), index.shards.end(), shard) - index.shards.begin());
+    if (k >= files.size() || files[k].header.find(tensor) == nullptr)
+      throw Error(errno_code(EINVAL), context, fmt::format("tensor '{}' is missing from its shard '{}'", tensor, shard));
+  }
 }
 
 std::vector<std::size_t> detail::contiguous_runs(const std::vector<std::uint64_t>& sizes, std::size_t n) {

@@ -22,6 +22,11 @@ namespace hbmio::detail {
 // open_checkpoint for an s3:// or http(s):// URL (remote_open.cpp).
 std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url, const RemoteOptions& options);
 
+// A sharded checkpoint, local or remote: `files` holds one opened shard per index.shards, in that
+// order. Keeps in each shard only the tensors the index assigns to it, then checks that every
+// tensor the index names is in its shard (Error EINVAL, in `context`, naming the first missing).
+void keep_indexed_tensors(std::vector<CheckpointFile>& files, const safetensors::ShardIndex& index, const ErrorContext& context);
+
 // A friend of LoadedCheckpoint.
 struct LoadAccess {
   // Loads `files` (open_checkpoint(path)) per `options`. With `read_only`, the layout holds every

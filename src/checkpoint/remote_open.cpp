@@ -75,20 +75,8 @@ std::vector<CheckpointFile> open_remote_index(const std::string& url, const Remo
   if (index.shards.empty())
     throw Error(errno_code(EINVAL), {.op = "open", .path = index_object->shown()}, "the index names no shard (its weight_map is empty)");
   std::vector<CheckpointFile> files;
-  for (const std::string& shard : index.shards) {
-    CheckpointFile file = open_remote_file(remote_sibling(url, shard), options);
-    std::erase_if(file.header.tensors, [&](const st::TensorInfo& t) {
-      const auto it = index.weight_map.find(t.name);
-      return it == index.weight_map.end() || it->second != shard;
-    });
-    files.push_back(std::move(file));
-  }
-  for (const auto& [tensor, shard] : index.weight_map) {
-    const std::size_t k = static_cast<std::size_t>(std::find(index.shards.begin(), index.shards.end(), shard) - index.shards.begin());
-    if (k >= files.size() || files[k].header.find(tensor) == nullptr)
-      throw Error(errno_code(EINVAL), {.op = "open", .path = index_object->shown()},
-                  fmt::format("tensor '{}' is missing from its shard '{}'", tensor, shard));
-  }
+  for (const std::string& shard : index.shards) files.push_back(open_remote_file(remote_sibling(url, shard), options));
+  keep_indexed_tensors(files, index, {.op = "open", .path = index_object->shown()});
   return files;
 }
 
