@@ -49,6 +49,9 @@ struct AsyncSaveReport {
   double persist_seconds = 0;    // from the call to durable (0 while in flight)
   std::uint64_t staged_bytes = 0;
   Staging staging = Staging::pinned;  // what was used (device falls back to pinned)
+  // Per file, the path its bytes took and why (Stats::paths of the persist): empty until the save
+  // is durable, and for a save that failed.
+  std::vector<TransferPath> paths;
 };
 
 namespace detail {

@@ -684,7 +684,8 @@ class SaveHandle:
     def report(self) -> dict:
         """snapshot_seconds (the call), stalled_seconds (of it, waiting for staging room or for an
         earlier save of the path), persist_seconds (call to durable; 0 while running),
-        staged_bytes, staging ("pinned" or "device")."""
+        staged_bytes, staging ("pinned" or "device"), and paths: per file, the path its bytes took
+        and why (as load_file's report=), empty until the save is durable."""
         return self._save._report()
 
     def __repr__(self):

@@ -936,6 +936,7 @@ struct BackgroundSave {
     d["persist_seconds"] = r.persist_seconds;
     d["staged_bytes"] = r.staged_bytes;
     d["staging"] = r.staging == hbmio::Staging::device ? "device" : "pinned";
+    d["paths"] = paths_list(r.paths);  // empty until durable
     return d;
   }
 };

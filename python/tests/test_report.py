@@ -48,6 +48,23 @@ def test_auto_says_why_it_chose_its_path(tmp_path):
     assert 0 <= entry["bytes_direct"] <= entry["bytes"]
 
 
+def test_a_background_save_reports_its_paths_once_durable(tmp_path):
+    tensors = {"w": np.arange(50000, dtype=np.float32), "b": np.ones(17, dtype=np.int64)}
+    path = tmp_path / "bg.safetensors"
+    handle = hbmio.save_file(tensors, str(path), backend="posix", blocking=False)
+    handle.result()
+    (entry,) = handle.report["paths"]
+    # The same entry a blocking save of the same state reports.
+    _, _, blocking = _save(tmp_path, "blocking.safetensors", backend="posix")
+    assert entry["file"] == str(path)
+    assert (entry["path"], entry["reason"]) == (blocking["paths"][0]["path"], blocking["paths"][0]["reason"])
+    assert entry["bytes"] == blocking["paths"][0]["bytes"]
+    sharded = hbmio.save_file({f"t{i}": np.full(1000, i, dtype=np.float32) for i in range(3)}, str(tmp_path / "sharded"),
+                              max_shard_size=5000, backend="posix", blocking=False)
+    sharded.result()
+    assert len(sharded.report["paths"]) == 3
+
+
 def test_a_sharded_checkpoint_reports_every_shard(tmp_path):
     directory = tmp_path / "sharded"
     tensors = {f"t{i}": np.full(1000, i, dtype=np.float32) for i in range(3)}

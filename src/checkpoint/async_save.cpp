@@ -119,6 +119,7 @@ void finish(const std::shared_ptr<AsyncSaveState>& state, std::optional<Stats> s
   state->device_copy.reset();  // device staging goes back at once
   {
     std::lock_guard lock(state->mutex);
+    if (stats) state->report.paths = stats->paths;
     state->stats = std::move(stats);
     state->error = error;
     state->report.persist_seconds = seconds_since(state->started);
