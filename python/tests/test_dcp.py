@@ -18,6 +18,7 @@ import time
 from datetime import timedelta
 
 import pytest
+from _rank_exit import exit_rank
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 dcp = pytest.importorskip("torch.distributed.checkpoint", reason="torch.distributed.checkpoint is not available")
@@ -344,6 +345,7 @@ def _rank(rank, world, init_file, path, out):
             f.write("ok")
     finally:
         dist.destroy_process_group()
+    exit_rank()  # see _rank_exit.py
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -402,6 +404,7 @@ def _async_rank(rank, world, init_file, path, out):
             f.write("ok")
     finally:
         dist.destroy_process_group()
+    exit_rank()  # see _rank_exit.py
 
 
 @needs_stager

@@ -13,6 +13,7 @@ import shutil
 from datetime import timedelta
 
 import pytest
+from _rank_exit import exit_rank
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 dist = pytest.importorskip("torch.distributed", reason="torch.distributed is not available")
@@ -46,6 +47,7 @@ def _worker(rank, world, init_file, out_dir, paths, placement, shard_map, device
     finally:
         dist.destroy_process_group()
     (pathlib.Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    exit_rank()  # see _rank_exit.py
 
 
 def run_ranks(tmp_path, world, placement, paths=None, shard_map=None, devices=None, report_ranks=None):

@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+from _rank_exit import exit_rank
 
 import hbmio
 
@@ -244,6 +245,7 @@ def _stream_rank(rank, world, init_file, files, out):
             f.write(repr((s._rank, s._world, got)))
     finally:
         dist.destroy_process_group()
+    exit_rank()  # see _rank_exit.py
 
 
 def test_torch_distributed_ranks_split_every_epoch(tmp_path):
