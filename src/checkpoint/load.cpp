@@ -496,17 +496,6 @@ void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<Chec
   result.verified_ = result.unverified_files_.empty();
 }
 
-namespace {
-
-// Runs f(k) for k in [0, n) at once (the pool's threads and the caller's); rethrows the first
-// failure after all have finished.
-template <typename F>
-void on_threads(std::size_t n, F&& f) {
-  detail::Executor::shared().run(n, 0, f);
-}
-
-}  // namespace
-
 MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOptions& options) {
   detail::TransferTimer timer;
   const std::size_t n = options.into.size();
@@ -535,7 +524,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
   result.locations.resize(n);
   if (options.placement == Placement::shard) {
     // One ordinary load per location, with its own engine, all at once.
-    on_threads(n, [&](std::size_t k) {
+    detail::Executor::shared().run(n, 0, [&](std::size_t k) {
       LoadOptions mine = base;
       mine.into = options.into[k];
       mine.names.assign(names[k].begin(), names[k].end());
@@ -545,7 +534,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
   } else {
     // Every location gets the whole layout; location k reads run k, then copies the others'.
     std::vector<std::byte*> base_of(n, nullptr);  // each location's copy of the layout
-    on_threads(n, [&](std::size_t k) {
+    detail::Executor::shared().run(n, 0, [&](std::size_t k) {
       LoadOptions mine = base;
       mine.into = options.into[k];
       mine.engine = engine_of(k);
@@ -559,7 +548,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
     // the layout): one copy per (reader, other location).
     const auto& range = split.range;
     std::atomic<std::uint64_t> copied{0};
-    on_threads(n, [&](std::size_t k) {
+    detail::Executor::shared().run(n, 0, [&](std::size_t k) {
       for (std::size_t j = 0; j < n; ++j) {
         const auto [begin, end] = range[j];
         if (j == k || begin >= end) continue;
@@ -571,7 +560,7 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
     });
     result.bytes_between_locations = copied;
     if (base.verify)
-      on_threads(n, [&](std::size_t k) { detail::LoadAccess::verify(result.locations[k], files, base.require_checksums); });
+      detail::Executor::shared().run(n, 0, [&](std::size_t k) { detail::LoadAccess::verify(result.locations[k], files, base.require_checksums); });
   }
   for (auto& location : result.locations) result.bytes_from_storage += location.stats().bytes;
   Stats total;

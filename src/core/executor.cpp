@@ -27,9 +27,9 @@ struct Batch {
   const std::function<void(std::size_t)>* task = nullptr;
   std::atomic<std::size_t> next{0};
   std::atomic<bool> failed{false};
-  std::mutex mutex;
+  std::atomic<std::size_t> done{0};  // tasks returned or skipped; the last one wakes the caller
+  std::mutex mutex;                  // guards `error`, and the caller's sleep on `finished`
   std::condition_variable finished;
-  std::size_t done = 0;  // tasks returned or skipped
   std::exception_ptr error;
 
   void work() {
@@ -43,8 +43,10 @@ struct Batch {
           failed = true;
         }
       }
-      std::lock_guard lock(mutex);
-      if (++done == count) finished.notify_all();
+      if (done.fetch_add(1) + 1 == count) {
+        std::lock_guard lock(mutex);  // taken, so the caller cannot miss the wake between its check and its sleep
+        finished.notify_all();
+      }
     }
   }
 };
@@ -122,7 +124,7 @@ void Executor::run(std::size_t count, unsigned width, const std::function<void(s
   std::exception_ptr error;
   {
     std::unique_lock lock(batch->mutex);
-    batch->finished.wait(lock, [&] { return batch->done == count; });
+    batch->finished.wait(lock, [&] { return batch->done.load() == count; });
     // Taken out of the batch: a helper that drops the batch later must not be the one that frees
     // the exception the caller is handling.
     error = std::exchange(batch->error, nullptr);

@@ -78,7 +78,7 @@ class Executor {
   // if work comes later.
   void shutdown();
 
-  // Threads started and not joined (for tests and `--json` diagnostics).
+  // Threads started and not joined (for tests).
   std::size_t threads() const;
 
  private:
