@@ -21,6 +21,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/source.hpp"
 #include "core/executor.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "testing/fault_injection_file_system.hpp"
@@ -416,6 +417,48 @@ TEST_F(Corruption, SwappedTensorsAreDetected) {
   EXPECT_NE(r.first_bad->find(fmt::format("tensor '{}' in {} starting at byte {}", first->name, path_, header_.data_offset + first->begin)),
             std::string::npos)
       << *r.first_bad;
+}
+
+// The source's reads in several engine batches, each told landed while the next one reads: every
+// read is told once, whole, with its bytes in place; a throw from landed fails the call.
+TEST(Source, LandedBatchesTellEveryReadOnceWithItsBytes) {
+  TempDir dir;
+  const std::string path = dir.file("s.safetensors");
+  const Sample sample = make_sample({MemoryKind::host});
+  save_checkpoint(path, sample.tensors);
+  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  std::vector<std::vector<std::byte>> into;
+  std::vector<detail::RangeRead> reads;
+  for (const auto& t : files.front().header.tensors) {
+    into.emplace_back(t.size());
+    reads.push_back({0, files.front().header.data_offset + t.begin, {into.back().data(), into.back().size(), {}}});
+  }
+  std::mutex mutex;
+  std::vector<int> told(reads.size(), 0);
+  const auto lease = EnginePool::shared().acquire("posix");
+  detail::ReadRangesOptions options{.engine = [&]() -> Engine& { return *lease; }, .landed_batch_bytes = 4096};
+  options.landed = [&](std::size_t i, std::uint64_t at, std::uint64_t length) {
+    EXPECT_EQ(at, 0u);
+    EXPECT_EQ(length, reads[i].into.size);
+    EXPECT_EQ(into[i], pread_range(path, reads[i].offset, reads[i].into.size)) << "read " << i << " told before its bytes were in";
+    std::lock_guard lock(mutex);
+    ++told[i];
+  };
+  const Stats stats = detail::read_ranges(files, reads, options);
+  EXPECT_NE(stats.note.find("batches (each checked while the next was read)"), std::string::npos) << stats.note;
+  for (std::size_t i = 0; i < reads.size(); ++i) EXPECT_EQ(told[i], reads[i].into.size > 0 ? 1 : 0) << "read " << i;
+
+  // A check that fails in a later batch fails the call, after the reads in flight are done.
+  const std::size_t bad = reads.size() - 1;
+  options.landed = [&](std::size_t i, std::uint64_t, std::uint64_t) {
+    if (i == bad) throw Error(make_error_code(Errc::verify_failed), {.op = "verify", .path = path}, "the last read");
+  };
+  try {
+    detail::read_ranges(files, reads, options);
+    ADD_FAILURE() << "a throw from landed was lost";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the last read"), std::string::npos) << e.what();
+  }
 }
 
 // Every single-bit flip anywhere in the header (length, JSON, padding; two different bits per

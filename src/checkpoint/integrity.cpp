@@ -1,4 +1,5 @@
 #include "checkpoint/integrity.hpp"
+#include "checkpoint/source.hpp"
 #include "core/error_boundary.hpp"
 #include "core/executor.hpp"
 #include "core/positional_io.hpp"
@@ -111,13 +112,7 @@ std::optional<std::string> check_header(const CheckpointFile& file) {
   // bytes: parsing drops what it does not need).
   // Through the descriptor the header was parsed from: a file that took the name since is not it.
   std::string bytes(file.header.data_offset, '\0');
-  std::size_t got = bytes.size();
-  if (file.remote) {
-    file.remote->read(0, {reinterpret_cast<std::byte*>(bytes.data()), bytes.size(), {}});
-  } else {
-    const std::shared_ptr<const File> handle = reopen(file);
-    got = detail::read_fully(handle->fd(), std::as_writable_bytes(std::span(bytes)), 0, {.op = "verify", .path = file.path});
-  }
+  const std::size_t got = read_host_bytes(file, 0, std::as_writable_bytes(std::span(bytes)), {.op = "verify", .path = file.path});
   if (got < bytes.size())
     throw Error(errno_code(EIO), {.op = "verify", .path = file.path, .offset = got, .length = bytes.size() - got},
                 "file ends inside the header");
@@ -187,18 +182,16 @@ VerifyResult verify_unguarded(const std::string& path) {
   }
   // Hashes the bytes on disk with plain reads, one tensor at a time, in 16 MiB pieces.
   std::vector<std::byte> piece(std::size_t{16} << 20);
-  for (const auto& file : files) {
-    // The file whose header was checked (an object at a URL: the version its header came from).
-    const std::shared_ptr<const File> handle = file.remote ? nullptr : reopen(file);
+  for (const auto& named : files) {
+    // Through the file whose header was checked (an object at a URL: the version its header came from).
+    const CheckpointFile file = detail::held_open(named);
     std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(), &XXH3_freeState);
     for (const auto& t : file.header.tensors) {
       XXH3_64bits_reset(state.get());
       const std::uint64_t start = file.header.data_offset + t.begin;
       for (std::uint64_t at = 0; at < t.size();) {
         const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(piece.size(), t.size() - at));
-        std::size_t got = n;
-        if (file.remote) file.remote->read(start + at, {piece.data(), n, {}});
-        else got = detail::read_fully(handle->fd(), {piece.data(), n}, start + at, {.op = "verify", .path = file.path});
+        const std::size_t got = detail::read_host_bytes(file, start + at, {piece.data(), n}, {.op = "verify", .path = file.path});
         if (got < n)
           throw Error(errno_code(EIO), {.op = "verify", .path = file.path, .offset = start + at + got, .length = n - got},
                       fmt::format("file ends inside tensor '{}'", t.name));

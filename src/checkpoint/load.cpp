@@ -1,7 +1,6 @@
 // Loading checkpoints: resolve the path to files, plan where each tensor lands and which reads
 // to issue, read through one engine, optionally verify the stored checksums.
 #include <fcntl.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,12 +11,13 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <thread>
+#include <optional>
 
 #include <fmt/format.h>
 
 #include "checkpoint/integrity.hpp"
 #include "checkpoint/load_internal.hpp"
+#include "checkpoint/source.hpp"
 #include "core/error_boundary.hpp"
 #include "core/executor.hpp"
 #include "hbmio/checkpoint.hpp"
@@ -55,17 +55,6 @@ std::string resolve_directory(const CheckpointDirectory& dir, const std::string&
   throw checkpoint_error(files.empty() ? ENOENT : EINVAL, path,
                          files.empty() ? "holds no .safetensors file and no *.safetensors.index.json"
                                        : fmt::format("holds {} .safetensors files and no index; name the file to load", files.size()));
-}
-
-// How many files of one checkpoint stay open at once (open_checkpoint), and how many more a load
-// opens again at a time. Each holds two descriptors (buffered and O_DIRECT): a sixteenth of the
-// soft RLIMIT_NOFILE in files, for each of the two, leaves three quarters of the limit to the
-// engine's rings (one per worker) and the caller's own files. A 40-shard load under `ulimit -n 16`
-// failed when every shard was held.
-std::size_t open_file_bound() {
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 256;
-  return std::clamp<std::size_t>(static_cast<std::size_t>(limit.rlim_cur / 16), 1, 256);
 }
 
 // Is the directory open as `dir` still the one named `path`? (A sharded save swaps a new directory
@@ -107,7 +96,7 @@ std::vector<CheckpointFile> open_checkpoint_once(const std::string& path) {
     throw;
   }
   const std::string target = (fs::path(shown_dir) / name).string();
-  const std::size_t bound = open_file_bound();
+  const std::size_t bound = detail::open_file_bound();
   auto open_one = [&](const std::string& file_name, const std::string& file_path, std::vector<CheckpointFile>& into) {
     auto file = std::make_shared<const File>(File::open_at(dir->fd(), file_name, file_path, OpenMode::read));
     st::Header header = st::read_header(file->fd(), file_path);
@@ -159,12 +148,9 @@ std::uint64_t align_up(std::uint64_t value, std::uint64_t alignment) {
   return alignment <= 1 ? value : (value + alignment - 1) / alignment * alignment;
 }
 
-// One read: a byte range of one file into one contiguous span of memory.
-struct PlannedRead {
-  std::size_t file = 0;
-  std::uint64_t file_offset = 0;
-  MemorySpan memory;
-  std::size_t first_tensor = 0, tensors = 0;  // the LoadedCheckpoint tensors it fills
+// The LoadedCheckpoint tensors one planned read fills.
+struct ReadTensors {
+  std::size_t first = 0, count = 0;
 };
 
 }  // namespace
@@ -306,22 +292,27 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   LoadedCheckpoint result;
   result.metadata_ = files.front().header.metadata;
 
-  std::vector<PlannedRead> reads;
+  // One read per run of tensors that lie back to back both in a file and in memory.
+  std::vector<detail::RangeRead> reads;
+  std::vector<ReadTensors> read_tensors;  // per read
   auto plan_read = [&](const Pick& pick, MemorySpan memory) {
     const std::uint64_t file_offset = files[pick.file].header.data_offset + pick.info->begin;
     if (!reads.empty()) {
-      PlannedRead& last = reads.back();
-      if (last.file == pick.file && last.file_offset + last.memory.size == file_offset &&
-          last.memory.data + last.memory.size == memory.data && memory.size > 0) {
-        last.memory.size += memory.size;
+      detail::RangeRead& last = reads.back();
+      if (last.file == pick.file && last.offset + last.into.size == file_offset && last.into.data + last.into.size == memory.data &&
+          memory.size > 0) {
+        last.into.size += memory.size;
         // Through the tensor add_tensor appends next (empty tensors in between included: they
         // take indices but no read).
-        last.tensors = result.tensors_.size() + 1 - last.first_tensor;
+        read_tensors.back().count = result.tensors_.size() + 1 - read_tensors.back().first;
         return;
       }
     }
     // add_tensor appends the tensor after this: it gets the next index.
-    if (memory.size > 0) reads.push_back({pick.file, file_offset, memory, result.tensors_.size(), 1});
+    if (memory.size > 0) {
+      reads.push_back({pick.file, file_offset, memory});
+      read_tensors.push_back({result.tensors_.size(), 1});
+    }
   };
   auto add_tensor = [&](const Pick& pick, MemorySpan memory) {
     if (read_only == nullptr || read_only->contains(pick.info->name)) plan_read(pick, memory);
@@ -348,104 +339,69 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     }
   }
 
-  if (files.front().remote) {
-    // At a URL: every range of every object at once over the remote workers' connections.
-    std::vector<RemoteRead> remote_reads;
-    for (const PlannedRead& read : reads) remote_reads.push_back({files[read.file].remote.get(), read.file_offset, read.memory});
-    // With verify, each tensor is checked as soon as its last byte is in, by the worker that
-    // fetched that byte while the others go on: checking runs beside the GETs, not in a second
-    // pass over everything once it is loaded.
-    const bool check = options.verify && read_only == nullptr;
-    if (check && options.require_checksums) require_checksums(files);
-    // Headers first: the tensors are checked against the checksums they hold.
-    if (check) check_headers(files);
-    std::vector<char> checked(result.tensors_.size(), 0);
-    std::vector<std::atomic<std::uint64_t>> missing(result.tensors_.size());  // bytes not yet in place
-    for (std::size_t t = 0; t < result.tensors_.size(); ++t) missing[t] = result.tensors_[t].data.size;
-    // Pinned staging for hashing GPU tensors, reused from tensor to tensor (at most one per worker).
-    std::mutex staging_mutex;
-    std::vector<Buffer> stagings;
-    const auto landed = [&](std::size_t i, std::uint64_t at, std::uint64_t length) {
-      const PlannedRead& read = reads[i];
-      const CheckpointFile& file = files[read.file];
-      if (!has_checksums(file.header.metadata)) return;
-      // The read's tensors lie back to back in it, in order.
-      for (std::size_t t = read.first_tensor; t < read.first_tensor + read.tensors; ++t) {
-        const LoadedTensor& tensor = result.tensors_[t];
-        if (tensor.data.size == 0) continue;  // in no read (checked by verify below)
-        const std::uint64_t begin = static_cast<std::uint64_t>(tensor.data.data - read.memory.data), end = begin + tensor.data.size;
-        if (end <= at) continue;
-        if (begin >= at + length) break;
-        const std::uint64_t overlap = std::min(end, at + length) - std::max(begin, at);
-        if (missing[t].fetch_sub(overlap) != overlap) continue;  // more of it still to come
-        Buffer staging;
-        if (tensor.data.kind() == MemoryKind::device) {
-          std::lock_guard lock(staging_mutex);
-          if (!stagings.empty()) {
-            staging = std::move(stagings.back());
-            stagings.pop_back();
-          }
+  // Every read of every file at once (source.hpp): the engine, or the remote workers, keep their
+  // whole queue busy across tensor and file boundaries. With verify, each tensor is checked as soon
+  // as it is in place, on the pool, while later bytes are still being read: checking runs beside
+  // the reads, not in a second pass over everything once it is loaded.
+  const bool check = options.verify && read_only == nullptr;
+  if (check && options.require_checksums) require_checksums(files);
+  if (check) check_headers(files);  // first: the tensors are checked against the checksums they hold
+  std::vector<char> checked(result.tensors_.size(), 0);
+  std::vector<std::atomic<std::uint64_t>> missing(result.tensors_.size());  // bytes not yet in place
+  for (std::size_t t = 0; t < result.tensors_.size(); ++t) missing[t] = result.tensors_[t].data.size;
+  // Pinned staging for hashing GPU tensors, reused from tensor to tensor (at most one per thread).
+  std::mutex staging_mutex;
+  std::vector<Buffer> stagings;
+  const auto landed = [&](std::size_t i, std::uint64_t at, std::uint64_t length) {
+    const detail::RangeRead& read = reads[i];
+    const CheckpointFile& file = files[read.file];
+    if (!has_checksums(file.header.metadata)) return;
+    // The read's tensors lie back to back in it, in order.
+    for (std::size_t t = read_tensors[i].first; t < read_tensors[i].first + read_tensors[i].count; ++t) {
+      const LoadedTensor& tensor = result.tensors_[t];
+      if (tensor.data.size == 0) continue;  // in no read (checked by verify below)
+      const std::uint64_t begin = static_cast<std::uint64_t>(tensor.data.data - read.into.data), end = begin + tensor.data.size;
+      if (end <= at) continue;
+      if (begin >= at + length) break;
+      const std::uint64_t overlap = std::min(end, at + length) - std::max(begin, at);
+      if (missing[t].fetch_sub(overlap) != overlap) continue;  // more of it still to come
+      Buffer staging;
+      if (tensor.data.kind() == MemoryKind::device) {
+        std::lock_guard lock(staging_mutex);
+        if (!stagings.empty()) {
+          staging = std::move(stagings.back());
+          stagings.pop_back();
         }
-        const std::uint64_t sum = detail::xxh3_of(tensor.data, staging);
-        if (staging.data() != nullptr) {
-          std::lock_guard lock(staging_mutex);
-          stagings.push_back(std::move(staging));
-        }
-        if (auto bad = detail::check_tensor(file.header.metadata, tensor.name, tensor.file, tensor.file_offset, sum))
-          throw Error(make_error_code(Errc::verify_failed),
-                      {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size}, *bad);
-        checked[t] = 1;
       }
-    };
-    result.stats_ = read_remote(remote_reads, options.remote ? *options.remote : files.front().remote->options(), options.progress,
-                                check ? LandedFunction(landed) : nullptr);
-    result.stats_.note = fmt::format("{} tensors from {} object(s){}: {}", result.tensors_.size(), files.size(),
-                                     check ? ", each checked as it arrived" : "", result.stats_.note);
-    if (check) verify(result, files, options.require_checksums, &checked);
-    return result;
-  }
-  // Read: one engine for the whole checkpoint, so rings and pinned buffers are set up once.
-  const detail::EngineInUse chosen(options.engine, options.backend, options.engine_options);
-  Engine* const engine = chosen.get();
-  // Every read of every file in one batch: the engine keeps its whole queue busy across tensor
-  // and file boundaries. Each read goes through the descriptor its file's header was read from
-  // (see CheckpointFile::file). Files open_checkpoint did not keep open (past its bound) are opened
-  // again a bounded number at a time, and each group is its own batch.
-  Stats& total = result.stats_;
-  std::vector<IoRequest> requests;
-  std::vector<std::shared_ptr<const File>> reopened;
-  std::size_t batches = 0;
-  const auto flush = [&] {
-    if (requests.empty() && batches > 0) return;
-    Stats part = engine->submit_batch(requests);
-    if (batches++ == 0) total = std::move(part);  // its note says what the engine did
-    else total.add_part(part);
-    requests.clear();
-    reopened.clear();
-  };
-  const std::size_t bound = open_file_bound();
-  std::size_t last_file = SIZE_MAX;
-  const File* handle = nullptr;
-  for (const PlannedRead& read : reads) {
-    if (read.file != last_file) {
-      last_file = read.file;
-      if (files[read.file].file) {
-        handle = files[read.file].file.get();
-      } else {
-        if (reopened.size() == bound) flush();
-        reopened.push_back(reopen(files[read.file]));
-        handle = reopened.back().get();
+      const std::uint64_t sum = detail::xxh3_of(tensor.data, staging);
+      if (staging.data() != nullptr) {
+        std::lock_guard lock(staging_mutex);
+        stagings.push_back(std::move(staging));
       }
+      if (auto bad = detail::check_tensor(file.header.metadata, tensor.name, tensor.file, tensor.file_offset, sum))
+        throw Error(make_error_code(Errc::verify_failed),
+                    {.op = "verify", .path = tensor.file, .offset = tensor.file_offset, .length = tensor.data.size}, *bad);
+      checked[t] = 1;
     }
-    requests.push_back({.op = IoOp::read, .file = handle, .offset = read.file_offset, .memory = read.memory,
-                        .progress = options.progress});
-  }
-  flush();
-  total.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}", result.tensors_.size(), files.size(), reads.size(),
-                           batches > 1 ? fmt::format(" ({} batches: the files were opened a bounded number at a time)", batches) : "",
-                           total.note.empty() ? "" : "; ", total.note);
-
-  if (options.verify && read_only == nullptr) verify(result, files, options.require_checksums);
+  };
+  // The engine for local files: the caller's, else one leased for this load (none for a URL).
+  std::optional<detail::EngineInUse> chosen;
+  const detail::ReadRangesOptions source{
+      .engine = [&]() -> Engine& {
+        if (!chosen) chosen.emplace(options.engine, options.backend, options.engine_options);
+        return **chosen;
+      },
+      .remote = options.remote ? &*options.remote : nullptr,
+      .progress = options.progress,
+      // Files without checksums (another tool's) have nothing to check as they land: their load stays one batch.
+      .landed = check && std::any_of(files.begin(), files.end(), [](const CheckpointFile& f) { return has_checksums(f.header.metadata); })
+                    ? LandedFunction(landed)
+                    : nullptr};
+  result.stats_ = detail::read_ranges(files, reads, source);
+  result.stats_.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}", result.tensors_.size(), files.size(), reads.size(),
+                                   check ? ", each checked as it landed" : "", result.stats_.note.empty() ? "" : "; ",
+                                   result.stats_.note);
+  if (check) verify(result, files, options.require_checksums, &checked);
   return result;
 }
 

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "checkpoint/source.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 
@@ -36,40 +37,23 @@ const std::map<std::string, std::string>& OpenedCheckpoint::metadata() const noe
 }
 
 Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engine, std::atomic<std::uint64_t>* progress) const {
-  std::vector<IoRequest> requests;
-  std::vector<RemoteRead> remote_reads;
-  requests.reserve(reads.size());
-  // Files open_checkpoint did not keep open (past its bound) are opened again for this batch
-  // and checked to be the same files (reopen).
-  std::vector<std::shared_ptr<const File>> reopened(files_.size());
+  std::vector<detail::RangeRead> ranges;
+  ranges.reserve(reads.size());
   for (const TensorRead& r : reads) {
     if (r.tensor >= tensors_.size())
       throw Error(errno_code(EINVAL), {.op = "read tensor", .path = path_},
                   fmt::format("tensor index {} (the checkpoint holds {})", r.tensor, tensors_.size()));
     const Tensor& t = tensors_[r.tensor];
-    const CheckpointFile& file = files_[t.file];
     const std::uint64_t size = t.info->size();
     if (r.offset > size || r.length > size - r.offset || r.into.size < r.length)
-      throw Error(errno_code(EINVAL), {.op = "read tensor", .path = file.path, .offset = t.file_offset + r.offset, .length = r.length},
+      throw Error(errno_code(EINVAL),
+                  {.op = "read tensor", .path = files_[t.file].path, .offset = t.file_offset + r.offset, .length = r.length},
                   fmt::format("bytes {}..{} of tensor '{}' ({} bytes) into {} bytes of memory", r.offset, r.offset + r.length,
                               t.info->name, size, r.into.size));
-    if (r.length == 0) continue;
-    if (file.remote) {
-      remote_reads.push_back({file.remote.get(), t.file_offset + r.offset, r.into.subspan(0, r.length)});
-      continue;
-    }
-    const File* handle = file.file.get();
-    if (handle == nullptr) {
-      if (!reopened[t.file]) reopened[t.file] = reopen(file);
-      handle = reopened[t.file].get();
-    }
-    requests.push_back({.op = IoOp::read, .file = handle, .offset = t.file_offset + r.offset, .memory = r.into.subspan(0, r.length),
-                        .progress = progress});
+    if (r.length > 0) ranges.push_back({t.file, t.file_offset + r.offset, r.into.subspan(0, r.length)});
   }
-  // With the options the objects were opened with (OpenedCheckpoint's `remote`).
-  if (!remote_reads.empty()) return read_remote(remote_reads, remote_reads.front().object->options(), progress);
-  if (requests.empty()) return {};
-  return engine.submit_batch(requests);
+  // Objects at URLs with the options they were opened with (OpenedCheckpoint's `remote`).
+  return detail::read_ranges(files_, ranges, {.engine = [&]() -> Engine& { return engine; }, .progress = progress});
 }
 
 }  // namespace hbmio

@@ -1,0 +1,146 @@
+// Reads of a checkpoint's files, local or at a URL (source.hpp).
+#include "checkpoint/source.hpp"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "core/executor.hpp"
+#include "core/positional_io.hpp"
+
+namespace hbmio::detail {
+
+// Each file held open holds two descriptors (buffered and O_DIRECT): a sixteenth of the soft
+// RLIMIT_NOFILE in files, for open_checkpoint's and for a read's reopened ones each, leaves three
+// quarters of the limit to the engine's rings (one per worker) and the caller's own files. A
+// 40-shard load under `ulimit -n 16` failed when every shard was held.
+std::size_t open_file_bound() {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return 256;
+  return std::clamp<std::size_t>(static_cast<std::size_t>(limit.rlim_cur / 16), 1, 256);
+}
+
+namespace {
+
+// The local reads, as engine batches. Without `landed`: one batch, unless the files to open again
+// exceed the bound. With it: batches of at most landed_batch_bytes, each told landed on the pool
+// while the next one reads (one batch being checked at a time: the checks of a batch are spread
+// over the pool's threads already).
+Stats read_local(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, std::span<const std::size_t> which,
+                 const ReadRangesOptions& options) {
+  Engine& engine = options.engine();
+  Stats total;
+  std::size_t batches = 0;
+  std::vector<IoRequest> requests;
+  std::vector<std::size_t> batch;  // indices into `reads` of the requests
+  std::vector<std::shared_ptr<const File>> reopened;
+  std::uint64_t batch_bytes = 0;
+  Pending<void> landing;  // the previous batch's landed calls
+  const auto flush = [&] {
+    if (requests.empty()) return;
+    Stats part = engine.submit_batch(requests);
+    if (batches++ == 0) total = std::move(part);  // its note says what the engine did
+    else total.add_part(part);
+    requests.clear();
+    reopened.clear();
+    batch_bytes = 0;
+    if (!options.landed) {
+      batch.clear();
+      return;
+    }
+    if (landing.valid()) landing.get();
+    landing = Executor::shared().start([&options, reads, done = std::move(batch)] {
+      Executor::shared().run(done.size(), 0, [&](std::size_t k) { options.landed(done[k], 0, reads[done[k]].into.size); });
+    });
+    batch.clear();
+  };
+  const std::size_t bound = open_file_bound();
+  std::size_t last_file = SIZE_MAX;
+  const File* handle = nullptr;
+  try {
+    for (const std::size_t i : which) {
+      const RangeRead& read = reads[i];
+      if (options.landed && batch_bytes > 0 && batch_bytes + read.into.size > options.landed_batch_bytes) {
+        flush();
+        last_file = SIZE_MAX;  // its reopened file went with the batch
+      }
+      if (read.file != last_file) {
+        last_file = read.file;
+        if (files[read.file].file) {
+          handle = files[read.file].file.get();
+        } else {
+          if (reopened.size() == bound) flush();
+          reopened.push_back(reopen(files[read.file]));
+          handle = reopened.back().get();
+        }
+      }
+      requests.push_back({.op = IoOp::read, .file = handle, .offset = read.offset, .memory = read.into, .progress = options.progress});
+      batch.push_back(i);
+      batch_bytes += read.into.size;
+    }
+    flush();
+    if (landing.valid()) landing.get();
+  } catch (...) {
+    landing.wait();  // it references `options` and the caller's memory
+    throw;
+  }
+  if (batches > 1)
+    total.note = fmt::format("{} batches{}{}", batches,
+                             options.landed ? " (each checked while the next was read)" : " (the files were opened a bounded number at a time)",
+                             total.note.empty() ? "" : "; " + total.note);
+  return total;
+}
+
+}  // namespace
+
+Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, const ReadRangesOptions& options) {
+  std::vector<std::size_t> local;
+  std::vector<std::size_t> remote_index;  // into `reads`, per remote read
+  std::vector<RemoteRead> remote;
+  for (std::size_t i = 0; i < reads.size(); ++i) {
+    const RangeRead& read = reads[i];
+    if (read.file >= files.size())
+      throw Error(errno_code(EINVAL), {.op = "read"}, fmt::format("file index {} (the checkpoint holds {})", read.file, files.size()));
+    if (read.into.size == 0) continue;
+    if (const RemoteObject* object = files[read.file].remote.get()) {
+      remote.push_back({object, read.offset, read.into});
+      remote_index.push_back(i);
+    } else {
+      local.push_back(i);
+    }
+  }
+  Stats total;
+  if (!local.empty()) total = read_local(files, reads, local, options);
+  if (!remote.empty()) {
+    LandedFunction landed;
+    if (options.landed)
+      landed = [&](std::size_t k, std::uint64_t at, std::uint64_t length) { options.landed(remote_index[k], at, length); };
+    Stats part = read_remote(remote, options.remote ? *options.remote : remote.front().object->options(), options.progress, landed);
+    if (local.empty()) total = std::move(part);
+    else total.add_part(part);
+  }
+  return total;
+}
+
+std::size_t read_host_bytes(const CheckpointFile& file, std::uint64_t offset, std::span<std::byte> into, const ErrorContext& context) {
+  if (file.remote) {
+    // A ranged GET must lie within the object: what is past its end is not asked for.
+    const std::uint64_t size = file.remote->size();
+    const std::size_t n = offset >= size ? 0 : static_cast<std::size_t>(std::min<std::uint64_t>(into.size(), size - offset));
+    if (n > 0) file.remote->read(offset, {into.data(), n, {}});
+    return n;
+  }
+  const std::shared_ptr<const File> handle = reopen(file);
+  return read_fully(handle->fd(), into, offset, context);
+}
+
+CheckpointFile held_open(const CheckpointFile& file) {
+  CheckpointFile held = file;
+  if (!held.remote && !held.file) held.file = reopen(file);
+  return held;
+}
+
+}  // namespace hbmio::detail

@@ -1,0 +1,61 @@
+// Where a checkpoint's bytes are read from: the one place in the checkpoint layer that tells a
+// local file (read through an engine, or with plain reads) from an object at a URL (read with
+// ranged GETs). Loads, the tensor-at-a-time walk (OpenedCheckpoint) and the verify passes plan
+// their reads as (file, offset, memory) and hand them here; none of them asks which kind a file is.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "hbmio/checkpoint.hpp"
+#include "hbmio/error.hpp"
+#include "hbmio/remote.hpp"
+
+namespace hbmio::detail {
+
+// Bytes [offset, offset + into.size) of files[file] into `into` (any memory kind).
+struct RangeRead {
+  std::size_t file = 0;
+  std::uint64_t offset = 0;
+  MemorySpan into{};
+};
+
+struct ReadRangesOptions {
+  // The engine for local files, asked for only when there are some (a load from a URL leases none).
+  std::function<Engine&()> engine;
+  // For objects at URLs; null: the options each object was opened with.
+  const RemoteOptions* remote = nullptr;
+  std::atomic<std::uint64_t>* progress = nullptr;  // bytes in place so far
+  // Told that bytes [at, at + length) of reads[read] are in place (GPU copies done), on a pool or
+  // remote worker thread, possibly several at once, while later bytes are still being read; a
+  // throw from it fails the call. Objects at URLs: per part as it arrives. Local files: per read,
+  // once the engine batch that holds it is done, while the next batch is read (the batches are
+  // then of at most `landed_batch_bytes`, so that checking one overlaps reading the next).
+  LandedFunction landed;
+  std::uint64_t landed_batch_bytes = std::uint64_t{1} << 30;
+};
+
+// Every read, at once where the source allows: the local reads as engine batches (the whole load
+// one batch without `landed`; files that open_checkpoint did not keep open are opened again, a
+// bounded number at a time, and checked to be the same files), the remote ones over the remote
+// workers' connections. Returns the summed Stats, whose note says what was done.
+Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, const ReadRangesOptions& options);
+
+// Bytes [offset, offset + into.size()) of one file into host memory, with plain reads through the
+// descriptor its header was read from (an object: the version its header came from). Returns how
+// many bytes there were: fewer only where the file ends first. For headers and the verify passes.
+std::size_t read_host_bytes(const CheckpointFile& file, std::uint64_t offset, std::span<std::byte> into, const ErrorContext& context);
+
+// `file` with its descriptor held (opened again, and checked, where open_checkpoint did not keep
+// it): for many read_host_bytes of one file.
+CheckpointFile held_open(const CheckpointFile& file);
+
+// How many files of one checkpoint stay open at once (open_checkpoint), and how many more a read
+// opens again at a time (see its definition).
+std::size_t open_file_bound();
+
+}  // namespace hbmio::detail
