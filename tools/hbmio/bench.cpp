@@ -140,16 +140,17 @@ void create_sample_file(const std::string& path, std::uint64_t size, const Optio
   fill_random(buffer.data(), block, 0x5eed);
   File file = File::open(path, OpenMode::write);
   auto engine = make_engine("auto", options);
-  Progress progress("creating " + path, size);
-  for (std::uint64_t offset = 0; offset < size; offset += block) {
-    const std::size_t length = static_cast<std::size_t>(std::min<std::uint64_t>(block, size - offset));
-    for (std::size_t page = 0; page + 8 <= length; page += 4096) {
-      const std::uint64_t stamp = offset + page;
-      std::memcpy(buffer.data() + page, &stamp, 8);
+  with_progress("creating " + path, size, [&](std::atomic<std::uint64_t>* progress) {
+    for (std::uint64_t offset = 0; offset < size; offset += block) {
+      const std::size_t length = static_cast<std::size_t>(std::min<std::uint64_t>(block, size - offset));
+      for (std::size_t page = 0; page + 8 <= length; page += 4096) {
+        const std::uint64_t stamp = offset + page;
+        std::memcpy(buffer.data() + page, &stamp, 8);
+      }
+      engine->submit({.op = IoOp::write, .file = &file, .offset = offset, .memory = buffer.span().subspan(0, length),
+                      .progress = progress, .cancel = &stop});
     }
-    engine->submit({.op = IoOp::write, .file = &file, .offset = offset, .memory = buffer.span().subspan(0, length),
-                    .progress = progress.counter(), .cancel = &stop});
-  }
+  });
   file.sync();
 }
 

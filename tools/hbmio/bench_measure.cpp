@@ -64,10 +64,11 @@ Run run_from(const Stats& s) {
 // its memory into a freshly truncated file followed by fsync, counted in time and CPU (a save is
 // done when it is durable).
 Run transfer_once(const RowPlan& plan, const std::string& label) {
-  Progress progress(label, plan.memory.size);
   File file = File::open(plan.path, plan.op == IoOp::read ? OpenMode::read : OpenMode::write);
-  Run run = run_from(plan.engine->submit({.op = plan.op, .file = &file, .offset = 0, .memory = plan.memory,
-                                          .progress = progress.counter(), .cancel = plan.cancel}));
+  Run run = with_progress(label, plan.memory.size, [&](std::atomic<std::uint64_t>* progress) {
+    return run_from(
+        plan.engine->submit({.op = plan.op, .file = &file, .offset = 0, .memory = plan.memory, .progress = progress, .cancel = plan.cancel}));
+  });
   if (plan.op == IoOp::read) return run;
   const auto start = std::chrono::steady_clock::now();
   const double cpu_start = process_cpu_seconds();

@@ -232,9 +232,10 @@ int run_load(const CkptFlags& f) {
     loaded.reset();  // frees the previous run's memory first
     if (f.drop_cache)
       for (const auto& file : open_checkpoint(f.path)) cache = drop_page_cache(file.path);
-    Progress progress(fmt::format("load {} -> {}", shown_path(f.path), f.into), total);
-    options.progress = progress.counter();
-    loaded = load_checkpoint(f.path, options);
+    loaded = with_progress(fmt::format("load {} -> {}", shown_path(f.path), f.into), total, [&](std::atomic<std::uint64_t>* progress) {
+      options.progress = progress;
+      return load_checkpoint(f.path, options);
+    });
     seconds.push_back(loaded->stats().seconds);
     notes.push_back(loaded->stats().note);  // the first run's says what first use cost
     if (f.runs > 1 && f.json != "-") fmt::print("run {}/{}: {}\n", run, f.runs, summary_line(loaded->stats(), f.verbose));
@@ -338,12 +339,14 @@ int run_save(const CkptFlags& f, const std::atomic<bool>& stop) {
     copy_memory(buffers.back().span(), staging.span());
     tensors.push_back({fmt::format("layers.{}.weight", i), *dtype, shape, buffers.back().span()});
   }
-  Progress progress(fmt::format("save {} -> {}", shown_path(f.from), shown_path(f.path)), bytes * f.count);
-  const Stats s = save_checkpoint(f.path, tensors,
-                                  {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt generate"}},
-                                   .checksums = !f.no_checksums, .backend = f.backend, .engine_options = f.tuning.resolve(),
-                                   .max_shard_size = max_shard_size,
-                                   .progress = progress.counter(), .cancel = &stop});
+  const Stats s = with_progress(fmt::format("save {} -> {}", shown_path(f.from), shown_path(f.path)), bytes * f.count,
+                                [&](std::atomic<std::uint64_t>* progress) {
+                                  return save_checkpoint(f.path, tensors,
+                                                         {.metadata = {{"format", "pt"}, {"generator", "hbmio ckpt generate"}},
+                                                          .checksums = !f.no_checksums, .backend = f.backend,
+                                                          .engine_options = f.tuning.resolve(), .max_shard_size = max_shard_size,
+                                                          .progress = progress, .cancel = &stop});
+                                });
   if (!f.json.empty()) {
     write_json({{"path", f.path}, {"from", f.from}, {"tensors", f.count}, {"stats", to_json(s)}}, f.json);
     if (f.json == "-") return 0;

@@ -46,16 +46,16 @@ int run_read(const std::string& path, const std::string& into, const std::string
     throw Error(errno_code(EINVAL), {.op = "read", .path = path, .offset = offset, .length = length},
                 fmt::format("the range ends past the end of the file ({} bytes)", size));
   Buffer buffer = Buffer::allocate(where, length);
-  Progress progress(fmt::format("read {} -> {}", object ? object->shown() : path, where.to_string()), length);
-  Stats stats;
-  if (object) {
-    const RemoteRead read{object.get(), offset, buffer.span()};
-    stats = read_remote({&read, 1}, RemoteOptions::from_env(), progress.counter());
-  } else {
-    auto engine = make_engine(backend, options);
-    IoRequest request{.op = IoOp::read, .file = &*file, .offset = offset, .memory = buffer.span(), .progress = progress.counter()};
-    stats = engine->submit(request);
-  }
+  const Stats stats = with_progress(fmt::format("read {} -> {}", object ? object->shown() : path, where.to_string()), length,
+                                    [&](std::atomic<std::uint64_t>* progress) {
+                                      if (object) {
+                                        const RemoteRead read{object.get(), offset, buffer.span()};
+                                        return read_remote({&read, 1}, RemoteOptions::from_env(), progress);
+                                      }
+                                      auto engine = make_engine(backend, options);
+                                      return engine->submit(
+                                          {.op = IoOp::read, .file = &*file, .offset = offset, .memory = buffer.span(), .progress = progress});
+                                    });
   std::optional<std::uint64_t> mismatch;
   if (verify) mismatch = first_difference(buffer.span(), path, offset);
   if (!json.empty()) {
@@ -95,9 +95,11 @@ int run_write(const std::string& path, const std::string& from, const std::strin
     if (where.kind == MemoryKind::device) copy_memory(buffer.span(), staging.span());
   }
   File file = File::open(path, offset == 0 ? OpenMode::write : OpenMode::read_write);
-  Progress progress(fmt::format("write {} -> {}", where.to_string(), shown_path(path)), length);
-  IoRequest request{.op = IoOp::write, .file = &file, .offset = offset, .memory = buffer.span(), .progress = progress.counter()};
-  Stats stats = engine->submit(request);
+  Stats stats = with_progress(fmt::format("write {} -> {}", where.to_string(), shown_path(path)), length,
+                              [&](std::atomic<std::uint64_t>* progress) {
+                                return engine->submit(
+                                    {.op = IoOp::write, .file = &file, .offset = offset, .memory = buffer.span(), .progress = progress});
+                              });
   if (sync) {
     const auto start = std::chrono::steady_clock::now();
     file.sync();
