@@ -7,6 +7,9 @@ file read once untimed before each, so the page cache holds it):
   hbmio prefetch()                hbmio.open(path, "pt").prefetch(device=D): take every tensor
   hbmio prefetch(plan 1/8)        prefetch({name: slice(0, rows // 8)}) of every tensor of >= 8 rows
   hbmio get_slice walk 1/8        f.get_slice(name)[: rows // 8] in file order
+  hbmio prefetch() b256, hbmio prefetch(plan 1/8) b256
+                                  the two above with every batch 256 MiB (the loader before its
+                                  batches grew from 64 MiB to 1 GiB): the change measured in one run
   st0.9 load_file                 safetensors.torch.load_file(path, device=D) (0.9, backend "mmap")
   st0.9 load_file pread           the same with backend="pread"
   st0.9 prefetch() T=8|16         safe_open(path, "pt").prefetch(device=D, threads=T): every tensor
@@ -24,6 +27,7 @@ import argparse, json, os, statistics, subprocess, sys, time
 CHILD = r'''
 import json, os, sys, time
 which, path, device = sys.argv[1], sys.argv[2], sys.argv[3]
+label = which
 import torch
 torch.zeros(1, device=device); torch.cuda.synchronize() if device.startswith("cuda") else None
 def sync():
@@ -43,6 +47,10 @@ else:
         names = list(f.offset_keys())
         shapes = {n: f.shape(n) for n in names}
 plan = {n: (slice(0, rows8(shapes[n])) if rows8(shapes[n]) else None) for n in names}
+if which.endswith(" b256"):
+    import hbmio._prefetch as _pf
+    _pf._FIRST_BATCH = _pf._MAX_BATCH = 256 << 20
+    which = which[:-len(" b256")]
 def load():
   if which == "hbmio.load_file":
       return hbmio.load_file(path, device=device)
@@ -80,11 +88,12 @@ seconds = sorted(times[1:])[1]
 planned = "plan" in which or "slice" in which
 sums = {n: int(v.reshape(-1).view(torch.int16).to(torch.int64).sum()) for n, v in out.items()}
 nbytes = sum(v.numel() * v.element_size() for v in out.values())
-print(json.dumps({"contender": which, "seconds": seconds, "first": times[0], "bytes": nbytes, "planned": planned, "sums": sums,
+print(json.dumps({"contender": label, "seconds": seconds, "first": times[0], "bytes": nbytes, "planned": planned, "sums": sums,
                   "version": getattr(sys.modules.get("safetensors"), "__version__", None)}))
 '''
 
-HBMIO = ["hbmio.load_file", "hbmio prefetch()", "hbmio prefetch(plan 1/8)", "hbmio get_slice walk 1/8"]
+HBMIO = ["hbmio.load_file", "hbmio prefetch()", "hbmio prefetch(plan 1/8)", "hbmio get_slice walk 1/8", "hbmio prefetch() b256",
+         "hbmio prefetch(plan 1/8) b256"]
 REFERENCE = ["st0.9 load_file", "st0.9 load_file pread", "st0.9 prefetch() T=8", "st0.9 prefetch() T=16",
              "st0.9 prefetch(plan 1/8) T=16"]
 

@@ -6,9 +6,12 @@ iterating (name, tensor) pairs in readiness order. Only the planned bytes are re
 of a C-ordered tensor is one contiguous byte range.
 
 How: every planned tensor gets its memory up front (it will all be on the device anyway), and
-the reads go in file order in batches of about _BATCH bytes (each one engine request, as the
-read-ahead's) to two readers of the binding, batches alternating between them, so one batch is
-read while the next is set up. `threads` is accepted for the reference's signature: hbmio's
+the reads go in file order in batches (each one engine request, as the read-ahead's) to two
+readers of the binding, batches alternating between them, so one batch is read while the next is
+set up. The first batch is small (_FIRST_BATCH bytes: the first tensors are handed out soon), and
+each next one twice the one before, up to _MAX_BATCH: an engine request ends with its workers
+draining one by one, a cost paid per batch, so large batches keep a whole-file prefetch near
+load_file's rate (bench/RESULTS.md, section 11). `threads` is accepted for the reference's signature: hbmio's
 engines bring their own workers (HBMIO_WORKERS), which is where the parallel reads happen.
 A tensor handed out is complete on every stream: a batch's read returns only once its copies
 are done. close() (or the end of a `with` block) stops what has not started, waits for what
@@ -18,7 +21,8 @@ from __future__ import annotations
 
 import operator as _operator
 
-_BATCH = 256 << 20
+_FIRST_BATCH = 64 << 20
+_MAX_BATCH = 1 << 30
 _READERS = 2
 
 
@@ -86,11 +90,11 @@ class PrefetchLoader:
         self._closed = False
         self._readers = [owner._read_queue(backend) for _ in range(min(_READERS, max(1, len(items))))]
         self._order = 0         # the next batch to collect when iterating
-        batch, total = [], 0
+        batch, total, limit = [], 0, _FIRST_BATCH
         for it in items:
-            if batch and total + it[5] > _BATCH:
+            if batch and total + it[5] > limit:
                 self._push(target, batch)
-                batch, total = [], 0
+                batch, total, limit = [], 0, min(2 * limit, _MAX_BATCH)
             batch.append(it)
             total += it[5]
         if batch:

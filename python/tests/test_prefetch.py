@@ -26,8 +26,10 @@ def raw(t):
 
 @pytest.fixture
 def model(tmp_path, monkeypatch):
-    # Batches of 64 KiB, so that a few tensors make several batches over both readers.
-    monkeypatch.setattr("hbmio._prefetch._BATCH", 64 << 10)
+    # Batches from 16 KiB growing to 64 KiB, so that a few tensors make several batches, of
+    # several sizes, over both readers.
+    monkeypatch.setattr("hbmio._prefetch._FIRST_BATCH", 16 << 10)
+    monkeypatch.setattr("hbmio._prefetch._MAX_BATCH", 64 << 10)
     torch.manual_seed(0)
     state = {f"layer{i}.w": torch.randn(37 + i, 129) for i in range(12)}
     state["scalar"] = torch.tensor(3.5)
