@@ -9,8 +9,10 @@
 // Each epoch orders the records (shards shuffled, then records shuffled within a window, both
 // from the seed and the epoch: every rank computes the same order), gives each rank its own
 // contiguous part of that order (every record read once per epoch across ranks) and cuts the
-// part into batches. A thread of the stream reads the next `read_ahead` batches through the
-// engine into a fixed ring of batch buffers while the caller works on the current one.
+// part into batches. The stream's fill (a job of the library's pool) reads the next `read_ahead`
+// batches into a fixed ring of batch buffers while the caller works on the current one, a group of
+// batches per engine request, two requests in flight on two leased engines (one on a caller's
+// `engine`): a group is read while the one before it drains.
 //
 //   hbmio::BatchStream stream(files, {.device = MemoryLocation::parse("cuda:0"), .batch_records = 4096});
 //   while (auto batch = stream.next()) train_step(batch->fields[0]);   // valid until the next call
@@ -90,7 +92,7 @@ struct StreamOptions {
   std::optional<StreamPosition> resume;
 
   std::string backend;       // "": configured_backend() (HBMIO_BACKEND, else auto)
-  Engine* engine = nullptr;  // the caller's engine (kept for the stream's life); else one is leased
+  Engine* engine = nullptr;  // the caller's engine (kept for the stream's life; one request at a time); else two are leased
 };
 
 // One array of every batch: a tensor of the safetensors shards, or the .npy/raw array ("").

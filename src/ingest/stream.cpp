@@ -19,9 +19,11 @@
 #include <filesystem>
 #include <functional>
 #include <list>
+#include <memory>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <thread>
 
 #include <sys/stat.h>
@@ -284,15 +286,24 @@ struct BatchStream::State {
   Shard scan_one(const File& file, ShardFormat format, std::vector<StreamField>& fields_out) const;
   void plan_epoch(std::uint64_t number, const Split& split, const std::function<bool(BatchPlan&&)>& emit) const;
   void resume_from(const StreamPosition& position);
-  void read_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine);
+  // A group of batches being read: one engine request, in flight on the pool.
+  struct Group {
+    std::vector<IoRequest> requests;
+    std::vector<Ready> done;                         // its batches, delivered once it is read
+    std::vector<std::shared_ptr<const File>> files;  // what its requests read (trimmed from open_files meanwhile)
+    std::exception_ptr failed;  // a shard that could not be opened: the batches before it are read first
+    detail::Pending<double> reading;  // the request's seconds
+  };
+  std::unique_ptr<Group> start_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine);
+  void finish_group(Group& group);
   int take_slot(bool wait);
   void wait_scanned(std::unique_lock<std::mutex>& lock) const;
 
   // Open shard files, least recently used last (used by the thread only). The first kOpenShards
   // are the descriptors their headers were read through; any other is opened again by path and
   // checked against the shard's identity.
-  std::list<std::pair<std::size_t, File>> open_files;
-  const File& file_of(std::size_t shard);
+  std::list<std::pair<std::size_t, std::shared_ptr<const File>>> open_files;
+  std::shared_ptr<const File> file_of(std::size_t shard);
 };
 
 namespace {
@@ -496,22 +507,43 @@ void BatchStream::State::run() noexcept {
     std::optional<cuda::DeviceGuard> device;
     if (options.device.kind == MemoryKind::device) device.emplace(options.device.device, ErrorContext{.op = "stream"});
     scan();
-    const detail::EngineInUse engine(options.engine, options.backend, std::nullopt);
+    // Two groups in flight, on two engines, when the stream leases its own: an engine request
+    // ends with its workers draining one by one, and a group's batches are read while the one
+    // before drains rather than after it. A caller's engine serves one request at a time: one group.
+    std::vector<detail::EngineInUse> engines;
+    engines.emplace_back(options.engine, options.backend, std::nullopt);
+    if (options.engine == nullptr) engines.emplace_back(nullptr, options.backend, std::nullopt);
+    std::deque<std::unique_ptr<Group>> in_flight;  // oldest first: delivered in this order
+    std::size_t groups = 0;
+    const auto finish_oldest = [&] {
+      std::unique_ptr<Group> oldest = std::move(in_flight.front());
+      in_flight.pop_front();
+      finish_group(*oldest);
+    };
     std::vector<std::pair<int, BatchPlan>> group;
     std::uint64_t group_bytes = 0;
     std::uint64_t record_total = 0;
     for (const auto& f : fields) record_total += f.record_bytes;
     const auto flush = [&] {
-      if (!group.empty()) read_group(group, *engine.get());
+      if (!group.empty()) {
+        in_flight.push_back(start_group(group, *engines[groups++ % engines.size()].get()));
+        // The next group goes to the engine of the oldest: it must be done by then.
+        if (in_flight.size() == engines.size()) finish_oldest();
+      }
       group.clear();
       group_bytes = 0;
     };
+    const auto deliver_all = [&] {
+      flush();
+      while (!in_flight.empty()) finish_oldest();
+    };
     const auto emit = [&](BatchPlan&& plan) {
       // A buffer for this batch: wait for one only when nothing is gathered yet; otherwise read
-      // what is gathered first, so the caller never waits on a batch held back for company.
+      // what is gathered first, so the caller never waits on a batch held back for company. The
+      // caller gives buffers back only after taking batches: every group read is delivered first.
       int slot = take_slot(false);
       if (slot < 0) {
-        flush();
+        deliver_all();
         slot = take_slot(true);
         if (slot < 0) return false;  // stopping
       }
@@ -529,7 +561,9 @@ void BatchStream::State::run() noexcept {
       plan_epoch(e, whole, emit);
       if (batches_per_epoch == 0) break;  // an endless stream of nothing ends at once
     }
-    if (!stop) flush();
+    if (!stop) deliver_all();
+    // On a throw, a group still in flight is waited for as in_flight goes (Pending's destructor),
+    // before the engines: declared after them.
   } catch (...) {
     std::lock_guard lock(mutex);
     if (!stop) error = std::current_exception();
@@ -551,7 +585,7 @@ int BatchStream::State::take_slot(bool wait) {
   return slot;
 }
 
-const File& BatchStream::State::file_of(std::size_t shard) {
+std::shared_ptr<const File> BatchStream::State::file_of(std::size_t shard) {
   for (auto it = open_files.begin(); it != open_files.end(); ++it)
     if (it->first == shard) {
       open_files.splice(open_files.begin(), open_files, it);
@@ -567,14 +601,13 @@ const File& BatchStream::State::file_of(std::size_t shard) {
                 fmt::format("the file was replaced or changed after its header was read ({} then; {} now): "
                             "its records are not the ones the stream planned; restart the stream",
                             identity_text(s.identity), identity_text(now)));
-  open_files.emplace_front(shard, std::move(file));
+  open_files.emplace_front(shard, std::make_shared<const File>(std::move(file)));
   return open_files.front().second;
 }
 
-void BatchStream::State::read_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine) {
-  std::vector<IoRequest> requests;
-  std::vector<Ready> done;
-  std::exception_ptr failed;
+std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::vector<std::pair<int, BatchPlan>>& group,
+                                                                            Engine& engine) {
+  auto g = std::make_unique<Group>();
   for (auto& [slot_index, plan] : group) {
     Slot& slot = slots[static_cast<std::size_t>(slot_index)];
     if (slot.event_pending) {
@@ -585,46 +618,57 @@ void BatchStream::State::read_group(std::vector<std::pair<int, BatchPlan>>& grou
             .slot = slot_index};
     for (std::size_t f = 0; f < fields.size(); ++f)
       r.batch.fields.push_back(slot.buffer.span().subspan(slot.field_offset[f], plan.records * fields[f].record_bytes));
-    const std::size_t planned = requests.size();
+    const std::size_t planned = g->requests.size();
     try {
       for (const Run& run : plan.runs) {
-        const File& file = file_of(run.shard);
+        std::shared_ptr<const File> file = file_of(run.shard);
         for (std::size_t f = 0; f < fields.size(); ++f) {
           const std::uint64_t rb = fields[f].record_bytes;
           if (rb == 0) continue;
-          requests.push_back({.op = IoOp::read, .file = &file, .offset = shards[run.shard].field_offset[f] + run.first * rb,
-                              .memory = r.batch.fields[f].subspan(run.at * rb, run.count * rb), .cancel = &stop});
+          g->requests.push_back({.op = IoOp::read, .file = file.get(), .offset = shards[run.shard].field_offset[f] + run.first * rb,
+                                 .memory = r.batch.fields[f].subspan(run.at * rb, run.count * rb), .cancel = &stop});
         }
+        g->files.push_back(std::move(file));
       }
     } catch (const Error&) {
       // A shard that cannot be opened (or was replaced) stops this batch; the batches gathered
       // before it are read and delivered first, as a read error's would be.
-      requests.resize(planned);
-      failed = std::current_exception();
+      g->requests.resize(planned);
+      g->failed = std::current_exception();
       break;
     }
-    done.push_back(std::move(r));
+    g->done.push_back(std::move(r));
   }
-  const Clock::time_point start = Clock::now();
-  try {
+  while (open_files.size() > kOpenShards) open_files.pop_back();  // the group holds what it reads
+  g->reading = detail::Executor::shared().start([this, &engine, requests = std::span<const IoRequest>(g->requests)] {
+    std::optional<cuda::DeviceGuard> device;  // as on the fill's thread (run())
+    if (options.device.kind == MemoryKind::device) device.emplace(options.device.device, ErrorContext{.op = "stream"});
+    const Clock::time_point start = Clock::now();
     if (!requests.empty()) engine.submit_batch(requests);
+    return seconds_between(start, Clock::now());
+  });
+  return g;
+}
+
+void BatchStream::State::finish_group(Group& g) {
+  double took = 0;
+  try {
+    took = g.reading.get();
   } catch (const Error& e) {
     if (stop && e.code().value() == ECANCELED) return;
     throw;
   }
-  const double took = seconds_between(start, Clock::now());
   std::uint64_t total = 0;
-  for (const auto& r : done) total += r.batch.records;
+  for (const auto& r : g.done) total += r.batch.records;
   {
     std::lock_guard lock(mutex);
-    for (auto& r : done) {
+    for (auto& r : g.done) {
       r.read_seconds = total ? took * static_cast<double>(r.batch.records) / static_cast<double>(total) : 0;
       ready.push_back(std::move(r));
     }
   }
   changed.notify_all();
-  while (open_files.size() > kOpenShards) open_files.pop_back();
-  if (failed) std::rethrow_exception(failed);
+  if (g.failed) std::rethrow_exception(g.failed);
 }
 
 Shard BatchStream::State::scan_one(const File& file, ShardFormat format, std::vector<StreamField>& out) const {
@@ -722,7 +766,7 @@ void BatchStream::State::scan() {
     found.push_back(scan_one(file, format, these));
     // The first shards keep the descriptor their header was read through: no path is opened
     // again for them, so nothing renamed over them later is read.
-    if (open_files.size() < kOpenShards) open_files.emplace_back(found.size() - 1, std::move(file));
+    if (open_files.size() < kOpenShards) open_files.emplace_back(found.size() - 1, std::make_shared<const File>(std::move(file)));
     if (found.size() == 1) {
       first = std::move(these);
       continue;

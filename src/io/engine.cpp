@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include "core/executor.hpp"
 #include "hbmio/config.hpp"
 #include "hbmio/engine.hpp"
 #include "io/engine_internal.hpp"
@@ -91,7 +92,11 @@ Stats Engine::submit_batch(std::span<const IoRequest> requests) {
 }
 
 std::future<Stats> Engine::submit_async(IoRequest request) {
-  return std::async(std::launch::async, [this, request] { return submit(request); });
+  // On the library's pool (core/executor.hpp), not a thread of its own.
+  auto task = std::make_shared<std::packaged_task<Stats()>>([this, request] { return submit(request); });
+  std::future<Stats> result = task->get_future();
+  detail::Executor::shared().post([task] { (*task)(); });
+  return result;
 }
 
 std::vector<std::string> backend_names() { return {"posix", "uring", "cufile", "auto"}; }
