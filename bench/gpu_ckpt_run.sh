@@ -80,12 +80,13 @@ tests)
   log machine
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nproc; uname -r; python3 --version; df -hT /var/tmp | tail -1
+  # Each binary's whole output also goes to $OUT (a call returns only the tail of the output).
   log "engine GPU tests"
-  "$BIN/hbmio_tests" --gtest_brief=1 --gtest_filter='Gpu*:*/Gpu*' 2>&1 | tail -6
+  "$BIN/hbmio_tests" --gtest_brief=1 --gtest_filter='Gpu*:*/Gpu*' > "$OUT/tests-engine-gpu.log" 2>&1; tail -6 "$OUT/tests-engine-gpu.log"
   log "engine host tests here"
-  "$BIN/hbmio_tests" --gtest_brief=1 --gtest_filter='-Gpu*:*/Gpu*:*LargeFile*' 2>&1 | tail -4
+  "$BIN/hbmio_tests" --gtest_brief=1 --gtest_filter='-Gpu*:*/Gpu*:*LargeFile*' > "$OUT/tests-engine-host.log" 2>&1; tail -4 "$OUT/tests-engine-host.log"
   log "checkpoint GPU tests"
-  "$BIN/checkpoint_tests" --gtest_brief=1 2>&1 | tail -6
+  "$BIN/checkpoint_tests" --gtest_brief=1 > "$OUT/tests-checkpoint.log" 2>&1; tail -6 "$OUT/tests-checkpoint.log"
   ;;
 doctor)
   log "capture sysfs"
