@@ -1,0 +1,442 @@
+// Loads (load_file, _load_into, plans), raw reads and writes, and lazy access (SafeOpen and its
+// read-ahead's queue).
+#include "binding.hpp"
+
+namespace hbmio_py {
+
+// Loads and wraps every tensor as a DLPack array owned by one capsule.
+nb::dict load(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
+              std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report) {
+  hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress);
+  options.into = parse_device(device);
+  auto* loaded = new hbmio::LoadedCheckpoint();
+  try {
+    nb::gil_scoped_release release;
+    EngineLease engine(backend);
+    options.engine = engine.get();
+    *loaded = hbmio::load_checkpoint(path, options);
+  } catch (...) {
+    delete loaded;
+    throw;
+  }
+  // From here the capsule owns the checkpoint (its destructor runs when the last array goes).
+  nb::capsule owner(loaded, [](void* p) noexcept { delete static_cast<hbmio::LoadedCheckpoint*>(p); });
+  warn_unverified(*loaded);
+  report_into(report, loaded->stats());
+  nb::dict result;
+  for (const auto& t : loaded->tensors()) {
+    std::vector<std::size_t> shape = dlpack_shape(t.dtype, t.shape, t.name);
+    Array array(t.data.data, shape.size(), shape.data(), owner, nullptr, to_dlpack(t.dtype, t.name),
+                dlpack_device_type(t.data.location), t.data.location.kind == hbmio::MemoryKind::device ? t.data.location.device : 0);
+    result[nb::str(t.name.c_str(), t.name.size())] = nb::cast(array, nb::rv_policy::reference);
+  }
+  return result;
+}
+
+// What the reads of one SafeOpen did, summed over them: its report().
+struct ReadReport {
+  std::mutex mutex;
+  hbmio::Stats total;
+  std::uint64_t reads = 0;  // batches read
+  void add(const hbmio::Stats& s) {
+    std::lock_guard lock(mutex);
+    total.add_part(s);
+    total.seconds += s.seconds;
+    ++reads;
+  }
+};
+
+struct Handle {
+  // Shared with the read-ahead's reader (ReadQueue), which may outlive the Python object.
+  std::shared_ptr<const hbmio::OpenedCheckpoint> checkpoint;
+  std::shared_ptr<ReadReport> report = std::make_shared<ReadReport>();  // shared with the reader too
+
+  const std::string& path() const noexcept { return checkpoint->path(); }
+  const std::vector<hbmio::CheckpointFile>& files() const noexcept { return checkpoint->files(); }
+  std::size_t index(const std::string& name) const {
+    if (const auto i = checkpoint->find(name)) return *i;
+    throw nb::key_error(("no tensor named '" + name + "' in " + path()).c_str());
+  }
+  const hbmio::safetensors::TensorInfo& info(const std::string& name) const { return *checkpoint->tensors()[index(name)].info; }
+};
+
+// Reads of parts of tensors of a SafeOpen into arrays: indices into tensors(), destinations, and
+// optional byte offsets and lengths within each tensor (default: the whole tensor). The spans are
+// taken here, with the GIL held; the reads then need no Python object. With `location` ("cpu",
+// "cuda:N"), each destination is the address of memory there (torch's data_ptr()), which the
+// caller keeps alive and large enough for the read: a walk of thousands of tensors then skips a
+// DLPack export per tensor, a noticeable part of the walk's time per tensor (bench/RESULTS.md,
+// "Lazy access").
+std::vector<hbmio::TensorRead> tensor_reads(const hbmio::OpenedCheckpoint& checkpoint, const std::vector<std::size_t>& indices, const nb::list& dests,
+                                            const std::optional<std::vector<std::uint64_t>>& offsets,
+                                            const std::optional<std::vector<std::uint64_t>>& lengths,
+                                            const std::optional<std::string>& location) {
+  if (dests.size() != indices.size() || (offsets && offsets->size() != indices.size()) || (lengths && lengths->size() != indices.size()))
+    throw nb::value_error("_read: one destination (and offset and length, where given) per tensor");
+  const std::optional<hbmio::MemoryLocation> at =
+      location ? std::optional(hbmio::MemoryLocation::parse(*location)) : std::nullopt;
+  std::vector<hbmio::TensorRead> reads(indices.size());
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    if (indices[i] >= checkpoint.tensors().size()) throw nb::index_error("_read: tensor index out of range");
+    const std::uint64_t size = checkpoint.tensors()[indices[i]].info->size();
+    reads[i].tensor = indices[i];
+    reads[i].offset = offsets ? (*offsets)[i] : 0;
+    reads[i].length = lengths ? (*lengths)[i] : size;
+    // A tensor of no bytes may come with an empty array, whose pointer may be null: nothing to read.
+    if (reads[i].length == 0) continue;
+    if (at) {
+      const auto address = nb::cast<std::uintptr_t>(dests[i]);
+      if (address == 0) throw nb::value_error("_read: a null destination address");
+      reads[i].into = {reinterpret_cast<std::byte*>(address), static_cast<std::size_t>(reads[i].length), *at};
+    } else {
+      reads[i].into = raw_array(dests[i], true, "_read").span;
+    }
+  }
+  return reads;
+}
+
+
+// The read-ahead's reader (hbmio::ReadQueue, which reads on the library's pool), holding each
+// batch's destination arrays until the batch is waited for.
+class ReadQueue {
+ public:
+  ReadQueue(const Handle& h, const std::string& backend)
+      : queue_(std::in_place, h.checkpoint, backend, [report = h.report](const hbmio::Stats& s) { report->add(s); }) {}
+  ~ReadQueue() {
+    {
+      nb::gil_scoped_release release;
+      queue_.reset();  // waits for the batch being read
+    }
+    keep_.clear();  // with the GIL held: it drops the arrays
+  }
+  ReadQueue(const ReadQueue&) = delete;
+  ReadQueue& operator=(const ReadQueue&) = delete;
+  const hbmio::OpenedCheckpoint& checkpoint() const noexcept { return queue_->checkpoint(); }
+
+  std::uint64_t push(std::vector<hbmio::TensorRead> reads, nb::object keep) {
+    const std::uint64_t id = queue_->push(std::move(reads));
+    keep_.emplace(id, std::move(keep));
+    return id;
+  }
+
+  // Waits for batch `id`; raises its read's error. Each batch is waited for once.
+  void wait(std::uint64_t id) {
+    std::exception_ptr error;
+    {
+      nb::gil_scoped_release release;
+      try {
+        queue_->wait(id);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    keep_.erase(id);  // the GIL is held again: dropping the arrays is safe
+    if (error) std::rethrow_exception(error);
+  }
+
+ private:
+  std::optional<hbmio::ReadQueue> queue_;
+  std::map<std::uint64_t, nb::object> keep_;  // touched with the GIL held only
+};
+
+// A load's checkpoint: a path, or a SafeOpen (Handle) whose headers were read already, so a caller
+// that plans, allocates and loads parses them once.
+struct Target {
+  std::string path;
+  const std::vector<hbmio::CheckpointFile>* files = nullptr;
+};
+Target target_of(nb::handle h) {
+  if (nb::isinstance<Handle>(h)) {
+    const Handle& handle = nb::cast<const Handle&>(h);
+    return {handle.path(), &handle.files()};
+  }
+  return {nb::cast<std::string>(h), nullptr};
+}
+
+// Loads into the caller's memory (`dest`, e.g. a torch.empty(n, dtype=uint8) from PyTorch's
+// caching allocator, so repeated loads reuse device memory as safetensors.torch does). Returns,
+// per tensor in file order, (name, dtype, shape, byte offset in dest); the caller builds views.
+// With entries=False it returns None: a caller that has the layout from _plan (of the same
+// SafeOpen) skips building thousands of tuples.
+nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, nb::handle verify,
+                     std::optional<std::vector<std::string>> names, Progress* progress, bool entries, nb::handle report) {
+  const Target target = target_of(checkpoint);
+  RawArray to = raw_array(dest, true, "_load_into");
+  hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress);
+  // The load's location is the destination's: they cannot disagree. A host destination gets the
+  // host kind (a cuda_host array may be pinned, but the engine only needs to know it is host).
+  options.into = to.span.location;
+  options.destination = to.span;
+  // A null destination means "allocate your own" to load_checkpoint, and an empty array may have
+  // a null pointer: callers allocate at least one byte (max(load_size, 1)).
+  if (to.span.data == nullptr || to.span.size == 0) throw nb::value_error("_load_into: the destination must hold at least 1 byte");
+  hbmio::LoadedCheckpoint loaded;
+  {
+    nb::gil_scoped_release release;
+    EngineLease engine(backend);
+    options.engine = engine.get();
+    loaded = target.files ? hbmio::load_checkpoint_files(target.path, *target.files, options)
+                          : hbmio::load_checkpoint(target.path, options);
+  }
+  warn_unverified(loaded);
+  report_into(report, loaded.stats());
+  if (!entries) return nb::none();
+  nb::list out;
+  for (const auto& t : loaded.tensors()) {
+    const auto offset = static_cast<std::size_t>(t.data.data - to.span.data);
+    nb::list shape;
+    for (auto n : t.shape) shape.append(n);
+    out.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, offset));
+  }
+  return out;
+}
+
+// Bytes [offset, offset + nbytes) of the file into the array (the whole of it).
+nb::dict read_into(const std::string& path, nb::handle array, std::uint64_t offset, const std::string& backend,
+                   Progress* progress) {
+  RawArray to = raw_array(array, true, "read_into");
+  hbmio::Stats stats;
+  {
+    nb::gil_scoped_release release;
+    hbmio::File file = hbmio::File::open(path, hbmio::OpenMode::read);
+    EngineLease engine(backend);
+    stats = engine.get()->submit({.op = hbmio::IoOp::read, .file = &file, .offset = offset, .memory = to.span,
+                                  .progress = progress ? &progress->done : nullptr});
+  }
+  return stats_dict(stats);
+}
+
+// The array's bytes into the file at `offset`. read_write mode: creates a missing file and keeps
+// the bytes outside the range (write mode would truncate).
+nb::dict write_from(const std::string& path, nb::handle array, std::uint64_t offset, const std::string& backend,
+                    bool sync, Progress* progress) {
+  RawArray from = raw_array(array, false, "write_from");
+  hbmio::Stats stats;
+  {
+    nb::gil_scoped_release release;
+    hbmio::File file = hbmio::File::open(path, hbmio::OpenMode::read_write);
+    EngineLease engine(backend);
+    stats = engine.get()->submit({.op = hbmio::IoOp::write, .file = &file, .offset = offset, .memory = from.span,
+                                  .progress = progress ? &progress->done : nullptr});
+    if (sync) file.sync();
+  }
+  return stats_dict(stats);
+}
+
+void bind_load(nb::module_& m) {
+  m.def("load_file", &load, nb::arg("path"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
+        nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
+        nb::arg("report").none() = nb::none(),
+        "Loads a .safetensors file, a sharded *.index.json or a directory holding either into `device` "
+        "(\"cpu\", \"pinned\", \"cuda\", \"cuda:N\"). Returns {name: DLPack array} in file order. `report`, a "
+        "dict, is filled with bytes, seconds, backend, note and paths (per file: the way it took and why).");
+
+  m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
+        nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
+        nb::arg("entries") = true, nb::arg("report").none() = nb::none(),
+        "Loads `checkpoint` (a path, or a SafeOpen: its headers are not read again) into `dest` (a writable "
+        "C-contiguous array, host or CUDA, that holds _plan()'s layout: last offset + bytes); "
+        "returns [(name, dtype, shape, byte offset in dest)] in file order.");
+
+  m.def("_tensor_bytes", [](const std::string& path, std::optional<std::vector<std::string>> names) {
+    // The bytes a load reads (what its progress counter reaches), without alignment padding.
+    std::vector<hbmio::CheckpointFile> files;
+    {
+      nb::gil_scoped_release release;
+      files = hbmio::open_checkpoint(path);
+    }
+    std::uint64_t total = 0;
+    for (const auto& f : files)
+      for (const auto& t : f.header.tensors)
+        if (!names || std::find(names->begin(), names->end(), t.name) != names->end()) total += t.size();
+    return total;
+  }, nb::arg("path"), nb::arg("names") = nb::none());
+
+  // One tensor of a load's plan (hbmio::PlannedTensor), by name: where it lands in the load's one
+  // allocation. Python reads it as the library made it, never by position.
+  nb::class_<hbmio::PlannedTensor>(m, "_PlannedTensor")
+      .def_ro("name", &hbmio::PlannedTensor::name)
+      .def_prop_ro("dtype", [](const hbmio::PlannedTensor& t) { return std::string(hbmio::safetensors::to_string(t.dtype)); })
+      .def_prop_ro("shape", [](const hbmio::PlannedTensor& t) {
+        nb::list shape;
+        for (auto n : t.shape) shape.append(n);
+        return shape;
+      })
+      .def_ro("size", &hbmio::PlannedTensor::size, "bytes")
+      .def_ro("offset", &hbmio::PlannedTensor::memory_offset, "byte offset in the load's allocation")
+      .def("__repr__", [](const hbmio::PlannedTensor& t) {
+        return "<PlannedTensor " + t.name + " " + std::string(hbmio::safetensors::to_string(t.dtype)) + " " +
+               std::to_string(t.size) + " B at " + std::to_string(t.memory_offset) + ">";
+      });
+
+  m.def("_plan", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
+    const Target target = target_of(checkpoint);
+    // The tensors a load takes, in the order it lays them out, and where each lands in the single
+    // allocation: [(name, dtype, shape, bytes, offset)]. Distributed loads split this list among
+    // ranks (hbmio/distributed.py) and must agree on the layout: it comes from here, not a copy.
+    hbmio::LoadOptions options;
+    if (names) options.names = std::move(*names);
+    std::vector<hbmio::PlannedTensor> plan;
+    {
+      nb::gil_scoped_release release;
+      // ENOENT for a name it does not hold
+      plan = target.files ? hbmio::plan_load_files(target.path, *target.files, options) : hbmio::plan_load(target.path, options);
+    }
+    return plan;
+  }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
+     "A PlannedTensor (name, dtype, shape, size, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
+
+  m.def("_plan_distributed", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names, int world,
+                                 const std::string& placement, std::map<std::string, int> shard_map, nb::handle verify) {
+    // hbmio::plan_distributed: the plan the C++ NCCL load uses, so torch.distributed loads split,
+    // check shard maps and agree exactly as it does. Returns (plan as _plan gives it, the rank that
+    // reads each tensor, each rank's (begin, end) of the layout, the digest the ranks compare).
+    const Target target = target_of(checkpoint);
+    if (placement != "shard" && placement != "replicate")
+      throw hbmio::Error(hbmio::errno_code(EINVAL), {.op = "plan a distributed load", .path = target.path},
+                         "placement must be 'replicate' or 'shard', not '" + placement + "'");
+    hbmio::LoadOptions options;
+    if (names) options.names = std::move(*names);
+    const VerifyMode mode = verify_mode(verify);
+    options.verify = mode.verify;
+    options.require_checksums = mode.strict;
+    hbmio::DistributedPlan plan;
+    {
+      nb::gil_scoped_release release;
+      const std::vector<hbmio::CheckpointFile> opened = target.files ? std::vector<hbmio::CheckpointFile>{} : hbmio::open_checkpoint(target.path);
+      plan = hbmio::plan_distributed(target.path, target.files ? *target.files : opened, options, world,
+                                     placement == "shard" ? hbmio::Placement::shard : hbmio::Placement::replicate, shard_map);
+    }
+    nb::list ranges;
+    for (const auto& [begin, end] : plan.range) ranges.append(nb::make_tuple(begin, end));
+    char digest[17];
+    std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(plan.digest));
+    return nb::make_tuple(plan.tensors, plan.reader, ranges, std::string(digest));
+  }, nb::arg("checkpoint"), nb::arg("names").none(), nb::arg("world"), nb::arg("placement"), nb::arg("shard_map"), nb::arg("verify").none(),
+     "hbmio::plan_distributed: (plan, reader per tensor, (begin, end) per rank, digest).");
+
+  m.def("_read_into", &read_into, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
+        nb::arg("backend") = "auto", nb::arg("progress").none() = nb::none());
+  m.def("_write_from", &write_from, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
+        nb::arg("backend") = "auto", nb::arg("sync") = true, nb::arg("progress").none() = nb::none());
+
+  nb::class_<ReadQueue>(m, "_ReadQueue", "The read-ahead's reader: batches of a SafeOpen read in order on the library's pool (hbmio::ReadQueue).")
+      .def("push", [](ReadQueue& q, const std::vector<std::size_t>& indices, const nb::list& dests,
+                      const std::string& location, nb::object keep, std::optional<std::vector<std::uint64_t>> offsets,
+                      std::optional<std::vector<std::uint64_t>> lengths) {
+        return q.push(tensor_reads(q.checkpoint(), indices, dests, offsets, lengths, location), std::move(keep));
+      }, nb::arg("indices"), nb::arg("dests"), nb::arg("location"), nb::arg("keep"), nb::arg("offsets") = nb::none(),
+         nb::arg("lengths") = nb::none(),
+         "Queues a read of tensors (or of byte ranges of them) into the addresses `dests` in `location`, in memory "
+         "`keep` holds; returns the batch's number.")
+      .def("wait", &ReadQueue::wait, nb::arg("batch"), "Waits for a batch; raises its read's error.");
+
+  nb::class_<Handle>(m, "SafeOpen", "A checkpoint opened for lazy, per-tensor loads (like safetensors.safe_open).")
+      .def("__init__", [](Handle* self, const std::string& path) {
+        std::optional<hbmio::OpenedCheckpoint> opened;
+        {
+          nb::gil_scoped_release release;
+          opened.emplace(path);
+        }
+        new (self) Handle{std::make_shared<const hbmio::OpenedCheckpoint>(std::move(*opened))};
+      }, nb::arg("path"))
+      .def_prop_ro("path", [](const Handle& h) { return h.path(); })
+      .def("report", [](const Handle& h) {
+        hbmio::Stats total;
+        std::uint64_t reads = 0;
+        {
+          std::lock_guard lock(h.report->mutex);
+          total = h.report->total;
+          reads = h.report->reads;
+        }
+        nb::dict d = stats_dict(total);
+        d["reads"] = reads;
+        return d;
+      }, "What this handle's reads did so far, summed: bytes, seconds (of the reads, not of the time between), "
+         "reads (batches), backend, bytes_direct, note (the latest read's) and paths (per file: the way it took and why).")
+      .def("keys", [](const Handle& h) {
+        // Sorted by name, as safetensors' safe_open.keys() (offset_keys() gives file order).
+        std::vector<std::string> keys;
+        for (const auto& t : h.checkpoint->tensors()) keys.push_back(t.info->name);
+        std::sort(keys.begin(), keys.end());
+        return keys;
+      })
+      .def("offset_keys", [](const Handle& h) {
+        std::vector<std::string> keys;
+        for (const auto& t : h.checkpoint->tensors()) keys.push_back(t.info->name);
+        return keys;
+      })
+      .def("metadata", [](const Handle& h) -> nb::object {
+        // None where the file has no __metadata__, as safetensors' safe_open; {} for an empty one.
+        if (h.checkpoint->metadata().empty() && !h.checkpoint->has_metadata()) return nb::none();
+        return nb::cast(h.checkpoint->metadata());
+      })
+      .def("files", [](const Handle& h) {
+        std::vector<std::string> paths;
+        for (const auto& f : h.files()) paths.push_back(f.path);
+        return paths;
+      })
+      .def("dtype", [](const Handle& h, const std::string& name) {
+        return std::string(hbmio::safetensors::to_string(h.info(name).dtype));
+      })
+      .def("shape", [](const Handle& h, const std::string& name) { return h.info(name).shape; })
+      .def("_entries", [](const Handle& h) {
+        // (name, dtype, shape, bytes) of every tensor in file order: what the Python side indexes once.
+        nb::list out;
+        for (const auto& t : h.checkpoint->tensors()) {
+          nb::list shape;
+          for (auto n : t.info->shape) shape.append(n);
+          out.append(nb::make_tuple(t.info->name, std::string(hbmio::safetensors::to_string(t.info->dtype)), shape, t.info->size()));
+        }
+        return out;
+      })
+      .def("_read", [](const Handle& h, const std::vector<std::size_t>& indices, const nb::list& dests,
+                       std::optional<std::vector<std::uint64_t>> offsets, std::optional<std::vector<std::uint64_t>> lengths,
+                       const std::string& backend, std::optional<std::string> location) {
+        std::vector<hbmio::TensorRead> reads = tensor_reads(*h.checkpoint, indices, dests, offsets, lengths, location);
+        nb::gil_scoped_release release;
+        EngineLease engine(backend);
+        h.report->add(h.checkpoint->read(reads, *engine.get()));
+      }, nb::arg("indices"), nb::arg("dests"), nb::arg("offsets") = nb::none(), nb::arg("lengths") = nb::none(),
+         nb::arg("backend") = "auto", nb::arg("location") = nb::none(),
+         "Reads tensors (indices into _entries()), or byte ranges of them, into `dests` in one batch: arrays, or "
+         "with `location` (\"cpu\", \"cuda:N\") addresses of memory there that the caller keeps alive.")
+      .def("_data_offsets", [](const Handle& h, std::size_t i) {
+        // (begin, end) of tensor i within its file's data section, as the header writes them.
+        const auto& tensors = h.checkpoint->tensors();
+        if (i >= tensors.size()) throw nb::index_error("_data_offsets: no such tensor");
+        return nb::make_tuple(tensors[i].info->begin, tensors[i].info->end);
+      }, nb::arg("index"))
+      .def("_placements", [](const Handle& h) {
+        // (file index, byte offset in that file) of every tensor in file order: where a mapping of
+        // the file holds it (SafeOpen(mmap=True)).
+        nb::list out;
+        for (const auto& t : h.checkpoint->tensors()) out.append(nb::make_tuple(t.file, t.file_offset));
+        return out;
+      })
+      .def("_map_fd", [](const Handle& h, std::size_t file) -> nb::object {
+        // A new descriptor of file `file` as it was opened (never a file that took its name since),
+        // for the caller to map and close; None for a file at a URL, which cannot be mapped.
+        const auto& files = h.files();
+        if (file >= files.size()) throw nb::index_error("_map_fd: no such file");
+        if (files[file].remote) return nb::none();
+        const std::shared_ptr<const hbmio::File> opened = hbmio::reopen(files[file]);
+        const int fd = ::fcntl(opened->fd(), F_DUPFD_CLOEXEC, 0);
+        if (fd < 0) throw hbmio::Error(hbmio::errno_code(errno), {.op = "duplicate the descriptor of", .path = files[file].path});
+        return nb::int_(fd);
+      }, nb::arg("file"))
+      .def("_read_queue", [](const Handle& h, const std::string& backend) { return new ReadQueue(h, backend); },
+           nb::arg("backend") = "auto",
+           "A reader of batches of this checkpoint's tensors, in order, on a thread and an engine of its own.")
+      .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
+                            const std::string& backend, nb::handle verify) {
+        h.info(name);  // KeyError for an unknown name
+        nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr, nb::none());
+        return nb::object(one[nb::str(name.c_str(), name.size())]);
+      }, nb::arg("name"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
+         nb::arg("verify").none() = false)
+      .def("__enter__", [](nb::handle self) { return nb::borrow(self); })
+      .def("__exit__", [](nb::handle, nb::args) { return false; });
+}
+
+}  // namespace hbmio_py
