@@ -27,11 +27,13 @@
 #include <condition_variable>
 #include <cstddef>
 #include <deque>
+#include <exception>
 #include <functional>
-#include <future>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -62,12 +64,7 @@ class Executor {
   void post(std::function<void()> job);
 
   template <typename F>
-  Pending<std::invoke_result_t<F&>> start(F fn) {
-    auto task = std::make_shared<std::packaged_task<std::invoke_result_t<F&>()>>(std::move(fn));
-    auto future = task->get_future();
-    post([task] { (*task)(); });
-    return Pending<std::invoke_result_t<F&>>(std::move(future));
-  }
+  Pending<std::invoke_result_t<F&>> start(F fn);
 
   // Runs task(i) for every i < count, on the caller's thread and up to width - 1 pool threads
   // (width 0: as many as there are tasks), and waits for all. After a task throws, tasks not yet
@@ -94,31 +91,83 @@ class Executor {
 };
 
 // What start() returns: the job's result, waited for by get() or by the destructor.
+//
+// Not std::packaged_task and std::future: their shared state holds the job's exception until the
+// last of the two ends lets go of it, which may be the pool thread after the caller has handled the
+// exception; ThreadSanitizer (with a libstdc++ it does not see into) then reports the pool thread
+// freeing what the caller read. Here get() takes the result or the exception out of the state under
+// its mutex: the pool thread never frees what the caller gets.
 template <typename T>
 class Pending {
+  struct State {
+    std::mutex mutex;
+    std::condition_variable finished;
+    bool done = false;
+    std::conditional_t<std::is_void_v<T>, bool, std::optional<T>> value{};
+    std::exception_ptr error;
+  };
+
  public:
   Pending() = default;
-  explicit Pending(std::future<T> future) : future_(std::move(future)) {}
   Pending(Pending&&) noexcept = default;
   Pending& operator=(Pending&& other) noexcept {
     wait();
-    future_ = std::move(other.future_);
+    state_ = std::move(other.state_);
     return *this;
   }
   ~Pending() { wait(); }
 
-  bool valid() const noexcept { return future_.valid(); }
-  T get() { return future_.get(); }
+  bool valid() const noexcept { return state_ != nullptr; }
+  // The job's result, or its exception rethrown; once (the Pending is then no longer valid).
+  T get() {
+    std::shared_ptr<State> state = std::move(state_);
+    std::unique_lock lock(state->mutex);
+    state->finished.wait(lock, [&] { return state->done; });
+    if (std::exception_ptr error = std::exchange(state->error, nullptr)) std::rethrow_exception(error);
+    if constexpr (!std::is_void_v<T>) return std::move(*state->value);
+  }
   void wait() const noexcept {
-    if (future_.valid()) future_.wait();
+    if (!state_) return;
+    std::unique_lock lock(state_->mutex);
+    state_->finished.wait(lock, [&] { return state_->done; });
   }
   // Waits up to `timeout`; true once the job has returned.
   bool wait_for(std::chrono::milliseconds timeout) const {
-    return !future_.valid() || future_.wait_for(timeout) == std::future_status::ready;
+    if (!state_) return true;
+    std::unique_lock lock(state_->mutex);
+    return state_->finished.wait_for(lock, timeout, [&] { return state_->done; });
   }
 
  private:
-  std::future<T> future_;
+  friend class Executor;
+  explicit Pending(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  // The job's side: runs fn and stores what it returned or threw.
+  template <typename F>
+  static void fulfil(State& state, F& fn) noexcept {
+    std::exception_ptr error;
+    decltype(state.value) value{};
+    try {
+      if constexpr (std::is_void_v<T>) fn();
+      else value.emplace(fn());
+    } catch (...) {
+      error = std::current_exception();
+    }
+    std::lock_guard lock(state.mutex);
+    state.value = std::move(value);
+    state.error = std::move(error);
+    state.done = true;
+    state.finished.notify_all();
+  }
+  std::shared_ptr<State> state_;
 };
+
+template <typename F>
+Pending<std::invoke_result_t<F&>> Executor::start(F fn) {
+  using P = Pending<std::invoke_result_t<F&>>;
+  auto state = std::make_shared<typename P::State>();
+  // Shared, so that the job is copyable as std::function needs, whatever `fn` holds.
+  post([state, job = std::make_shared<F>(std::move(fn))] { P::fulfil(*state, *job); });
+  return P(std::move(state));
+}
 
 }  // namespace hbmio::detail

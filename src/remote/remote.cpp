@@ -72,7 +72,7 @@ Attempt get_once(const Target& target, const RemoteOptions& options, std::uint64
             .response = &a.response,
             .stop = stop,
             .expect = {.ranged = true, .first = offset, .last = offset + std::max<std::uint64_t>(length, 1) - 1, .total = size}};
-  if (to.deliver) sink.deliver = [&](std::uint64_t received, const std::byte* bytes, std::size_t size) { to.deliver(at + received, bytes, size); };
+  if (to.deliver) sink.deliver = [&](std::uint64_t received, const std::byte* bytes, std::size_t n) { to.deliver(at + received, bytes, n); };
   const std::string range = fmt::format("{}-{}", offset, offset + std::max<std::uint64_t>(length, 1) - 1);
   curl_slist* headers = nullptr;
   std::string userpwd, sigv4;
