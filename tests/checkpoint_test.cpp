@@ -420,11 +420,16 @@ TEST_F(Corruption, SwappedTensorsAreDetected) {
 }
 
 // The source's reads in several engine batches, each told landed while the next one reads: every
-// read is told once, whole, with its bytes in place; a throw from landed fails the call.
-TEST(Source, LandedBatchesTellEveryReadOnceWithItsBytes) {
+// byte of every read is told once, in pieces that tile the read (a read of more than 64 MiB is told
+// in pieces), each with its bytes in place; a throw from landed fails the call.
+TEST(Source, LandedBatchesTellEveryByteOnceWithItsBytes) {
   TempDir dir;
   const std::string path = dir.file("s.safetensors");
-  const Sample sample = make_sample({MemoryKind::host});
+  Sample sample = make_sample({MemoryKind::host});
+  // One tensor of 80 MiB: a read told in two pieces.
+  Buffer large = Buffer::allocate({MemoryKind::host}, std::size_t{80} << 20);
+  for (std::size_t i = 0; i < large.size(); ++i) large.data()[i] = static_cast<std::byte>(i * 7 + i / 4096);
+  sample.tensors.push_back({"large", st::Dtype::U8, {large.size()}, large.span()});
   save_checkpoint(path, sample.tensors);
   const std::vector<CheckpointFile> files = open_checkpoint(path);
   std::vector<std::vector<std::byte>> into;
@@ -434,19 +439,31 @@ TEST(Source, LandedBatchesTellEveryReadOnceWithItsBytes) {
     reads.push_back({0, files.front().header.data_offset + t.begin, {into.back().data(), into.back().size(), {}}});
   }
   std::mutex mutex;
-  std::vector<int> told(reads.size(), 0);
+  std::vector<std::vector<std::pair<std::uint64_t, std::uint64_t>>> told(reads.size());
   const auto lease = EnginePool::shared().acquire("posix");
   detail::ReadRangesOptions options{.engine = [&]() -> Engine& { return *lease; }, .landed_batch_bytes = 4096};
   options.landed = [&](std::size_t i, std::uint64_t at, std::uint64_t length) {
-    EXPECT_EQ(at, 0u);
-    EXPECT_EQ(length, reads[i].into.size);
-    EXPECT_EQ(into[i], pread_range(path, reads[i].offset, reads[i].into.size)) << "read " << i << " told before its bytes were in";
+    const auto on_disk = pread_range(path, reads[i].offset + at, static_cast<std::size_t>(length));
+    EXPECT_EQ(std::memcmp(into[i].data() + at, on_disk.data(), on_disk.size()), 0)
+        << "read " << i << " bytes " << at << ".." << at + length << " told before they were in";
     std::lock_guard lock(mutex);
-    ++told[i];
+    told[i].emplace_back(at, length);
   };
   const Stats stats = detail::read_ranges(files, reads, options);
   EXPECT_NE(stats.note.find("batches (each checked while the next was read)"), std::string::npos) << stats.note;
-  for (std::size_t i = 0; i < reads.size(); ++i) EXPECT_EQ(told[i], reads[i].into.size > 0 ? 1 : 0) << "read " << i;
+  std::size_t pieces = 0, nonempty = 0;
+  for (std::size_t i = 0; i < reads.size(); ++i) {
+    nonempty += reads[i].into.size > 0 ? 1 : 0;
+    std::sort(told[i].begin(), told[i].end());
+    std::uint64_t next = 0;
+    for (const auto& [at, length] : told[i]) {
+      EXPECT_EQ(at, next) << "read " << i << ": a gap or an overlap in what was told";
+      next = at + length;
+    }
+    EXPECT_EQ(next, reads[i].into.size) << "read " << i;
+    pieces += told[i].size();
+  }
+  EXPECT_EQ(pieces, nonempty + 1) << "every read in one piece but the 80 MiB one, in two";
 
   // A check that fails in a later batch fails the call, after the reads in flight are done.
   const std::size_t bad = reads.size() - 1;
@@ -458,6 +475,37 @@ TEST(Source, LandedBatchesTellEveryReadOnceWithItsBytes) {
     ADD_FAILURE() << "a throw from landed was lost";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("the last read"), std::string::npos) << e.what();
+  }
+}
+
+// A verified load of one file whose tensors lie back to back in one read is checked piece by
+// piece, and a flipped byte in its last tensor is still named.
+TEST(Source, AVerifiedLoadOfOneLargeReadNamesAFlippedByte) {
+  TempDir dir;
+  const std::string path = dir.file("v.safetensors");
+  std::vector<Buffer> buffers;
+  std::vector<TensorToSave> tensors;
+  for (int k = 0; k < 5; ++k) {
+    buffers.push_back(Buffer::allocate({MemoryKind::host}, std::size_t{24} << 20));
+    for (std::size_t i = 0; i < buffers.back().size(); i += 4096) buffers.back().data()[i] = static_cast<std::byte>(i / 4096 + k);
+    tensors.push_back({fmt::format("t{}", k), st::Dtype::U8, {buffers.back().size()}, buffers.back().span()});
+  }
+  save_checkpoint(path, tensors);
+  EXPECT_TRUE(load_checkpoint(path, {.verify = true}).verified());
+  const st::Header header = st::read_header(path);
+  const st::TensorInfo* last = header.find("t4");
+  const std::uint64_t at = header.data_offset + last->begin + last->size() - 1;
+  auto byte = pread_range(path, at, 1);
+  byte[0] ^= std::byte{0x40};
+  {
+    File f = File::open(path, OpenMode::read_write, false);
+    ASSERT_EQ(::pwrite(f.fd(), byte.data(), 1, static_cast<off_t>(at)), 1);
+  }
+  try {
+    load_checkpoint(path, {.verify = true});
+    ADD_FAILURE() << "a verified load accepted a flipped byte";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 't4'"), std::string::npos) << e.what();
   }
 }
 

@@ -67,8 +67,8 @@ class Engine {
   Stats read(const File& file, std::uint64_t offset, MemorySpan destination);
   Stats write(const File& file, std::uint64_t offset, MemorySpan source);
 
-  // Runs submit() on a thread of the library's pool. The engine, file and memory must stay alive
-  // until get() returns (the future's destructor does not wait, unlike std::async's).
+  // Runs submit() on another thread (std::async: the future's destructor waits for it). The file
+  // and memory must stay alive until get() returns.
   std::future<Stats> submit_async(IoRequest request);
 };
 

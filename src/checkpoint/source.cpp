@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -25,17 +26,31 @@ std::size_t open_file_bound() {
 
 namespace {
 
+// Bytes of a read that one landed call covers, with `landed`: a large read (a whole file of tensors
+// back to back) is told in pieces, so that its tensors are checked on several threads at once.
+constexpr std::uint64_t kLandedPiece = std::uint64_t{64} << 20;
+
+// At most as many threads check a batch at once as hash a load in one pass (xxh3_of_each): each
+// may hold a pinned staging buffer for device memory.
+unsigned landed_width(std::size_t pieces) {
+  return static_cast<unsigned>(std::min<std::size_t>({pieces, std::max(1u, std::thread::hardware_concurrency()), 16}));
+}
+
 // The local reads, as engine batches. Without `landed`: one batch, unless the files to open again
-// exceed the bound. With it: batches of at most landed_batch_bytes, each told landed on the pool
-// while the next one reads (one batch being checked at a time: the checks of a batch are spread
-// over the pool's threads already).
+// exceed the bound. With it: batches of at most landed_batch_bytes, reads cut in pieces of
+// kLandedPiece, each batch told landed on the pool, piece by piece, while the next one reads (one
+// batch being checked at a time).
 Stats read_local(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, std::span<const std::size_t> which,
                  const ReadRangesOptions& options) {
+  struct Piece {
+    std::size_t read;
+    std::uint64_t at, length;
+  };
   Engine& engine = options.engine();
   Stats total;
   std::size_t batches = 0;
   std::vector<IoRequest> requests;
-  std::vector<std::size_t> batch;  // indices into `reads` of the requests
+  std::vector<Piece> batch;  // what the requests cover, for landed
   std::vector<std::shared_ptr<const File>> reopened;
   std::uint64_t batch_bytes = 0;
   Pending<void> landing;  // the previous batch's landed calls
@@ -52,8 +67,10 @@ Stats read_local(const std::vector<CheckpointFile>& files, std::span<const Range
       return;
     }
     if (landing.valid()) landing.get();
-    landing = Executor::shared().start([&options, reads, done = std::move(batch)] {
-      Executor::shared().run(done.size(), 0, [&](std::size_t k) { options.landed(done[k], 0, reads[done[k]].into.size); });
+    landing = Executor::shared().start([&options, done = std::move(batch)] {
+      Executor::shared().run(done.size(), landed_width(done.size()), [&](std::size_t k) {
+        options.landed(done[k].read, done[k].at, done[k].length);
+      });
     });
     batch.clear();
   };
@@ -63,23 +80,28 @@ Stats read_local(const std::vector<CheckpointFile>& files, std::span<const Range
   try {
     for (const std::size_t i : which) {
       const RangeRead& read = reads[i];
-      if (options.landed && batch_bytes > 0 && batch_bytes + read.into.size > options.landed_batch_bytes) {
-        flush();
-        last_file = SIZE_MAX;  // its reopened file went with the batch
-      }
-      if (read.file != last_file) {
-        last_file = read.file;
-        if (files[read.file].file) {
-          handle = files[read.file].file.get();
-        } else {
-          if (reopened.size() == bound) flush();
-          reopened.push_back(reopen(files[read.file]));
-          handle = reopened.back().get();
+      const std::uint64_t piece = options.landed ? kLandedPiece : read.into.size;
+      for (std::uint64_t at = 0; at < read.into.size; at += piece) {
+        const std::uint64_t length = std::min<std::uint64_t>(piece, read.into.size - at);
+        if (options.landed && batch_bytes > 0 && batch_bytes + length > options.landed_batch_bytes) {
+          flush();
+          last_file = SIZE_MAX;  // its reopened file went with the batch
         }
+        if (read.file != last_file) {
+          last_file = read.file;
+          if (files[read.file].file) {
+            handle = files[read.file].file.get();
+          } else {
+            if (reopened.size() == bound) flush();
+            reopened.push_back(reopen(files[read.file]));
+            handle = reopened.back().get();
+          }
+        }
+        requests.push_back({.op = IoOp::read, .file = handle, .offset = read.offset + at,
+                            .memory = read.into.subspan(at, static_cast<std::size_t>(length)), .progress = options.progress});
+        batch.push_back({i, at, length});
+        batch_bytes += length;
       }
-      requests.push_back({.op = IoOp::read, .file = handle, .offset = read.offset, .memory = read.into, .progress = options.progress});
-      batch.push_back(i);
-      batch_bytes += read.into.size;
     }
     flush();
     if (landing.valid()) landing.get();

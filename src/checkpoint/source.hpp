@@ -32,9 +32,10 @@ struct ReadRangesOptions {
   std::atomic<std::uint64_t>* progress = nullptr;  // bytes in place so far
   // Told that bytes [at, at + length) of reads[read] are in place (GPU copies done), on a pool or
   // remote worker thread, possibly several at once, while later bytes are still being read; a
-  // throw from it fails the call. Objects at URLs: per part as it arrives. Local files: per read,
-  // once the engine batch that holds it is done, while the next batch is read (the batches are
-  // then of at most `landed_batch_bytes`, so that checking one overlaps reading the next).
+  // throw from it fails the call. Objects at URLs: per part as it arrives. Local files: per piece
+  // of a read (up to 64 MiB), once the engine batch that holds it is done, while the next batch is
+  // read (the batches are then of at most `landed_batch_bytes`, so that checking one overlaps
+  // reading the next), the pieces of a batch on up to 16 threads at once.
   LandedFunction landed;
   std::uint64_t landed_batch_bytes = std::uint64_t{1} << 30;
 };

@@ -14,7 +14,8 @@
 //
 //  - start(fn): post() for a job whose result the caller takes later: returns a Pending, whose
 //    get() waits and returns fn's result or rethrows its exception, and whose destructor waits
-//    too (as std::async's future does), so the job never outlives what it references.
+//    too (as std::async's future does), so the job never outlives what it references. A job no
+//    pool thread has taken yet when it is waited for runs on the waiting thread.
 //
 // Threads are named "hbmio-pool" (what `top -H` and debuggers show), never retire (idle ones cost
 // a sleeping thread's stack), and are joined by shutdown(), which Python's exit handler calls after
@@ -23,6 +24,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -30,6 +32,7 @@
 #include <exception>
 #include <functional>
 #include <optional>
+#include <stdexcept>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -97,9 +100,16 @@ class Executor {
 // exception; ThreadSanitizer (with a libstdc++ it does not see into) then reports the pool thread
 // freeing what the caller read. Here get() takes the result or the exception out of the state under
 // its mutex: the pool thread never frees what the caller gets.
+//
+// A job not started yet when get(), wait() or the destructor comes is run right there, on the
+// waiting thread (the pool's copy then finds it taken and returns): a wait never depends on a pool
+// thread being free, so a job that waits for work it started (a stream's fill for its reads) cannot
+// hang where the pool has no thread to spare (its bound, or a process limit on threads).
 template <typename T>
 class Pending {
   struct State {
+    std::function<T()> job;
+    std::atomic<bool> taken{false};  // by a pool thread or by a waiter: the job runs once
     std::mutex mutex;
     std::condition_variable finished;
     bool done = false;
@@ -120,18 +130,25 @@ class Pending {
   bool valid() const noexcept { return state_ != nullptr; }
   // The job's result, or its exception rethrown; once (the Pending is then no longer valid).
   T get() {
+    if (!state_) throw std::logic_error("Pending::get() of no job, or of one taken already");
     std::shared_ptr<State> state = std::move(state_);
+    run_here(*state);
     std::unique_lock lock(state->mutex);
     state->finished.wait(lock, [&] { return state->done; });
     if (std::exception_ptr error = std::exchange(state->error, nullptr)) std::rethrow_exception(error);
-    if constexpr (!std::is_void_v<T>) return std::move(*state->value);
+    if constexpr (!std::is_void_v<T>) {
+      T result = std::move(*state->value);
+      state->value.reset();
+      return result;
+    }
   }
   void wait() const noexcept {
     if (!state_) return;
+    run_here(*state_);
     std::unique_lock lock(state_->mutex);
     state_->finished.wait(lock, [&] { return state_->done; });
   }
-  // Waits up to `timeout`; true once the job has returned.
+  // Waits up to `timeout` (without taking the job); true once the job has returned.
   bool wait_for(std::chrono::milliseconds timeout) const {
     if (!state_) return true;
     std::unique_lock lock(state_->mutex);
@@ -141,17 +158,18 @@ class Pending {
  private:
   friend class Executor;
   explicit Pending(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  // The job's side: runs fn and stores what it returned or threw.
-  template <typename F>
-  static void fulfil(State& state, F& fn) noexcept {
+  // Runs the job and stores what it returned or threw, unless another thread took it first.
+  static void run_here(State& state) noexcept {
+    if (state.taken.exchange(true)) return;
     std::exception_ptr error;
     decltype(state.value) value{};
     try {
-      if constexpr (std::is_void_v<T>) fn();
-      else value.emplace(fn());
+      if constexpr (std::is_void_v<T>) state.job();
+      else value.emplace(state.job());
     } catch (...) {
       error = std::current_exception();
     }
+    state.job = nullptr;  // what it holds goes here, on the thread that ran it
     std::lock_guard lock(state.mutex);
     state.value = std::move(value);
     state.error = std::move(error);
@@ -166,7 +184,8 @@ Pending<std::invoke_result_t<F&>> Executor::start(F fn) {
   using P = Pending<std::invoke_result_t<F&>>;
   auto state = std::make_shared<typename P::State>();
   // Shared, so that the job is copyable as std::function needs, whatever `fn` holds.
-  post([state, job = std::make_shared<F>(std::move(fn))] { P::fulfil(*state, *job); });
+  state->job = [job = std::make_shared<F>(std::move(fn))] { return (*job)(); };
+  post([state] { P::run_here(*state); });
   return P(std::move(state));
 }
 

@@ -608,10 +608,13 @@ std::shared_ptr<const File> BatchStream::State::file_of(std::size_t shard) {
 std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::vector<std::pair<int, BatchPlan>>& group,
                                                                             Engine& engine) {
   auto g = std::make_unique<Group>();
+  // The caller's work still using a buffer given back (its step's kernels) is waited for by the
+  // read, on the pool, not here: the group before this one is delivered meanwhile.
+  std::vector<cuda::Event*> in_use;
   for (auto& [slot_index, plan] : group) {
     Slot& slot = slots[static_cast<std::size_t>(slot_index)];
     if (slot.event_pending) {
-      slot.released->synchronize({.op = "wait for the caller's use of a stream batch"});
+      in_use.push_back(&*slot.released);
       slot.event_pending = false;
     }
     Ready r{.batch = {.epoch = plan.epoch, .index = plan.index, .records = plan.records, .last_of_epoch = plan.last_of_epoch},
@@ -640,9 +643,11 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
     g->done.push_back(std::move(r));
   }
   while (open_files.size() > kOpenShards) open_files.pop_back();  // the group holds what it reads
-  g->reading = detail::Executor::shared().start([this, &engine, requests = std::span<const IoRequest>(g->requests)] {
+  g->reading = detail::Executor::shared().start([this, &engine, requests = std::span<const IoRequest>(g->requests),
+                                                 in_use = std::move(in_use)] {
     std::optional<cuda::DeviceGuard> device;  // as on the fill's thread (run())
     if (options.device.kind == MemoryKind::device) device.emplace(options.device.device, ErrorContext{.op = "stream"});
+    for (cuda::Event* released : in_use) released->synchronize({.op = "wait for the caller's use of a stream batch"});
     const Clock::time_point start = Clock::now();
     if (!requests.empty()) engine.submit_batch(requests);
     return seconds_between(start, Clock::now());

@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 
-#include "core/executor.hpp"
 #include "hbmio/config.hpp"
 #include "hbmio/engine.hpp"
 #include "io/engine_internal.hpp"
@@ -92,11 +91,9 @@ Stats Engine::submit_batch(std::span<const IoRequest> requests) {
 }
 
 std::future<Stats> Engine::submit_async(IoRequest request) {
-  // On the library's pool (core/executor.hpp), not a thread of its own.
-  auto task = std::make_shared<std::packaged_task<Stats()>>([this, request] { return submit(request); });
-  std::future<Stats> result = task->get_future();
-  detail::Executor::shared().post([task] { (*task)(); });
-  return result;
+  // std::async's future waits for the transfer when dropped: a caller that drops it on an error
+  // path does not leave the transfer writing into memory it frees.
+  return std::async(std::launch::async, [this, request] { return submit(request); });
 }
 
 std::vector<std::string> backend_names() { return {"posix", "uring", "cufile", "auto"}; }
