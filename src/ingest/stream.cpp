@@ -631,7 +631,8 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
           g->requests.push_back({.op = IoOp::read, .file = file.get(), .offset = shards[run.shard].field_offset[f] + run.first * rb,
                                  .memory = r.batch.fields[f].subspan(run.at * rb, run.count * rb), .cancel = &stop});
         }
-        g->files.push_back(std::move(file));
+        // Held once per run of runs from one shard (a shuffled batch has a run per record).
+        if (g->files.empty() || g->files.back() != file) g->files.push_back(std::move(file));
       }
     } catch (const Error&) {
       // A shard that cannot be opened (or was replaced) stops this batch; the batches gathered
