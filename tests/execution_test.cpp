@@ -205,7 +205,8 @@ TEST(Executor, AForkedChildRunsJobsOnAPoolOfItsOwn) {
 #endif
   auto& pool = detail::Executor::shared();
   std::atomic<bool> hold{true};
-  pool.post([&] {
+  // Waited for before the test returns: the job reads `hold`, on this frame.
+  detail::Pending<void> busy = pool.start([&] {
     while (hold.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   });
   const pid_t child = ::fork();
@@ -216,9 +217,10 @@ TEST(Executor, AForkedChildRunsJobsOnAPoolOfItsOwn) {
     auto job = detail::Executor::shared().start([] { return 7; });
     ::_exit(ran.load() == 4 && job.get() == 7 ? 0 : 1);
   }
+  hold = false;  // the child forked with the pool busy; an early return below must not hang on it
+  busy.get();
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
-  hold = false;
   ASSERT_TRUE(WIFEXITED(status)) << "the child did not exit (killed or hung)";
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's pool did not run its jobs";
 }
