@@ -18,9 +18,16 @@ add_test(NAME checkpoint_gpu COMMAND checkpoint_tests --gtest_filter=Gpu*:*/Gpu*
 set_tests_properties(checkpoint checkpoint_gpu PROPERTIES ENVIRONMENT "${_hbmio_ckpt_env}")
 set_tests_properties(checkpoint_gpu PROPERTIES LABELS gpu)
 if(HBMIO_BUILD_TOOLS)
+  # The resident cache: `hbmio cache serve` spawned as the server, the test as its client.
+  add_executable(cache_tests ${CMAKE_CURRENT_LIST_DIR}/cache_test.cpp)
+  target_link_libraries(cache_tests PRIVATE hbmio GTest::gtest_main fmt::fmt-header-only nlohmann_json::nlohmann_json)
+  target_include_directories(cache_tests PRIVATE ${PROJECT_SOURCE_DIR}/src)
+  target_compile_definitions(cache_tests PRIVATE HBMIO_CLI_BIN="$<TARGET_FILE:hbmio_cli>")
+  add_dependencies(cache_tests hbmio_cli)
+  add_test(NAME cache COMMAND cache_tests)
   add_test(NAME ckpt_cli COMMAND ${CMAKE_CURRENT_LIST_DIR}/ckpt_cli_test.sh $<TARGET_FILE:hbmio_cli>)
   # The order of a save's fsyncs and renames, watched with strace.
   add_test(NAME durability COMMAND ${CMAKE_CURRENT_LIST_DIR}/durability_test.sh $<TARGET_FILE:hbmio_cli>)
-  set_tests_properties(ckpt_cli durability PROPERTIES ENVIRONMENT "${_hbmio_ckpt_env}")
+  set_tests_properties(cache ckpt_cli durability PROPERTIES ENVIRONMENT "${_hbmio_ckpt_env}")
 endif()
 unset(_hbmio_ckpt_env)

@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "hbmio/cache.hpp"
 #include "hbmio/engine.hpp"
 #include "hbmio/file_system.hpp"
 #include "hbmio/memory.hpp"
@@ -56,6 +57,11 @@ struct LoadOptions {
   // loaders. It must lie in `into`'s location and hold at least load_size(path, options) bytes;
   // the result's spans point into it, so it must outlive their use.
   MemorySpan destination{};
+  // The node's resident cache (hbmio/cache.hpp): files it holds unchanged are read from its shared
+  // memory instead of the file. `configured`: HBMIO_CACHE and HBMIO_CACHE_ADD decide. A cache
+  // that cannot help is a plain load, its reason in the Stats' note and on stderr (once).
+  CacheUse cache = CacheUse::configured;
+  std::string cache_socket;  // "": HBMIO_CACHE, else the default (default_cache_socket())
 };
 
 struct LoadedTensor {
@@ -159,8 +165,10 @@ class OpenedCheckpoint {
     const safetensors::TensorInfo* info = nullptr;  // name, dtype, shape, size
     std::uint64_t file_offset = 0;                  // where its bytes start in its file
   };
-  // Throws Error as open_checkpoint(path, remote) does.
-  explicit OpenedCheckpoint(const std::string& path, const std::optional<RemoteOptions>& remote = std::nullopt);
+  // Throws Error as open_checkpoint(path, remote) does. `cache`: whether reads take the files the
+  // node's resident cache holds from it (LoadOptions::cache), asked once, here.
+  explicit OpenedCheckpoint(const std::string& path, const std::optional<RemoteOptions>& remote = std::nullopt,
+                            CacheUse cache = CacheUse::configured, const std::string& cache_socket = "");
   OpenedCheckpoint(OpenedCheckpoint&&) noexcept = default;
   OpenedCheckpoint& operator=(OpenedCheckpoint&&) noexcept = default;
 
@@ -181,6 +189,8 @@ class OpenedCheckpoint {
  private:
   std::string path_;
   std::vector<CheckpointFile> files_;
+  std::vector<std::shared_ptr<const File>> copies_;  // the resident cache's, per file (or null)
+  std::string cache_note_;
   std::vector<Tensor> tensors_;
   std::map<std::string, std::size_t, std::less<>> by_name_;
 };

@@ -34,6 +34,11 @@ std::string configured_backend();
 // (readahead=None): HBMIO_READAHEAD where set, else 1 GiB; 0 turns reading ahead off.
 std::uint64_t configured_readahead();
 
+// HBMIO_CACHE: the Unix socket of the resident cache (hbmio/cache.hpp) that loads ask first; ""
+// where unset (no cache). HBMIO_CACHE_ADD=on: they also ask it to take in the files it lacks.
+std::string configured_cache_socket();
+bool configured_cache_add();
+
 // The path set in `variable`, one of HBMIO_CUFILE_LIBRARY, HBMIO_CURL_LIBRARY and
 // HBMIO_NCCL_LIBRARY (the copy of an optional library to load); "" where it is not set.
 std::string configured_library(std::string_view variable);

@@ -54,6 +54,10 @@ class File {
   // working directory): a checkpoint's shards are opened from the directory it was opened in, even
   // if another directory takes its name meanwhile. `path` names the file in errors.
   static File open_at(int dir_fd, const std::string& name, const std::string& path, OpenMode mode, bool with_direct_io = true);
+  // Takes over `fd`, open for reading (a memfd, a descriptor received from another process), with
+  // no O_DIRECT descriptor; `path` names it in errors. Throws Error (closing `fd`) when fstat fails
+  // or it is not a regular file.
+  static File adopt(int fd, std::string path);
   ~File();
   File(File&& other) noexcept;
   File& operator=(File&& other) noexcept;

@@ -2,6 +2,7 @@
 // includes every public header, and that each compiles on its own.)
 #pragma once
 #include "hbmio/async_save.hpp"
+#include "hbmio/cache.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/config.hpp"
 #include "hbmio/doctor.hpp"

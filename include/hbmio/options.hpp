@@ -95,8 +95,9 @@ enum class DataPath {
   uring,          // io_uring, with O_DIRECT or through the page cache (TransferPath::bytes_direct)
   posix,          // pread/pwrite through the page cache (and a pageable copy for GPU memory)
   remote,         // ranged GETs or uploads of an object at a URL
+  cache_host,     // the node's resident cache: its copy of the file in shared host memory (hbmio/cache.hpp)
 };
-// "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote".
+// "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote", "cache-host".
 std::string_view to_string(DataPath path) noexcept;
 
 // The way one file's bytes took in a transfer, and why that one. A transfer reports one per file

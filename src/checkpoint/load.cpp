@@ -386,6 +386,7 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   };
   // The engine for local files: the caller's, else one leased for this load (none for a URL).
   std::optional<detail::EngineInUse> chosen;
+  const detail::ResidentCopies copies = detail::resident_copies(files, options.cache, options.cache_socket);
   const detail::ReadRangesOptions source{
       .engine = [&]() -> Engine& {
         if (!chosen) chosen.emplace(options.engine, options.backend, options.engine_options);
@@ -396,11 +397,12 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
       // Files without checksums (another tool's) have nothing to check as they land: their load stays one batch.
       .landed = check && std::any_of(files.begin(), files.end(), [](const CheckpointFile& f) { return has_checksums(f.header.metadata); })
                     ? LandedFunction(landed)
-                    : nullptr};
+                    : nullptr,
+      .copies = copies.files};
   result.stats_ = detail::read_ranges(files, reads, source);
-  result.stats_.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}", result.tensors_.size(), files.size(), reads.size(),
-                                   check ? ", each checked as it landed" : "", result.stats_.note.empty() ? "" : "; ",
-                                   result.stats_.note);
+  result.stats_.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}{}", result.tensors_.size(), files.size(), reads.size(),
+                                   check ? ", each checked as it landed" : "", detail::resident_note(copies),
+                                   result.stats_.note.empty() ? "" : "; ", result.stats_.note);
   if (check) verify(result, files, options.require_checksums, &checked);
   return result;
 }

@@ -5,12 +5,16 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
 
+#include "cache/client.hpp"
 #include "core/executor.hpp"
 #include "core/positional_io.hpp"
+#include "hbmio/config.hpp"
 
 namespace hbmio::detail {
 
@@ -89,7 +93,9 @@ Stats read_local(const std::vector<CheckpointFile>& files, std::span<const Range
         }
         if (read.file != last_file) {
           last_file = read.file;
-          if (files[read.file].file) {
+          if (read.file < options.copies.size() && options.copies[read.file]) {
+            handle = options.copies[read.file].get();
+          } else if (files[read.file].file) {
             handle = files[read.file].file.get();
           } else {
             if (reopened.size() == bound) flush();
@@ -136,6 +142,13 @@ Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const Rang
   }
   Stats total;
   if (!local.empty()) total = read_local(files, reads, local, options);
+  // Bytes read from the resident cache's copy are that file's, the way they took the cache's.
+  for (TransferPath& path : total.paths) {
+    if (!path.file.ends_with(cache_detail::kCopySuffix)) continue;
+    path.file.resize(path.file.size() - cache_detail::kCopySuffix.size());
+    path.path = DataPath::cache_host;
+    path.reason = fmt::format("the resident cache held the same file (device, inode, size, times) in shared host memory; {}", path.reason);
+  }
   if (!remote.empty()) {
     LandedFunction landed;
     if (options.landed)
@@ -145,6 +158,52 @@ Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const Rang
     else total.add_part(part);
   }
   return total;
+}
+
+ResidentCopies resident_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket) {
+  ResidentCopies out;
+  out.files.resize(files.size());
+  if (use == CacheUse::off) return out;
+  bool add = use == CacheUse::add;
+  out.socket = socket;
+  if (use == CacheUse::configured) {
+    if (out.socket.empty()) out.socket = configured_cache_socket();
+    if (out.socket.empty()) return out;  // no cache configured
+    add = configured_cache_add();
+  }
+  if (out.socket.empty()) out.socket = configured_cache_socket();
+  if (out.socket.empty()) out.socket = default_cache_socket();
+  std::vector<int> fds;
+  std::vector<std::string> paths;
+  std::vector<std::size_t> which;
+  for (std::size_t i = 0; i < files.size(); ++i)
+    if (files[i].file && !files[i].remote) {
+      fds.push_back(files[i].file->fd());
+      paths.push_back(files[i].path);
+      which.push_back(i);
+    }
+  if (fds.empty()) return out;
+  cache_detail::Lookup found = cache_detail::lookup(out.socket, fds, paths, add);
+  for (std::size_t k = 0; k < which.size(); ++k)
+    if (found.copies[k]) {
+      out.files[which[k]] = std::move(found.copies[k]);
+      ++out.held;
+    }
+  if (!found.warning.empty()) {
+    out.warning = fmt::format("the resident cache could not help, files read instead: {}", found.warning);
+    // Once per process and reason: a loop of loads against a stopped server says it once.
+    static std::mutex said_mutex;
+    static std::set<std::string> said;
+    std::lock_guard lock(said_mutex);
+    if (said.insert(found.warning).second) fmt::print(stderr, "hbmio: warning: {}\n", out.warning);
+  }
+  return out;
+}
+
+std::string resident_note(const ResidentCopies& copies) {
+  if (!copies.warning.empty()) return "; " + copies.warning;
+  if (copies.socket.empty()) return {};
+  return fmt::format("; {} of {} file(s) from the resident cache at {}", copies.held, copies.files.size(), copies.socket);
 }
 
 std::size_t read_host_bytes(const CheckpointFile& file, std::uint64_t offset, std::span<std::byte> into, const ErrorContext& context) {

@@ -38,7 +38,23 @@ struct ReadRangesOptions {
   // reading the next), the pieces of a batch on up to 16 threads at once.
   LandedFunction landed;
   std::uint64_t landed_batch_bytes = std::uint64_t{1} << 30;
+  // Per file of `files` (or empty): the resident cache's copy to read instead (resident_copies).
+  std::span<const std::shared_ptr<const File>> copies;
 };
+
+// The resident cache's copies of a checkpoint's local files, where `use` (and HBMIO_CACHE) asks
+// for the cache and it holds them unchanged; files past open_checkpoint's bound on open files and
+// objects at URLs are not asked for. `warning`: why the cache could not help (printed on stderr
+// once per process and reason too).
+struct ResidentCopies {
+  std::vector<std::shared_ptr<const File>> files;  // parallel to the checkpoint's files; null: read the file
+  std::size_t held = 0;
+  std::string socket;
+  std::string warning;
+};
+ResidentCopies resident_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket);
+// "; 3 of 17 files from the resident cache (host memory)" and the like, for a load's note.
+std::string resident_note(const ResidentCopies& copies);
 
 // Every read, at once where the source allows: the local reads as engine batches (the whole load
 // one batch without `landed`; files that open_checkpoint did not keep open are opened again, a

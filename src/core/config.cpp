@@ -9,10 +9,13 @@
 #include <array>
 #include <cerrno>
 #include <cstdlib>
+
+#include <unistd.h>
 #include <stdexcept>
 
 #include <fmt/format.h>
 
+#include "hbmio/cache.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/options.hpp"
 
@@ -43,6 +46,10 @@ constexpr std::array kVariables = {
                    "RemoteOptions::stall_timeout_seconds: how long a transfer may stay below 1 KiB/s"},
     ConfigVariable{"HBMIO_READAHEAD", "1GiB", "0..1TiB (0: off)",
                    "bytes of tensors Python's hbmio.open reads ahead of a walk (readahead=None)"},
+    ConfigVariable{"HBMIO_CACHE", "(off)", "a path",
+                   "the Unix socket of the node's resident cache (hbmio cache serve) that loads ask first"},
+    ConfigVariable{"HBMIO_CACHE_ADD", "off", "on | off",
+                   "loads ask the resident cache to take in the files it does not hold (LoadOptions::cache add)"},
     ConfigVariable{"HBMIO_CUFILE_LIBRARY", "(search)", "a path",
                    "the libcufile to load, instead of searching the loaded libraries, CUDA and Python's nvidia-cufile wheels"},
     ConfigVariable{"HBMIO_CURL_LIBRARY", "libcurl.so.4", "a path", "the libcurl to load for URLs, where none is loaded already"},
@@ -151,6 +158,23 @@ std::uint64_t configured_readahead() {
   std::uint64_t bytes = std::uint64_t{1} << 30;
   apply("HBMIO_READAHEAD", in(bytes, 0, kTiB));
   return bytes;
+}
+
+std::string configured_cache_socket() { return value_of(variable("HBMIO_CACHE")); }
+
+std::string default_cache_socket() {
+  // Not an HBMIO_* variable: the desktop's per-user runtime directory, where there is one.
+  if (const char* runtime = std::getenv("XDG_RUNTIME_DIR"); runtime != nullptr && *runtime == '/')
+    return fmt::format("{}/hbmio-cache.sock", runtime);
+  return fmt::format("/tmp/hbmio-cache-{}.sock", ::getuid());
+}
+
+bool configured_cache_add() {
+  const ConfigVariable& var = variable("HBMIO_CACHE_ADD");
+  const std::string value = value_of(var);
+  if (value.empty() || value == "off" || value == "0") return false;
+  if (value == "on" || value == "1") return true;
+  invalid(var, value, "neither on nor off");
 }
 
 std::string configured_library(std::string_view name) {

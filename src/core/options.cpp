@@ -99,6 +99,7 @@ std::string_view to_string(DataPath path) noexcept {
     case DataPath::uring: return "uring";
     case DataPath::posix: return "posix";
     case DataPath::remote: return "remote";
+    case DataPath::cache_host: return "cache-host";
   }
   return "?";
 }

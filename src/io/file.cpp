@@ -41,6 +41,20 @@ File File::open(const std::string& path, OpenMode mode, bool with_direct_io) {
   return open_at(AT_FDCWD, path, path, mode, with_direct_io);
 }
 
+File File::adopt(int fd, std::string path) {
+  File file;
+  file.path_ = std::move(path);
+  file.mode_ = OpenMode::read;
+  file.fd_ = fd;  // closed by `file` from here on, also when a check below throws
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) throw Error(errno_code(errno), {.op = "open", .path = file.path_}, "fstat");
+  if (!S_ISREG(st.st_mode)) throw Error(errno_code(EINVAL), {.op = "open", .path = file.path_}, "not a regular file");
+  file.identity_ = {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino)};
+  file.size_at_open_ = static_cast<std::uint64_t>(st.st_size);
+  file.direct_.reason = "a descriptor taken over, without O_DIRECT";
+  return file;
+}
+
 File File::open_at(int dir_fd, const std::string& name, const std::string& path, OpenMode mode, bool with_direct_io) {
   const ErrorContext context{.op = "open", .path = path};
   int flags = O_CLOEXEC;

@@ -18,6 +18,7 @@
 #include "bench.hpp"
 #include "ckpt.hpp"
 #include "cli_common.hpp"
+#include "cache.hpp"
 #include "doctor.hpp"
 #include "hbmio/config.hpp"
 #include "hbmio/hbmio.hpp"
@@ -314,6 +315,8 @@ int main(int argc, char** argv) {
   hbmio::cli::add_doctor_command(app, doctor_status);
   int ckpt_status = 0;
   hbmio::cli::add_ckpt_command(app, ckpt_status);
+  int cache_status = 0;
+  hbmio::cli::add_cache_command(app, cache_status);
 
   // The library's table of variables (hbmio/config.hpp), so this list cannot drift from it.
   std::string environment = "Environment (defaults in brackets; flags win over them; docs/configuration.md):";
@@ -362,6 +365,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench")) return bench_status;
     if (app.got_subcommand("doctor")) return doctor_status;
     if (app.got_subcommand("ckpt")) return ckpt_status;
+    if (app.got_subcommand("cache")) return cache_status;
   } catch (const CLI::ParseError& e) {
     // --help and --version: CLI11 prints the page. A usage error is said like every other error
     // ("hbmio: ..."), and exits 1: CLI11's own codes (104-109) would tell a script nothing more.

@@ -1,0 +1,159 @@
+// Clients of the resident cache: the loads' lookup (client.hpp), status and add (hbmio/cache.hpp).
+#include "cache/client.hpp"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "cache/protocol.hpp"
+#include "hbmio/cache.hpp"
+#include "hbmio/error.hpp"
+
+namespace hbmio {
+namespace cache_detail {
+
+namespace {
+
+// How long a load waits for the cache to answer before reading the files itself: a lookup is a
+// map search on the server, so anything near this means the server is stuck, not busy.
+constexpr int kLookupTimeoutMs = 2000;
+
+// One "get" for up to kMaxDescriptors files over `socket`; appends each result and its copy.
+void get_some(int socket, const std::string& socket_path, std::span<const int> fds, bool add, std::vector<nlohmann::json>& results,
+              std::vector<OwnedFd>& copies) {
+  send_message(socket, {{"op", "get"}, {"add", add}}, fds, socket_path);
+  std::optional<Message> reply = receive_message(socket, socket_path);
+  if (!reply) throw Error(errno_code(ECONNRESET), {.op = "cache", .path = socket_path}, "the server closed the connection");
+  if (reply->body.contains("error"))
+    throw Error(errno_code(EPROTO), {.op = "cache", .path = socket_path}, reply->body["error"].get<std::string>());
+  const nlohmann::json& got = reply->body.at("results");
+  if (got.size() != fds.size())
+    throw Error(errno_code(EPROTO), {.op = "cache", .path = socket_path}, fmt::format("{} answers to {} files", got.size(), fds.size()));
+  std::size_t hits = 0;
+  for (const nlohmann::json& r : got) hits += r.at("hit").get<bool>() ? 1 : 0;
+  if (hits != reply->descriptors.size())
+    throw Error(errno_code(EPROTO), {.op = "cache", .path = socket_path}, fmt::format("{} copies for {} hits", reply->descriptors.size(), hits));
+  std::size_t next = 0;
+  for (const nlohmann::json& r : got) {
+    results.push_back(r);
+    copies.push_back(r.at("hit").get<bool>() ? std::move(reply->descriptors[next++]) : OwnedFd());
+  }
+}
+
+}  // namespace
+
+Lookup lookup(const std::string& socket_path, std::span<const int> fds, std::span<const std::string> paths, bool add) {
+  Lookup out;
+  out.copies.resize(fds.size());
+  try {
+    const OwnedFd socket = connect_to(socket_path, kLookupTimeoutMs);
+    std::vector<nlohmann::json> results;
+    std::vector<OwnedFd> copies;
+    for (std::size_t at = 0; at < fds.size(); at += kMaxDescriptors)
+      get_some(socket.get(), socket_path, fds.subspan(at, std::min(kMaxDescriptors, fds.size() - at)), add, results, copies);
+    for (std::size_t k = 0; k < fds.size(); ++k) {
+      if (!copies[k]) continue;
+      const std::uint64_t bytes = results[k].value("bytes", std::uint64_t{0});
+      File copy = File::adopt(copies[k].release(), paths[k] + std::string(kCopySuffix));
+      // The server's copy must be as long as the file: anything else is a broken server, not a hit.
+      if (copy.size_at_open() != bytes) continue;
+      out.copies[k] = std::make_shared<const File>(std::move(copy));
+    }
+  } catch (const std::exception& e) {
+    out.copies.assign(fds.size(), nullptr);
+    out.warning = e.what();
+  }
+  return out;
+}
+
+nlohmann::json to_json(const CacheStatus& s) {
+  nlohmann::json entries = nlohmann::json::array();
+  for (const CacheEntryStatus& e : s.entries)
+    entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"owner", e.owner},
+                       {"hits", e.hits}, {"idle_seconds", e.idle_seconds}});
+  return {{"socket", s.socket},       {"host_bytes_limit", s.host_bytes_limit}, {"user_bytes_limit", s.user_bytes_limit},
+          {"host_bytes", s.host_bytes}, {"hits", s.hits},                       {"misses", s.misses},
+          {"adds", s.adds},           {"evictions", s.evictions},             {"stale", s.stale},
+          {"refused", s.refused},     {"clients", s.clients},                 {"served_clients", s.served_clients},
+          {"uptime_seconds", s.uptime_seconds}, {"entries", std::move(entries)}};
+}
+
+CacheStatus status_from_json(const nlohmann::json& j) {
+  CacheStatus s;
+  s.socket = j.at("socket").get<std::string>();
+  for (auto [field, name] : {std::pair{&s.host_bytes_limit, "host_bytes_limit"}, {&s.user_bytes_limit, "user_bytes_limit"},
+                             {&s.host_bytes, "host_bytes"}, {&s.hits, "hits"}, {&s.misses, "misses"}, {&s.adds, "adds"},
+                             {&s.evictions, "evictions"}, {&s.stale, "stale"}, {&s.refused, "refused"}, {&s.clients, "clients"},
+                             {&s.served_clients, "served_clients"}})
+    *field = j.at(name).get<std::uint64_t>();
+  s.uptime_seconds = j.at("uptime_seconds").get<double>();
+  for (const nlohmann::json& e : j.at("entries"))
+    s.entries.push_back({.path = e.at("path").get<std::string>(),
+                         .bytes = e.at("bytes").get<std::uint64_t>(),
+                         .tier = e.at("tier").get<std::string>(),
+                         .state = e.at("state").get<std::string>(),
+                         .owner = e.at("owner").get<std::uint32_t>(),
+                         .hits = e.at("hits").get<std::uint64_t>(),
+                         .idle_seconds = e.at("idle_seconds").get<double>()});
+  return s;
+}
+
+}  // namespace cache_detail
+
+CacheStatus cache_status(const std::string& socket_path) {
+  const cache_detail::OwnedFd socket = cache_detail::connect_to(socket_path, 5000);
+  cache_detail::send_message(socket.get(), {{"op", "status"}}, {}, socket_path);
+  std::optional<cache_detail::Message> reply = cache_detail::receive_message(socket.get(), socket_path);
+  if (!reply) throw Error(errno_code(ECONNRESET), {.op = "cache", .path = socket_path}, "the server closed the connection");
+  try {
+    return cache_detail::status_from_json(reply->body);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(errno_code(EPROTO), {.op = "cache", .path = socket_path}, fmt::format("a status reply without its fields: {}", e.what()));
+  }
+}
+
+std::vector<std::string> cache_add(const std::string& socket_path, const std::vector<std::string>& paths, bool wait) {
+  std::vector<cache_detail::OwnedFd> files;
+  std::vector<int> fds;
+  for (const std::string& path : paths) {
+    files.emplace_back(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!files.back()) throw Error(errno_code(errno), {.op = "open", .path = path});
+    fds.push_back(files.back().get());
+  }
+  const cache_detail::OwnedFd socket = cache_detail::connect_to(socket_path, 5000);
+  std::vector<std::string> said(paths.size());
+  std::vector<std::size_t> open(paths.size());
+  for (std::size_t k = 0; k < paths.size(); ++k) open[k] = k;
+  for (bool first = true; !open.empty(); first = false) {
+    if (!first) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::vector<std::size_t> still;
+    for (std::size_t at = 0; at < open.size(); at += cache_detail::kMaxDescriptors) {
+      const std::size_t n = std::min(cache_detail::kMaxDescriptors, open.size() - at);
+      std::vector<int> some;
+      for (std::size_t k = at; k < at + n; ++k) some.push_back(fds[open[k]]);
+      std::vector<nlohmann::json> results;
+      std::vector<cache_detail::OwnedFd> copies;
+      cache_detail::get_some(socket.get(), socket_path, some, first, results, copies);
+      for (std::size_t k = 0; k < n; ++k) {
+        const std::size_t which = open[at + k];
+        const std::string reason = results[k].value("reason", "");
+        said[which] = results[k].at("hit").get<bool>() ? "held"
+                      : (!first && reason == "not held") ? "refused while being read in (the server's log says why)"
+                                                         : reason;
+        // Still being read in: asked again (without adding) until it is held or dropped.
+        if (wait && !results[k].at("hit").get<bool>() && (reason == "being taken in" || reason == "not held; taking it in")) still.push_back(which);
+      }
+    }
+    open = std::move(still);
+    if (open.empty()) break;
+  }
+  for (std::string& s : said)
+    if (s == "not held; taking it in" || s == "being taken in") s = "adding";
+  return said;
+}
+
+}  // namespace hbmio

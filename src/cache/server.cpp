@@ -1,0 +1,442 @@
+// The resident cache's server (hbmio/cache.hpp, protocol.hpp).
+//
+// One thread serves every connection (poll), each request answered at once: a lookup is a map
+// search and an fstat. Taking a file in (reading it into a memfd) runs on the shared executor, so
+// a slow disk never holds up the answers. Each cached file is a memfd, filled, then sealed
+// against writes, growing and shrinking: a client receives that descriptor and maps it, and no one
+// can change the bytes after that, which is what lets a client use them without a copy. Evicting
+// an entry closes the server's descriptor; a client that still maps it keeps those pages until it
+// unmaps them (the kernel counts them), and a client that dies frees them by dying.
+#include "hbmio/cache.hpp"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <list>
+#include <map>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "cache/protocol.hpp"
+#include "core/executor.hpp"
+#include "hbmio/error.hpp"
+
+namespace hbmio {
+
+using cache_detail::OwnedFd;
+using detail::Executor;
+using detail::Pending;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// What makes a cached copy the same file: inode and device, and the size and times that any
+// write or replacement changes (st_ctime also moves on chmod or a new link: a spurious miss, never
+// a stale hit).
+struct Identity {
+  std::uint64_t device = 0, inode = 0, size = 0;
+  std::int64_t mtime_ns = 0, ctime_ns = 0;
+  bool operator==(const Identity&) const = default;
+};
+
+Identity identity_of(const struct stat& st) {
+  return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino), static_cast<std::uint64_t>(st.st_size),
+          st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec, st.st_ctim.tv_sec * 1'000'000'000LL + st.st_ctim.tv_nsec};
+}
+
+// The path the kernel knows for a descriptor ("" where /proc is missing).
+std::string path_of(int fd) {
+  std::error_code ec;
+  const auto target = std::filesystem::read_symlink(fmt::format("/proc/self/fd/{}", fd), ec);
+  return ec ? std::string() : target.string();
+}
+
+// Files are read into the memfd in pieces of this size, on up to kFillThreads threads.
+constexpr std::uint64_t kFillPiece = std::uint64_t{16} << 20;
+constexpr unsigned kFillThreads = 8;
+
+}  // namespace
+
+struct CacheServer::State {
+  struct Entry {
+    Identity identity;
+    std::string path;
+    OwnedFd memory;  // the sealed memfd (while adding: being filled)
+    std::uint32_t owner = 0;
+    bool ready = false;
+    bool abandoned = false;  // evicted or replaced while being added: its fill drops it
+    std::uint64_t hits = 0;
+    Clock::time_point last_use;
+  };
+  using Key = std::pair<std::uint64_t, std::uint64_t>;  // device, inode
+
+  CacheServerOptions options;
+  OwnedFd listener;
+  Clock::time_point started = Clock::now();
+  mutable std::mutex mutex;
+  std::map<Key, std::shared_ptr<Entry>> entries;
+  std::list<Pending<void>> fills;
+  std::uint64_t bytes = 0, hits = 0, misses = 0, adds = 0, evictions = 0, stale = 0, refused = 0, clients = 0, served_clients = 0;
+
+  // Drops `key`'s entry (under the mutex); an entry still being added is abandoned by its fill.
+  void drop(const Key& key) {
+    const auto it = entries.find(key);
+    if (it == entries.end()) return;
+    bytes -= it->second->identity.size;
+    it->second->abandoned = true;
+    entries.erase(it);
+  }
+
+  // Makes room for `size` bytes owned by `owner` (under the mutex), evicting the least recently
+  // used ready entries: the owner's own first where the quota is what is short. False when even
+  // evicting every ready entry would not make room.
+  bool make_room(std::uint64_t size, std::uint32_t owner, std::string& why) {
+    const std::uint64_t user_limit = options.user_bytes ? options.user_bytes : options.host_bytes;
+    if (size > user_limit) {
+      why = fmt::format("{} bytes is more than the cache holds for one user ({} bytes)", size, user_limit);
+      return false;
+    }
+    const auto owned = [&] {
+      std::uint64_t n = 0;
+      for (const auto& [key, e] : entries) n += e->owner == owner ? e->identity.size : 0;
+      return n;
+    };
+    const auto evict_oldest = [&](bool owners_only) {
+      std::shared_ptr<Entry> oldest;
+      Key oldest_key{};
+      for (const auto& [key, e] : entries)
+        if (e->ready && (!owners_only || e->owner == owner) && (!oldest || e->last_use < oldest->last_use)) {
+          oldest = e;
+          oldest_key = key;
+        }
+      if (!oldest) return false;
+      drop(oldest_key);
+      ++evictions;
+      return true;
+    };
+    while (owned() + size > user_limit)
+      if (!evict_oldest(true)) {
+        why = "the user's quota is taken by files still being added";
+        return false;
+      }
+    while (bytes + size > options.host_bytes)
+      if (!evict_oldest(false)) {
+        why = "the cache is taken by files still being added";
+        return false;
+      }
+    return true;
+  }
+
+  // Reads the file open as `source` into `entry`'s memfd, seals it, and marks it ready, unless
+  // the file changed meanwhile or the entry was dropped.
+  void fill(const std::shared_ptr<Entry>& entry, const Key& key, int source) {
+    {
+      std::lock_guard lock(mutex);
+      if (entry->abandoned) return;
+    }
+    const std::uint64_t size = entry->identity.size;
+    bool ok = true;
+    std::string why;
+    if (size > 0) {
+      void* map = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, entry->memory.get(), 0);
+      if (map == MAP_FAILED) {
+        ok = false;
+        why = fmt::format("mmap: {}", std::strerror(errno));
+      } else {
+        const std::size_t pieces = static_cast<std::size_t>((size + kFillPiece - 1) / kFillPiece);
+        try {
+          Executor::shared().run(pieces, kFillThreads, [&](std::size_t k) {
+            const std::uint64_t at = k * kFillPiece, length = std::min(kFillPiece, size - at);
+            std::uint64_t done = 0;
+            while (done < length) {
+              const ssize_t n = ::pread(source, static_cast<char*>(map) + at + done, length - done, static_cast<off_t>(at + done));
+              if (n < 0 && errno == EINTR) continue;
+              if (n <= 0) throw Error(errno_code(n < 0 ? errno : ENODATA), {.op = "read", .path = entry->path, .offset = at + done});
+              done += static_cast<std::uint64_t>(n);
+            }
+          });
+        } catch (const std::exception& e) {
+          ok = false;
+          why = e.what();
+        }
+        ::munmap(map, size);
+      }
+    }
+    // Sealed, the bytes can no longer change, whoever holds the descriptor.
+    if (ok && ::fcntl(entry->memory.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+      ok = false;
+      why = fmt::format("seal: {}", std::strerror(errno));
+    }
+    struct stat after {};
+    if (ok && (::fstat(source, &after) != 0 || !(identity_of(after) == entry->identity))) {
+      ok = false;
+      why = "the file changed while it was read";
+    }
+    std::lock_guard lock(mutex);
+    if (entry->abandoned) return;
+    if (!ok) {
+      fmt::print(stderr, "hbmio cache: {} not taken in: {}\n", entry->path, why);
+      drop(key);
+      ++refused;
+      return;
+    }
+    entry->ready = true;
+    entry->last_use = Clock::now();
+  }
+
+  // Whether `fd` is a descriptor a client may ask for; "" when it is, else why not.
+  std::string refusal(int fd, const struct stat& st, const std::string& path) const {
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (flags < 0) return fmt::format("fcntl: {}", std::strerror(errno));
+    // O_PATH opens need no read permission, and a write-only one none either: the bytes go only
+    // to a client that proved it may read them.
+    if ((flags & O_PATH) == O_PATH) return "the descriptor was opened with O_PATH, without read access";
+    if ((flags & O_ACCMODE) == O_WRONLY) return "the descriptor was opened write-only";
+    if (!S_ISREG(st.st_mode)) return "not a regular file";
+    if (!options.allow.empty()) {
+      const bool inside = std::any_of(options.allow.begin(), options.allow.end(), [&](const std::string& dir) {
+        return !path.empty() && path.starts_with(dir) && (path.size() == dir.size() || path[dir.size()] == '/' || dir.ends_with('/'));
+      });
+      if (!inside) return fmt::format("{} is outside the directories this cache serves", path.empty() ? "the file" : path);
+    }
+    return {};
+  }
+
+  nlohmann::json get(const nlohmann::json& request, std::vector<OwnedFd>& fds, std::uint32_t uid, std::vector<int>& reply_fds) {
+    const bool add = request.value("add", false);
+    nlohmann::json results = nlohmann::json::array();
+    std::lock_guard lock(mutex);
+    for (OwnedFd& fd : fds) {
+      struct stat st {};
+      if (::fstat(fd.get(), &st) != 0) {
+        results.push_back({{"hit", false}, {"reason", fmt::format("fstat: {}", std::strerror(errno))}});
+        ++refused;
+        continue;
+      }
+      const std::string path = path_of(fd.get());
+      if (std::string why = refusal(fd.get(), st, path); !why.empty()) {
+        results.push_back({{"hit", false}, {"reason", why}});
+        ++refused;
+        continue;
+      }
+      const Identity id = identity_of(st);
+      const Key key{id.device, id.inode};
+      // An entry of the same path and another inode holds a version the name no longer leads to
+      // (the file was replaced by rename): its memory goes back now rather than when evicted.
+      for (auto it = entries.begin(); it != entries.end();) {
+        const auto next = std::next(it);
+        if (it->first != key && !path.empty() && it->second->path == path) {
+          drop(it->first);
+          ++stale;
+        }
+        it = next;
+      }
+      if (const auto it = entries.find(key); it != entries.end()) {
+        Entry& e = *it->second;
+        if (e.identity == id && e.ready) {
+          ++e.hits;
+          ++hits;
+          e.last_use = Clock::now();
+          reply_fds.push_back(e.memory.get());
+          results.push_back({{"hit", true}, {"tier", "host"}, {"bytes", id.size}});
+          continue;
+        }
+        if (e.identity == id) {
+          ++misses;
+          results.push_back({{"hit", false}, {"reason", "being taken in"}});
+          continue;
+        }
+        drop(key);  // the file changed since: never served again
+        ++stale;
+      }
+      ++misses;
+      if (!add) {
+        results.push_back({{"hit", false}, {"reason", "not held"}});
+        continue;
+      }
+      std::string why;
+      if (!make_room(id.size, uid, why)) {
+        ++refused;
+        results.push_back({{"hit", false}, {"reason", "not taken in: " + why}});
+        continue;
+      }
+      OwnedFd memory(::memfd_create(fmt::format("hbmio-cache:{}", std::filesystem::path(path).filename().string()).c_str(),
+                                    MFD_CLOEXEC | MFD_ALLOW_SEALING));
+      if (!memory || (id.size > 0 && ::ftruncate(memory.get(), static_cast<off_t>(id.size)) != 0)) {
+        ++refused;
+        results.push_back({{"hit", false}, {"reason", fmt::format("not taken in: memfd: {}", std::strerror(errno))}});
+        continue;
+      }
+      auto entry = std::make_shared<Entry>(Entry{.identity = id, .path = path, .memory = std::move(memory), .owner = uid, .last_use = Clock::now()});
+      entries[key] = entry;
+      bytes += id.size;
+      ++adds;
+      auto source = std::make_shared<OwnedFd>(std::move(fd));  // std::function (the executor's job) is copyable
+      fills.push_back(Executor::shared().start([this, entry, key, source] { fill(entry, key, source->get()); }));
+      results.push_back({{"hit", false}, {"reason", "not held; taking it in"}});
+    }
+    return {{"results", std::move(results)}};
+  }
+
+  // Forgets fills that are done (their results are in their entries).
+  void reap_fills() {
+    for (auto it = fills.begin(); it != fills.end();)
+      it = it->wait_for(std::chrono::milliseconds(0)) ? (it->get(), fills.erase(it)) : std::next(it);
+  }
+};
+
+CacheServer::CacheServer(CacheServerOptions options) : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  s.options = std::move(options);
+  const ErrorContext context{.op = "cache serve", .path = s.options.socket};
+  if (s.options.host_bytes == 0) throw Error(errno_code(EINVAL), context, "the host tier needs a size (host_bytes > 0)");
+  for (std::string& dir : s.options.allow) {
+    std::error_code ec;
+    const auto canonical = std::filesystem::canonical(dir, ec);
+    if (ec) throw Error(errno_code(ec.value()), {.op = "cache serve", .path = dir}, "a directory to serve");
+    dir = canonical.string();
+  }
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (s.options.socket.empty() || s.options.socket.size() >= sizeof address.sun_path)
+    throw Error(errno_code(ENAMETOOLONG), context, fmt::format("a socket path must have 1 to {} bytes", sizeof address.sun_path - 1));
+  std::memcpy(address.sun_path, s.options.socket.data(), s.options.socket.size());
+  // A socket file no server answers is a leftover of one that died: replace it. One that answers
+  // belongs to a running server: never take its place.
+  struct stat existing {};
+  if (::lstat(s.options.socket.c_str(), &existing) == 0) {
+    if (!S_ISSOCK(existing.st_mode)) throw Error(errno_code(EEXIST), context, "a file that is not a socket is in the way");
+    try {
+      cache_detail::connect_to(s.options.socket, 1000);
+      throw Error(errno_code(EADDRINUSE), context, "another cache server answers there");
+    } catch (const Error& e) {
+      if (e.code() == errno_code(EADDRINUSE)) throw;
+    }
+    ::unlink(s.options.socket.c_str());
+  }
+  s.listener = OwnedFd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!s.listener) throw Error(errno_code(errno), context, "socket");
+  // Made with the mode asked for from the start (umask), not chmod-ed after: no window in which
+  // anyone else could connect.
+  const mode_t previous = ::umask(static_cast<mode_t>(~s.options.socket_mode & 0777));
+  const int bound = ::bind(s.listener.get(), reinterpret_cast<const sockaddr*>(&address), sizeof address);
+  const int bind_errno = errno;
+  ::umask(previous);
+  if (bound != 0) throw Error(errno_code(bind_errno), context, "bind");
+  if (::listen(s.listener.get(), 64) != 0) throw Error(errno_code(errno), context, "listen");
+}
+
+CacheServer::~CacheServer() {
+  if (!state_) return;
+  {
+    std::lock_guard lock(state_->mutex);
+    for (auto& [key, e] : state_->entries) e->abandoned = true;
+  }
+  for (Pending<void>& fill : state_->fills) fill.wait();
+  ::unlink(state_->options.socket.c_str());
+}
+
+void CacheServer::run(const std::atomic<bool>& stop) {
+  State& s = *state_;
+  struct Client {
+    OwnedFd socket;
+    std::uint32_t uid = 0;
+  };
+  std::list<Client> clients;
+  while (!stop.load()) {
+    std::vector<pollfd> polled{{s.listener.get(), POLLIN, 0}};
+    for (const Client& c : clients) polled.push_back({c.socket.get(), POLLIN, 0});
+    const int ready = ::poll(polled.data(), polled.size(), 100);
+    {
+      std::lock_guard lock(s.mutex);
+      s.reap_fills();
+    }
+    if (ready < 0 && errno != EINTR) throw Error(errno_code(errno), {.op = "cache serve", .path = s.options.socket}, "poll");
+    if (ready <= 0) continue;
+    if (polled[0].revents & POLLIN) {
+      OwnedFd accepted(::accept4(s.listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (accepted) {
+        ucred credentials{};
+        socklen_t length = sizeof credentials;
+        ::getsockopt(accepted.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length);
+        // A client stalled mid-frame holds the one serving thread at most this long.
+        const timeval timeout{.tv_sec = 2, .tv_usec = 0};
+        ::setsockopt(accepted.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+        ::setsockopt(accepted.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+        clients.push_back({std::move(accepted), credentials.uid});
+        std::lock_guard lock(s.mutex);
+        ++s.clients;
+        ++s.served_clients;
+      }
+    }
+    auto client = clients.begin();
+    for (std::size_t k = 1; k < polled.size(); ++k) {
+      auto current = client++;
+      if (!(polled[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      bool keep = true;
+      try {
+        std::optional<cache_detail::Message> request = cache_detail::receive_message(current->socket.get(), s.options.socket);
+        if (!request) {
+          keep = false;
+        } else {
+          nlohmann::json reply;
+          std::vector<int> reply_fds;
+          const std::string op = request->body.is_object() ? request->body.value("op", "") : "";
+          if (op == "get") reply = s.get(request->body, request->descriptors, current->uid, reply_fds);
+          else if (op == "status") reply = cache_detail::to_json(status());
+          else reply = {{"error", fmt::format("unknown request '{}'", op)}};
+          cache_detail::send_message(current->socket.get(), reply, reply_fds, s.options.socket);
+        }
+      } catch (const std::exception& e) {
+        keep = false;  // a client that breaks the protocol or goes away loses its connection only
+      }
+      if (!keep) {
+        clients.erase(current);
+        std::lock_guard lock(s.mutex);
+        --s.clients;
+      }
+    }
+  }
+}
+
+CacheStatus CacheServer::status() const {
+  const State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  CacheStatus out{.socket = s.options.socket,
+                  .host_bytes_limit = s.options.host_bytes,
+                  .user_bytes_limit = s.options.user_bytes ? s.options.user_bytes : s.options.host_bytes,
+                  .host_bytes = s.bytes,
+                  .hits = s.hits,
+                  .misses = s.misses,
+                  .adds = s.adds,
+                  .evictions = s.evictions,
+                  .stale = s.stale,
+                  .refused = s.refused,
+                  .clients = s.clients,
+                  .served_clients = s.served_clients,
+                  .uptime_seconds = std::chrono::duration<double>(Clock::now() - s.started).count()};
+  const auto now = Clock::now();
+  for (const auto& [key, e] : s.entries)
+    out.entries.push_back({.path = e->path,
+                           .bytes = e->identity.size,
+                           .tier = "host",
+                           .state = e->ready ? "ready" : "adding",
+                           .owner = e->owner,
+                           .hits = e->hits,
+                           .idle_seconds = std::chrono::duration<double>(now - e->last_use).count()});
+  std::sort(out.entries.begin(), out.entries.end(), [](const auto& a, const auto& b) { return a.idle_seconds < b.idle_seconds; });
+  return out;
+}
+
+}  // namespace hbmio

@@ -1,0 +1,301 @@
+// The resident cache (hbmio/cache.hpp): a server process (`hbmio cache serve`, spawned here) and
+// this process as its client. Every load is compared byte for byte with plain preads of the file.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "cache/client.hpp"
+#include "test_support.hpp"
+
+extern char** environ;
+
+namespace hbmio {
+namespace {
+
+using test::TempDir;
+
+// `hbmio cache serve` in a process of its own, stopped (SIGTERM) by the destructor.
+class ServerProcess {
+ public:
+  ServerProcess(const std::string& socket, const std::string& host_memory, std::vector<std::string> extra = {}) : socket_(socket) {
+    std::vector<std::string> args{HBMIO_CLI_BIN, "cache", "serve", "--socket", socket, "--host-memory", host_memory};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (::posix_spawn(&pid_, HBMIO_CLI_BIN, nullptr, nullptr, argv.data(), environ) != 0) throw std::runtime_error("spawn the server");
+    for (int i = 0; i < 500; ++i) {  // up to 10 s for it to answer
+      try {
+        cache_status(socket_);
+        return;
+      } catch (const Error&) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    throw std::runtime_error("the cache server did not answer on " + socket_);
+  }
+  ~ServerProcess() { stop(SIGTERM); }
+  void stop(int signal) {
+    if (pid_ <= 0) return;
+    ::kill(pid_, signal);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+
+ private:
+  std::string socket_;
+  pid_t pid_ = -1;
+};
+
+// A checkpoint of `count` U8 tensors of `size` random bytes (seeded), saved by hbmio.
+void save_sample(const std::string& path, std::uint64_t seed, std::size_t count = 4, std::size_t size = 256 << 10) {
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<TensorToSave> tensors;
+  for (std::size_t k = 0; k < count; ++k) bytes.push_back(test::random_bytes(size, seed * 100 + k));
+  for (std::size_t k = 0; k < count; ++k)
+    tensors.push_back({fmt::format("t{}", k), safetensors::Dtype::U8, {size}, {bytes[k].data(), size, {}}});
+  save_checkpoint(path, tensors);
+}
+
+struct Loaded {
+  Stats stats;
+  bool from_cache = false;
+};
+
+// Loads `path` into host memory, checks every tensor against preads of the file, and says whether
+// its bytes came from the cache.
+Loaded load_and_check(const std::string& path, CacheUse use, const std::string& socket) {
+  const LoadedCheckpoint loaded = load_checkpoint(path, {.into = {}, .cache = use, .cache_socket = socket});
+  for (const LoadedTensor& t : loaded.tensors()) {
+    const std::vector<std::byte> expected = test::pread_range(t.file, t.file_offset, t.data.size);
+    EXPECT_EQ(0, std::memcmp(expected.data(), t.data.data, t.data.size)) << t.name << " of " << t.file;
+  }
+  Loaded out{loaded.stats()};
+  for (const TransferPath& p : out.stats.paths) out.from_cache = out.from_cache || p.path == DataPath::cache_host;
+  return out;
+}
+
+TEST(ResidentCache, AHitIsTheFileByteForByteAndSaysSo) {
+  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 1);
+  ServerProcess server(socket, "64MiB");
+  EXPECT_FALSE(load_and_check(file, CacheUse::use, socket).from_cache);  // not held: read from the file
+  EXPECT_EQ(cache_add(socket, {file}, /*wait=*/true), std::vector<std::string>{"held"});
+  const Loaded hit = load_and_check(file, CacheUse::use, socket);
+  EXPECT_TRUE(hit.from_cache) << hit.stats.note;
+  ASSERT_EQ(hit.stats.paths.size(), 1u);
+  EXPECT_EQ(hit.stats.paths[0].file, file);
+  EXPECT_NE(hit.stats.note.find("1 of 1 file(s) from the resident cache"), std::string::npos) << hit.stats.note;
+  EXPECT_FALSE(load_and_check(file, CacheUse::off, socket).from_cache);
+  const CacheStatus status = cache_status(socket);
+  ASSERT_EQ(status.entries.size(), 1u);
+  EXPECT_EQ(status.entries[0].path, std::filesystem::canonical(file).string());
+  EXPECT_EQ(status.entries[0].bytes, std::filesystem::file_size(file));
+  EXPECT_EQ(status.entries[0].state, "ready");
+  EXPECT_GE(status.entries[0].hits, 1u);
+  EXPECT_EQ(status.host_bytes, std::filesystem::file_size(file));
+}
+
+TEST(ResidentCache, ALoadThatAddsIsServedFromTheCacheNextTime) {
+  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 2);
+  ServerProcess server(socket, "64MiB");
+  EXPECT_FALSE(load_and_check(file, CacheUse::add, socket).from_cache);
+  bool hit = false;
+  for (int i = 0; i < 250 && !hit; ++i) {  // the server reads it in the background
+    hit = load_and_check(file, CacheUse::use, socket).from_cache;
+    if (!hit) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(hit);
+}
+
+TEST(ResidentCache, AReplacedOrRewrittenFileIsNeverServed) {
+  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 3);
+  ServerProcess server(socket, "64MiB");
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  ASSERT_TRUE(load_and_check(file, CacheUse::use, socket).from_cache);
+  save_sample(file, 4);  // a new file renamed over the name: another inode
+  EXPECT_FALSE(load_and_check(file, CacheUse::use, socket).from_cache);
+
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  ASSERT_TRUE(load_and_check(file, CacheUse::use, socket).from_cache);
+  // The same inode and size, other bytes: the modification time moves (past the clock's tick:
+  // a write within the tick of the caching is what checksums are for, docs/cache.md).
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  {
+    const int fd = ::open(file.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    const std::vector<std::byte> other = test::random_bytes(4096, 99);
+    ASSERT_EQ(::pwrite(fd, other.data(), other.size(), static_cast<off_t>(std::filesystem::file_size(file) - 4096)), 4096);
+    ::close(fd);
+  }
+  EXPECT_FALSE(load_and_check(file, CacheUse::use, socket).from_cache);
+  EXPECT_GE(cache_status(socket).stale, 2u);
+}
+
+TEST(ResidentCache, EvictsTheLeastRecentlyUsedUnderItsLimitAndRefusesWhatCannotFit) {
+  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
+  const std::string socket = sockets.file("cache.sock");
+  const std::string a = dir.file("a.safetensors"), b = dir.file("b.safetensors"), big = dir.file("big.safetensors");
+  save_sample(a, 5, 4, 512 << 10);    // 2 MiB and a header
+  save_sample(b, 6, 4, 512 << 10);
+  save_sample(big, 7, 8, 512 << 10);  // 4 MiB: more than the cache holds
+  ServerProcess server(socket, "3MiB");
+  ASSERT_EQ(cache_add(socket, {a}, true), std::vector<std::string>{"held"});
+  ASSERT_EQ(cache_add(socket, {b}, true), std::vector<std::string>{"held"});
+  CacheStatus status = cache_status(socket);
+  ASSERT_EQ(status.entries.size(), 1u);
+  EXPECT_EQ(status.entries[0].path, std::filesystem::canonical(b).string());
+  EXPECT_EQ(status.evictions, 1u);
+  EXPECT_FALSE(load_and_check(a, CacheUse::use, socket).from_cache);
+  EXPECT_TRUE(load_and_check(b, CacheUse::use, socket).from_cache);
+  const std::vector<std::string> said = cache_add(socket, {big}, true);
+  ASSERT_EQ(said.size(), 1u);
+  EXPECT_NE(said[0].find("more than the cache holds"), std::string::npos) << said[0];
+  EXPECT_FALSE(load_and_check(big, CacheUse::use, socket).from_cache);
+  EXPECT_EQ(cache_status(socket).entries.size(), 1u);  // b stays: nothing was evicted for a refusal
+}
+
+TEST(ResidentCache, DescriptorsWithoutReadAccessGetNothing) {
+  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 8);
+  ServerProcess server(socket, "64MiB", {"--mode", "0666"});
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  // O_PATH needs no read permission: such a descriptor must not fetch the bytes.
+  const int path_only = ::open(file.c_str(), O_PATH | O_CLOEXEC);
+  ASSERT_GE(path_only, 0);
+  const std::string name = file;
+  cache_detail::Lookup found = cache_detail::lookup(socket, {&path_only, 1}, {&name, 1}, false);
+  ::close(path_only);
+  ASSERT_EQ(found.copies.size(), 1u);
+  EXPECT_EQ(found.copies[0], nullptr);
+  EXPECT_GE(cache_status(socket).refused, 1u);
+
+  if (::geteuid() != 0) GTEST_SKIP() << "a second user needs root to become one";
+  // Another user, who may not read the file: neither a plain open nor an O_PATH one gets its bytes.
+  ASSERT_EQ(::chmod(file.c_str(), 0600), 0);
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0755), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(10);
+    if (::open(file.c_str(), O_RDONLY) >= 0) ::_exit(11);  // the file system lets nobody in
+    const int fd = ::open(file.c_str(), O_PATH);
+    if (fd < 0) ::_exit(12);
+    const cache_detail::Lookup got = cache_detail::lookup(socket, {&fd, 1}, {&name, 1}, false);
+    if (got.copies.size() != 1) ::_exit(13);
+    ::_exit(got.copies[0] ? 14 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "10: setuid, 11: could open, 12: no O_PATH, 13: no answer, 14: got the bytes";
+}
+
+TEST(ResidentCache, AServerThatDiesMeansAPlainLoadOrTheCopyAlreadyHeld) {
+  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 9);
+  auto server = std::make_unique<ServerProcess>(socket, "64MiB");
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  // A handle that found the copy keeps it: the server killed before the read changes nothing.
+  OpenedCheckpoint opened(file, std::nullopt, CacheUse::use, socket);
+  server->stop(SIGKILL);
+  std::vector<std::byte> into(opened.tensors()[0].info->size());
+  const Stats stats = opened.read({{.tensor = 0, .offset = 0, .length = into.size(), .into = {into.data(), into.size(), {}}}}, *make_engine("posix"));
+  EXPECT_EQ(into, test::pread_range(file, opened.tensors()[0].file_offset, into.size()));
+  ASSERT_EQ(stats.paths.size(), 1u);
+  EXPECT_EQ(stats.paths[0].path, DataPath::cache_host);
+  // A load after it: read from the file, with the reason in its note.
+  const Loaded after = load_and_check(file, CacheUse::use, socket);
+  EXPECT_FALSE(after.from_cache);
+  EXPECT_NE(after.stats.note.find("the resident cache could not help"), std::string::npos) << after.stats.note;
+}
+
+TEST(ResidentCache, ClientsKilledMidLoadOrLoadingAtOnceLeaveTheServerAsItWas) {
+  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 10, 16, 1 << 20);
+  ServerProcess server(socket, "64MiB");
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  const CacheStatus before = cache_status(socket);
+  // Clients of their own (the command), killed while they load from the cache over and over.
+  for (int round = 0; round < 3; ++round) {
+    std::string env = "HBMIO_CACHE=" + socket;
+    std::vector<std::string> args{HBMIO_CLI_BIN, "ckpt", "load", file, "--runs", "200"};
+    std::vector<char*> argv, envp;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (char** e = environ; *e; ++e) envp.push_back(*e);
+    envp.push_back(env.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t quiet;
+    ::posix_spawn_file_actions_init(&quiet);
+    ::posix_spawn_file_actions_addopen(&quiet, 1, "/dev/null", O_WRONLY, 0);
+    pid_t pid = -1;
+    const int spawned = ::posix_spawn(&pid, HBMIO_CLI_BIN, &quiet, nullptr, argv.data(), envp.data());
+    ::posix_spawn_file_actions_destroy(&quiet);
+    ASSERT_EQ(spawned, 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(150 + 100 * round));
+    ::kill(pid, SIGKILL);
+    ::waitpid(pid, nullptr, 0);
+  }
+  // Two loads at once, several times each, every one from the cache.
+  std::vector<std::thread> clients;
+  std::atomic<int> hits{0};
+  for (int c = 0; c < 2; ++c)
+    clients.emplace_back([&] {
+      for (int i = 0; i < 5; ++i) hits += load_and_check(file, CacheUse::use, socket).from_cache ? 1 : 0;
+    });
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(hits.load(), 10);
+  const CacheStatus after = cache_status(socket);
+  EXPECT_EQ(after.host_bytes, before.host_bytes);
+  ASSERT_EQ(after.entries.size(), 1u);
+  EXPECT_EQ(after.entries[0].state, "ready");
+  EXPECT_GT(after.hits, before.hits + 10);  // the killed clients were served too
+  EXPECT_EQ(after.clients, 1u);             // this status request's own connection only
+}
+
+TEST(ResidentCache, UnreachableOrUnsetMeansAPlainLoad) {
+  TempDir dir, sockets("/tmp");
+  const std::string file = dir.file("a.safetensors");
+  save_sample(file, 11);
+  const Loaded nowhere = load_and_check(file, CacheUse::use, sockets.file("nobody.sock"));
+  EXPECT_FALSE(nowhere.from_cache);
+  EXPECT_NE(nowhere.stats.note.find("No such file or directory"), std::string::npos) << nowhere.stats.note;
+  ::unsetenv("HBMIO_CACHE");
+  const Loaded unset = load_and_check(file, CacheUse::configured, "");
+  EXPECT_EQ(unset.stats.note.find("resident cache"), std::string::npos) << unset.stats.note;
+}
+
+TEST(ResidentCache, ASecondServerOnTheSameSocketIsRefused) {
+  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
+  const std::string socket = sockets.file("cache.sock");
+  ServerProcess server(socket, "1MiB");
+  try {
+    CacheServer second({.socket = socket, .host_bytes = 1 << 20});
+    FAIL() << "a second server took the socket";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(EADDRINUSE));
+  }
+  EXPECT_NO_THROW(cache_status(socket));  // the first still answers
+}
+
+}  // namespace
+}  // namespace hbmio
