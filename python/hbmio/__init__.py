@@ -377,7 +377,9 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                  gib_per_second, backend, bytes_direct, note, and paths: per file, the way its
                  bytes took and why, [{"file", "path", "reason", "bytes", "bytes_direct"}] with
                  "path" one of "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix",
-                 "remote". mmap=True reads nothing at load time and leaves it as it was.
+                 "remote", "cache-host" (the node's resident cache, docs/cache.md: used where
+                 HBMIO_CACHE names its socket). mmap=True reads nothing at load time and leaves
+                 it as it was.
 
     Torch on CUDA loads straight into one allocation from PyTorch's caching allocator; other
     loads land in hbmio's own memory, which the tensors share without a copy. The GIL is
