@@ -171,8 +171,9 @@ TEST(ResidentCache, EvictsTheLeastRecentlyUsedUnderItsLimitAndRefusesWhatCannotF
 }
 
 TEST(ResidentCache, DescriptorsWithoutReadAccessGetNothing) {
-  TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
-  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  // Both in /tmp: the other user below must reach them, and the build folder's parents may be 0700.
+  TempDir dir("/tmp");
+  const std::string socket = dir.file("cache.sock"), file = dir.file("a.safetensors");
   save_sample(file, 8);
   ServerProcess server(socket, "64MiB", {"--mode", "0666"});
   ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
