@@ -1,0 +1,92 @@
+"""The node's resident cache (docs/cache.md) seen from Python: with HBMIO_CACHE naming the socket of
+an `hbmio cache serve` process, hbmio.load_file and hbmio.open take the files it holds from it,
+without a change to the calling code, and say so in their report; every tensor is compared with
+safetensors' own read of the file."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import hbmio
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+
+def hbmio_command():
+    for candidate in (os.environ.get("HBMIO_CLI"), shutil.which("hbmio"), str(Path(sys.executable).parent / "hbmio")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+HBMIO = hbmio_command()
+pytestmark = pytest.mark.skipif(HBMIO is None, reason="no hbmio command (pip install . puts it beside the interpreter; or set HBMIO_CLI)")
+
+
+@pytest.fixture
+def server():
+    sockets = tempfile.mkdtemp(prefix="hbmio-cache-", dir="/tmp")  # a socket path has at most 107 bytes
+    socket = os.path.join(sockets, "cache.sock")
+    proc = subprocess.Popen([HBMIO, "cache", "serve", "--socket", socket, "--host-memory", "64MiB"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(500):
+            if subprocess.run([HBMIO, "cache", "status", "--socket", socket], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail(f"the cache server did not answer: {proc.stderr.read() if proc.poll() is not None else ''}")
+        yield socket
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def sample(path, seed):
+    rng = np.random.default_rng(seed)
+    tensors = {f"w{i}": rng.standard_normal((64, 257)).astype(np.float32) for i in range(6)}
+    safetensors_numpy.save_file(tensors, str(path))
+    return tensors
+
+
+def test_loads_take_held_files_from_the_cache_and_report_it(server, tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    expected = sample(path, 1)
+    monkeypatch.setenv("HBMIO_CACHE", server)
+    report = {}
+    got = hbmio.load_file(str(path), framework="numpy", report=report)
+    assert [p["path"] for p in report["paths"]] != ["cache-host"]  # not held yet: read from the file
+    subprocess.run([HBMIO, "cache", "add", "--wait", "--socket", server, str(path)], check=True, capture_output=True)
+
+    report = {}
+    got = hbmio.load_file(str(path), framework="numpy", report=report)
+    assert [p["path"] for p in report["paths"]] == ["cache-host"], report
+    assert "from the resident cache" in report["note"]
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value)
+
+    # The file replaced: never served from the old copy.
+    expected = sample(path, 2)
+    report = {}
+    got = hbmio.load_file(str(path), framework="numpy", report=report)
+    assert [p["path"] for p in report["paths"]] != ["cache-host"]
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
+def test_a_stopped_cache_is_a_plain_load(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    expected = sample(path, 3)
+    monkeypatch.setenv("HBMIO_CACHE", str(tmp_path / "nobody.sock"))
+    report = {}
+    got = hbmio.load_file(str(path), framework="numpy", report=report)
+    assert "the resident cache could not help" in report["note"]
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value)
