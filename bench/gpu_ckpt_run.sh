@@ -33,6 +33,10 @@
 #   prefetch safetensors 0.9's loaders (load_file mmap/pread, prefetch() and prefetch(plan)) against
 #            hbmio's on files written by the reference (bench/peers/prefetch_compare.py; needs the
 #            0.9 wheel in .gpu/st09, see scripts/package-gpu-run.sh; ROUNDS (3), PF_FILES "big small")
+#   cache    the resident cache: its tests (GPU included, tests/cache_test.cpp) and W5, loads from
+#            it against warm page-cache loads, safetensors 0.9's prefetch() and the pinned
+#            host-to-device ceiling (bench/peers/cache_compare.py; ROUNDS (3), CACHE_FILES "big small":
+#            hbmio-written 6 GiB files, made here where missing)
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
 #            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
 #            skips it)
@@ -87,6 +91,25 @@ tests)
   "$BIN/hbmio_tests" --gtest_brief=1 --gtest_filter='-Gpu*:*/Gpu*:*LargeFile*' > "$OUT/tests-engine-host.log" 2>&1; tail -4 "$OUT/tests-engine-host.log"
   log "checkpoint GPU tests"
   "$BIN/checkpoint_tests" --gtest_brief=1 > "$OUT/tests-checkpoint.log" 2>&1; tail -6 "$OUT/tests-checkpoint.log"
+  ;;
+cache)
+  log "resident cache tests (GPU included)"
+  HBMIO_CLI="$BIN/hbmio" "$BIN/cache_tests" --gtest_brief=1 > "$OUT/tests-cache.log" 2>&1; tail -6 "$OUT/tests-cache.log"
+  build_python || continue
+  [ -d /tmp/st09/safetensors ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/st09 "$BIN"/st09/*.whl
+  mkdir -p /var/tmp/cache
+  files=()
+  for f in ${CACHE_FILES:-big small}; do
+    p=/var/tmp/cache/$f.safetensors
+    if [ ! -f $p ]; then
+      if [ $f = big ]; then "$BIN/hbmio" ckpt generate $p --count 48 --tensor-size 128MiB --from cuda:0 > /dev/null
+      else "$BIN/hbmio" ckpt generate $p --count 3072 --tensor-size 2MiB --from cuda:0 > /dev/null; fi
+    fi
+    files+=($p)
+  done
+  log "W5: loads from the resident cache into cuda:0"
+  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/cache_compare.py "${files[@]}" --hbmio "$BIN/hbmio" \
+    --st09 /tmp/st09 --rounds "${ROUNDS:-3}" --json "$OUT/cache.jsonl" 2>&1 | tee "$OUT/cache.txt"
   ;;
 doctor)
   log "capture sysfs"

@@ -23,12 +23,12 @@ if [ "${1:-}" = --remote ]; then
 fi
 if [ "${1:-}" != --remote ]; then
 rm -rf .gpu && mkdir -p .gpu/deps/include
-cp build/hbmio build/request_overhead build/async_save_overlap build/tests/hbmio_tests build/tests/cufile_tests build/tests/checkpoint_tests build/tests/nccl_rank build/libhbmio.a .gpu/
+cp build/hbmio build/request_overhead build/async_save_overlap build/tests/hbmio_tests build/tests/cufile_tests build/tests/checkpoint_tests build/tests/cache_tests build/tests/nccl_rank build/libhbmio.a .gpu/
 # An older build to compare with, where one was put there (bench/overhead_gpu_run.sh).
 if [ -d .bench-bin ]; then cp -r .bench-bin .gpu/before; fi
 # The page-cache DMA experiment (bench/micro/page_cache_dma.cpp; bench/tune_run.sh hybrid).
 /usr/local/cuda/bin/nvcc -O2 -std=c++20 -o .gpu/page_cache_dma bench/micro/page_cache_dma.cpp
-strip --strip-debug .gpu/page_cache_dma .gpu/hbmio .gpu/request_overhead .gpu/async_save_overlap .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/nccl_rank .gpu/libhbmio.a
+strip --strip-debug .gpu/page_cache_dma .gpu/hbmio .gpu/request_overhead .gpu/async_save_overlap .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/cache_tests .gpu/nccl_rank .gpu/libhbmio.a
 fi
 mkdir -p .gpu/deps/include
 

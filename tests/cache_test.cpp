@@ -23,16 +23,23 @@ namespace {
 
 using test::TempDir;
 
+// The command that serves: $HBMIO_CLI where set (the GPU machine runs these tests from another
+// folder than they were built in), else the one built beside them.
+const char* cli() {
+  const char* set = std::getenv("HBMIO_CLI");
+  return set && *set ? set : HBMIO_CLI_BIN;
+}
+
 // `hbmio cache serve` in a process of its own, stopped (SIGTERM) by the destructor.
 class ServerProcess {
  public:
   ServerProcess(const std::string& socket, const std::string& host_memory, std::vector<std::string> extra = {}) : socket_(socket) {
-    std::vector<std::string> args{HBMIO_CLI_BIN, "cache", "serve", "--socket", socket, "--host-memory", host_memory};
+    std::vector<std::string> args{cli(), "cache", "serve", "--socket", socket, "--host-memory", host_memory};
     args.insert(args.end(), extra.begin(), extra.end());
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    if (::posix_spawn(&pid_, HBMIO_CLI_BIN, nullptr, nullptr, argv.data(), environ) != 0) throw std::runtime_error("spawn the server");
+    if (::posix_spawn(&pid_, cli(), nullptr, nullptr, argv.data(), environ) != 0) throw std::runtime_error("spawn the server");
     for (int i = 0; i < 500; ++i) {  // up to 10 s for it to answer
       try {
         cache_status(socket_);
@@ -238,7 +245,7 @@ TEST(ResidentCache, ClientsKilledMidLoadOrLoadingAtOnceLeaveTheServerAsItWas) {
   // Clients of their own (the command), killed while they load from the cache over and over.
   for (int round = 0; round < 3; ++round) {
     std::string env = "HBMIO_CACHE=" + socket;
-    std::vector<std::string> args{HBMIO_CLI_BIN, "ckpt", "load", file, "--runs", "200"};
+    std::vector<std::string> args{cli(), "ckpt", "load", file, "--runs", "200"};
     std::vector<char*> argv, envp;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -249,7 +256,7 @@ TEST(ResidentCache, ClientsKilledMidLoadOrLoadingAtOnceLeaveTheServerAsItWas) {
     ::posix_spawn_file_actions_init(&quiet);
     ::posix_spawn_file_actions_addopen(&quiet, 1, "/dev/null", O_WRONLY, 0);
     pid_t pid = -1;
-    const int spawned = ::posix_spawn(&pid, HBMIO_CLI_BIN, &quiet, nullptr, argv.data(), envp.data());
+    const int spawned = ::posix_spawn(&pid, cli(), &quiet, nullptr, argv.data(), envp.data());
     ::posix_spawn_file_actions_destroy(&quiet);
     ASSERT_EQ(spawned, 0);
     std::this_thread::sleep_for(std::chrono::milliseconds(150 + 100 * round));
@@ -296,6 +303,41 @@ TEST(ResidentCache, ASecondServerOnTheSameSocketIsRefused) {
     EXPECT_EQ(e.code(), errno_code(EADDRINUSE));
   }
   EXPECT_NO_THROW(cache_status(socket));  // the first still answers
+}
+
+// Into GPU memory, a hit is DMA'd by the server from its pinned copy (CUDA IPC into this process's
+// allocation), verified against the file's checksums as it lands, and equal to the file.
+TEST(GpuResidentCache, AHitIntoGpuMemoryIsTheServersDmaAndEqualsTheFile) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  TempDir dir, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 12, 12, 1 << 20);
+  ServerProcess server(socket, "64MiB");
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  const CacheStatus status = cache_status(socket);
+  ASSERT_EQ(status.entries.size(), 1u);
+  EXPECT_TRUE(status.entries[0].pinned);
+  for (const bool verify : {false, true}) {
+    const LoadedCheckpoint loaded =
+        load_checkpoint(file, {.into = MemoryLocation::parse("cuda:0"), .verify = verify, .cache = CacheUse::use, .cache_socket = socket});
+    ASSERT_EQ(loaded.stats().paths.size(), 1u) << loaded.stats().note;
+    EXPECT_EQ(loaded.stats().paths[0].path, DataPath::cache_host);
+    EXPECT_NE(loaded.stats().paths[0].reason.find("DMA"), std::string::npos) << loaded.stats().paths[0].reason;
+    EXPECT_EQ(loaded.verified(), verify);
+    for (const LoadedTensor& t : loaded.tensors()) {
+      std::vector<std::byte> back(t.data.size);
+      copy_memory({back.data(), back.size(), {}}, t.data);
+      EXPECT_EQ(back, test::pread_range(file, t.file_offset, t.data.size)) << t.name;
+    }
+  }
+  // A tensor walk's read into device memory takes the same way.
+  OpenedCheckpoint opened(file, std::nullopt, CacheUse::use, socket);
+  Buffer into = Buffer::allocate(MemoryLocation::parse("cuda:0"), opened.tensors()[3].info->size());
+  const Stats stats = opened.read({{.tensor = 3, .offset = 0, .length = into.span().size, .into = into.span()}}, *make_engine("auto"));
+  EXPECT_EQ(stats.paths.at(0).path, DataPath::cache_host);
+  std::vector<std::byte> back(into.span().size);
+  copy_memory({back.data(), back.size(), {}}, into.span());
+  EXPECT_EQ(back, test::pread_range(file, opened.tensors()[3].file_offset, back.size()));
 }
 
 }  // namespace

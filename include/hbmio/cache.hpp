@@ -47,6 +47,7 @@ struct CacheEntryStatus {
   std::uint64_t bytes = 0;
   std::string tier;           // "host"
   std::string state;          // "ready" or "adding"
+  bool pinned = false;        // page-locked, so that GPU loads get it by DMA (only where the server has a GPU)
   std::uint32_t owner = 0;    // the uid of the client that added it
   std::uint64_t hits = 0;
   double idle_seconds = 0;    // since it was last served (or added)

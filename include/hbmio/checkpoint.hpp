@@ -75,6 +75,7 @@ struct LoadedTensor {
 
 namespace detail {
 struct LoadAccess;
+struct ResidentCopies;
 }
 
 class LoadedCheckpoint {
@@ -189,8 +190,7 @@ class OpenedCheckpoint {
  private:
   std::string path_;
   std::vector<CheckpointFile> files_;
-  std::vector<std::shared_ptr<const File>> copies_;  // the resident cache's, per file (or null)
-  std::string cache_note_;
+  std::shared_ptr<const detail::ResidentCopies> resident_;  // the resident cache's copies of files_
   std::vector<Tensor> tensors_;
   std::map<std::string, std::size_t, std::less<>> by_name_;
 };

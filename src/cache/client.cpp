@@ -4,12 +4,15 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <thread>
 
 #include <fmt/format.h>
 
 #include "cache/protocol.hpp"
+#include "memory/cuda_runtime.hpp"
 #include "hbmio/cache.hpp"
 #include "hbmio/error.hpp"
 
@@ -70,10 +73,58 @@ Lookup lookup(const std::string& socket_path, std::span<const int> fds, std::spa
   return out;
 }
 
+std::string copy_to_device(const std::string& socket_path, std::span<const int> fds, std::span<const DeviceCopy> copies) {
+  const ErrorContext context{.op = "cache copy", .path = socket_path};
+  try {
+    if (fds.size() > kMaxDescriptors) return fmt::format("{} files in one load (a copy request takes at most {})", fds.size(), kMaxDescriptors);
+    // The allocations the destinations lie in, and per GPU (by PCI bus id) one request.
+    std::vector<cuda::IpcAllocation> allocations;
+    struct Request {
+      std::vector<std::size_t> allocations;  // into `allocations`
+      nlohmann::json copies = nlohmann::json::array();
+      std::uint64_t bytes = 0;
+    };
+    std::map<std::string, Request> by_device;
+    for (const DeviceCopy& c : copies) {
+      const auto at = reinterpret_cast<std::uintptr_t>(c.into);
+      auto found = std::find_if(allocations.begin(), allocations.end(), [&](const cuda::IpcAllocation& a) { return at >= a.base && at < a.base + a.size; });
+      if (found == allocations.end()) {
+        allocations.push_back(cuda::ipc_allocation_of(c.into, context));
+        found = std::prev(allocations.end());
+      }
+      const std::size_t which = static_cast<std::size_t>(found - allocations.begin());
+      Request& r = by_device[found->pci_bus_id];
+      auto local = std::find(r.allocations.begin(), r.allocations.end(), which);
+      if (local == r.allocations.end()) local = r.allocations.insert(r.allocations.end(), which);
+      r.copies.push_back({c.file, c.offset, c.length, local - r.allocations.begin(), at - found->base});
+      r.bytes += c.length;
+    }
+    for (auto& [device, r] : by_device) {
+      nlohmann::json handles = nlohmann::json::array();
+      for (const std::size_t a : r.allocations) {
+        std::string hex;
+        for (const char ch : allocations[a].handle) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
+        handles.push_back({{"handle", hex}});
+      }
+      // The reply comes when the DMA is done: at least 1 GiB/s, plus time to open the handles.
+      const int timeout_ms = static_cast<int>(std::min<std::uint64_t>(5000 + r.bytes / (1 << 20), 600'000));
+      const OwnedFd socket = connect_to(socket_path, timeout_ms);
+      send_message(socket.get(), {{"op", "copy"}, {"device", device}, {"allocations", handles}, {"copies", r.copies}}, fds, socket_path);
+      std::optional<Message> reply = receive_message(socket.get(), socket_path);
+      if (!reply) return "the server closed the connection";
+      if (reply->body.contains("error")) return reply->body["error"].get<std::string>();
+      if (reply->body.value("bytes", std::uint64_t{0}) != r.bytes) return "the server copied another number of bytes";
+    }
+    return {};
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
 nlohmann::json to_json(const CacheStatus& s) {
   nlohmann::json entries = nlohmann::json::array();
   for (const CacheEntryStatus& e : s.entries)
-    entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"owner", e.owner},
+    entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"pinned", e.pinned}, {"owner", e.owner},
                        {"hits", e.hits}, {"idle_seconds", e.idle_seconds}});
   return {{"socket", s.socket},       {"host_bytes_limit", s.host_bytes_limit}, {"user_bytes_limit", s.user_bytes_limit},
           {"host_bytes", s.host_bytes}, {"hits", s.hits},                       {"misses", s.misses},
@@ -96,6 +147,7 @@ CacheStatus status_from_json(const nlohmann::json& j) {
                          .bytes = e.at("bytes").get<std::uint64_t>(),
                          .tier = e.at("tier").get<std::string>(),
                          .state = e.at("state").get<std::string>(),
+                         .pinned = e.at("pinned").get<bool>(),
                          .owner = e.at("owner").get<std::uint32_t>(),
                          .hits = e.at("hits").get<std::uint64_t>(),
                          .idle_seconds = e.at("idle_seconds").get<double>()});

@@ -25,4 +25,18 @@ inline constexpr std::string_view kCopySuffix = " (resident cache)";
 // Never throws for the cache's sake: a cache that cannot help is a Lookup without copies.
 Lookup lookup(const std::string& socket, std::span<const int> fds, std::span<const std::string> paths, bool add);
 
+// One range of a held file for the server to DMA into this process's GPU memory.
+struct DeviceCopy {
+  std::size_t file = 0;  // index into the descriptors given with it
+  std::uint64_t offset = 0;
+  std::byte* into = nullptr;  // device memory (cudaMalloc'ed: CUDA IPC shares nothing else)
+  std::uint64_t length = 0;
+};
+
+// Has the server at `socket` copy each range from its pinned copy of the file open as
+// fds[copy.file] into device memory, by DMA, one request per GPU. "" once every byte is in place;
+// else why not (no GPU on the server's side, memory CUDA IPC cannot share, a file no longer held,
+// ...), and the caller reads those ranges another way. Never throws.
+std::string copy_to_device(const std::string& socket, std::span<const int> fds, std::span<const DeviceCopy> copies);
+
 }  // namespace hbmio::cache_detail

@@ -30,6 +30,7 @@
 
 #include "cache/protocol.hpp"
 #include "core/executor.hpp"
+#include "memory/cuda_runtime.hpp"
 #include "hbmio/error.hpp"
 
 namespace hbmio {
@@ -66,6 +67,64 @@ std::string path_of(int fd) {
 constexpr std::uint64_t kFillPiece = std::uint64_t{16} << 20;
 constexpr unsigned kFillThreads = 8;
 
+// A held file's sealed memfd mapped read-only and page-locked, so that a GPU can DMA from it
+// (the "copy" request): where the machine has a GPU, made once when the file is taken in.
+class PinnedMapping {
+ public:
+  PinnedMapping() = default;
+  // The mapping, or an empty one with `why` set (no GPU, or the registration failed).
+  static PinnedMapping of(int fd, std::uint64_t size, const std::string& path, std::string& why) {
+    PinnedMapping out;
+    if (size == 0 || !cuda::available()) {
+      why = size == 0 ? "an empty file" : "no GPU here";
+      return out;
+    }
+    void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (map == MAP_FAILED) {
+      why = fmt::format("mmap: {}", std::strerror(errno));
+      return out;
+    }
+    try {
+      cuda::register_host_read_only(map, size, {.op = "pin the cached copy", .path = path});
+    } catch (const Error& e) {
+      ::munmap(map, size);
+      why = e.what();
+      return out;
+    }
+    out.data_ = static_cast<std::byte*>(map);
+    out.size_ = size;
+    return out;
+  }
+  ~PinnedMapping() { reset(); }
+  PinnedMapping(PinnedMapping&& other) noexcept : data_(std::exchange(other.data_, nullptr)), size_(other.size_) {}
+  PinnedMapping& operator=(PinnedMapping&& other) noexcept {
+    if (this != &other) {
+      reset();
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = other.size_;
+    }
+    return *this;
+  }
+  const std::byte* data() const noexcept { return data_; }
+  explicit operator bool() const noexcept { return data_ != nullptr; }
+
+ private:
+  void reset() noexcept {
+    if (!data_) return;
+    cuda::unregister_host(data_);
+    ::munmap(data_, size_);
+    data_ = nullptr;
+  }
+  std::byte* data_ = nullptr;
+  std::uint64_t size_ = 0;
+};
+
+std::string from_hex(const std::string& hex) {
+  std::string out;
+  for (std::size_t k = 0; k + 1 < hex.size(); k += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(k, 2), nullptr, 16)));
+  return out;
+}
+
 }  // namespace
 
 struct CacheServer::State {
@@ -78,6 +137,8 @@ struct CacheServer::State {
     bool abandoned = false;  // evicted or replaced while being added: its fill drops it
     std::uint64_t hits = 0;
     Clock::time_point last_use;
+    PinnedMapping pinned;  // for the GPU's DMA, where there is a GPU
+    std::string unpinned;  // why not, where it is not
   };
   using Key = std::pair<std::uint64_t, std::uint64_t>;  // device, inode
 
@@ -183,8 +244,15 @@ struct CacheServer::State {
       ok = false;
       why = "the file changed while it was read";
     }
+    // Pinned before it is served, so a GPU load's DMA never waits for it. Outside the lock: a
+    // registration of gigabytes takes a while.
+    PinnedMapping pinned;
+    std::string unpinned;
+    if (ok) pinned = PinnedMapping::of(entry->memory.get(), size, entry->path, unpinned);
     std::lock_guard lock(mutex);
     if (entry->abandoned) return;
+    entry->pinned = std::move(pinned);
+    entry->unpinned = std::move(unpinned);
     if (!ok) {
       fmt::print(stderr, "hbmio cache: {} not taken in: {}\n", entry->path, why);
       drop(key);
@@ -287,6 +355,65 @@ struct CacheServer::State {
       results.push_back({{"hit", false}, {"reason", "not held; taking it in"}});
     }
     return {{"results", std::move(results)}};
+  }
+
+  // The "copy" request: bytes of held files DMA'd from their pinned copies into a client's GPU
+  // memory, opened through CUDA IPC. On the serving thread, start to end: other clients wait for
+  // it (a copy runs at the host-to-device rate: 6 GiB in about 0.13 s).
+  //   {"op": "copy", "device": PCI bus id, "allocations": [{"handle": hex}],
+  //    "copies": [[descriptor index, file offset, length, allocation index, offset in it]]}
+  //   + one descriptor per file, as for "get"
+  std::map<int, cuda::Stream> streams;  // per device, made at the first copy there
+  nlohmann::json copy(const nlohmann::json& request, std::vector<OwnedFd>& fds) {
+    const ErrorContext context{.op = "cache copy", .path = options.socket};
+    std::vector<std::shared_ptr<Entry>> held;
+    {
+      std::lock_guard lock(mutex);
+      for (OwnedFd& fd : fds) {
+        struct stat st {};
+        if (::fstat(fd.get(), &st) != 0) return {{"error", fmt::format("fstat: {}", std::strerror(errno))}};
+        const std::string path = path_of(fd.get());
+        if (std::string why = refusal(fd.get(), st, path); !why.empty()) {
+          ++refused;
+          return {{"error", why}};
+        }
+        const Identity id = identity_of(st);
+        const auto it = entries.find({id.device, id.inode});
+        if (it == entries.end() || !(it->second->identity == id) || !it->second->ready) return {{"error", path + " is not held (or changed)"}};
+        if (!it->second->pinned) return {{"error", fmt::format("{} is held but not pinned: {}", path, it->second->unpinned)}};
+        held.push_back(it->second);
+      }
+    }
+    const int device = cuda::device_of_pci_bus_id(request.at("device").get<std::string>(), context);
+    struct Opened {
+      void* base = nullptr;
+      std::size_t size = 0;
+      ~Opened() { cuda::ipc_close(base); }
+    };
+    std::vector<std::unique_ptr<Opened>> allocations;
+    for (const nlohmann::json& a : request.at("allocations")) {
+      auto opened = std::make_unique<Opened>();
+      opened->base = cuda::ipc_open(from_hex(a.at("handle").get<std::string>()), device, context);
+      opened->size = cuda::device_allocation_size(opened->base, context);
+      allocations.push_back(std::move(opened));
+    }
+    cuda::DeviceGuard guard(device, context);
+    auto stream = streams.find(device);
+    if (stream == streams.end()) stream = streams.emplace(device, cuda::Stream(device, context)).first;
+    std::uint64_t bytes = 0;
+    for (const nlohmann::json& c : request.at("copies")) {
+      const auto file = c.at(0).get<std::size_t>(), allocation = c.at(3).get<std::size_t>();
+      const auto offset = c.at(1).get<std::uint64_t>(), length = c.at(2).get<std::uint64_t>(), at = c.at(4).get<std::uint64_t>();
+      // A client's numbers are checked, never trusted: a copy past either end is refused whole.
+      if (file >= held.size() || allocation >= allocations.size() || offset > held[file]->identity.size ||
+          length > held[file]->identity.size - offset || at > allocations[allocation]->size || length > allocations[allocation]->size - at)
+        throw Error(errno_code(EINVAL), context, "a copy outside its file or its allocation");
+      stream->second.copy_to_device_async(static_cast<std::byte*>(allocations[allocation]->base) + at, held[file]->pinned.data() + offset,
+                                          length, context);
+      bytes += length;
+    }
+    stream->second.synchronize(context);
+    return {{"ok", true}, {"bytes", bytes}};
   }
 
   // Forgets fills that are done (their results are in their entries).
@@ -393,9 +520,19 @@ void CacheServer::run(const std::atomic<bool>& stop) {
           nlohmann::json reply;
           std::vector<int> reply_fds;
           const std::string op = request->body.is_object() ? request->body.value("op", "") : "";
-          if (op == "get") reply = s.get(request->body, request->descriptors, current->uid, reply_fds);
-          else if (op == "status") reply = cache_detail::to_json(status());
-          else reply = {{"error", fmt::format("unknown request '{}'", op)}};
+          if (op == "get") {
+            reply = s.get(request->body, request->descriptors, current->uid, reply_fds);
+          } else if (op == "copy") {
+            try {
+              reply = s.copy(request->body, request->descriptors);
+            } catch (const std::exception& e) {  // the client reads the files instead
+              reply = {{"error", e.what()}};
+            }
+          } else if (op == "status") {
+            reply = cache_detail::to_json(status());
+          } else {
+            reply = {{"error", fmt::format("unknown request '{}'", op)}};
+          }
           cache_detail::send_message(current->socket.get(), reply, reply_fds, s.options.socket);
         }
       } catch (const std::exception& e) {
@@ -432,6 +569,7 @@ CacheStatus CacheServer::status() const {
                            .bytes = e->identity.size,
                            .tier = "host",
                            .state = e->ready ? "ready" : "adding",
+                           .pinned = static_cast<bool>(e->pinned),
                            .owner = e->owner,
                            .hits = e->hits,
                            .idle_seconds = std::chrono::duration<double>(now - e->last_use).count()});

@@ -398,7 +398,7 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
       .landed = check && std::any_of(files.begin(), files.end(), [](const CheckpointFile& f) { return has_checksums(f.header.metadata); })
                     ? LandedFunction(landed)
                     : nullptr,
-      .copies = copies.files};
+      .resident = &copies};
   result.stats_ = detail::read_ranges(files, reads, source);
   result.stats_.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}{}", result.tensors_.size(), files.size(), reads.size(),
                                    check ? ", each checked as it landed" : "", detail::resident_note(copies),

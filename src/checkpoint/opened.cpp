@@ -16,9 +16,7 @@ namespace hbmio {
 OpenedCheckpoint::OpenedCheckpoint(const std::string& path, const std::optional<RemoteOptions>& remote, CacheUse cache,
                                    const std::string& cache_socket)
     : path_(path), files_(open_checkpoint(path, remote)) {
-  detail::ResidentCopies copies = detail::resident_copies(files_, cache, cache_socket);
-  cache_note_ = detail::resident_note(copies);
-  copies_ = std::move(copies.files);
+  resident_ = std::make_shared<const detail::ResidentCopies>(detail::resident_copies(files_, cache, cache_socket));
   for (std::size_t f = 0; f < files_.size(); ++f)
     for (const auto& t : files_[f].header.tensors) tensors_.push_back({f, &t, files_[f].header.data_offset + t.begin});
   // By file, then by (begin, end) as safetensors' offset_keys: an empty tensor comes before the
@@ -57,8 +55,8 @@ Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engin
     if (r.length > 0) ranges.push_back({t.file, t.file_offset + r.offset, r.into.subspan(0, r.length)});
   }
   // Objects at URLs with the options they were opened with (OpenedCheckpoint's `remote`).
-  Stats stats = detail::read_ranges(files_, ranges, {.engine = [&]() -> Engine& { return engine; }, .progress = progress, .copies = copies_});
-  if (!cache_note_.empty()) stats.note += cache_note_;
+  Stats stats = detail::read_ranges(files_, ranges, {.engine = [&]() -> Engine& { return engine; }, .progress = progress, .resident = resident_.get()});
+  stats.note += detail::resident_note(*resident_);
   return stats;
 }
 

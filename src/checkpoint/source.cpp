@@ -4,6 +4,8 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <chrono>
+#include <map>
 #include <filesystem>
 #include <mutex>
 #include <set>
@@ -93,8 +95,8 @@ Stats read_local(const std::vector<CheckpointFile>& files, std::span<const Range
         }
         if (read.file != last_file) {
           last_file = read.file;
-          if (read.file < options.copies.size() && options.copies[read.file]) {
-            handle = options.copies[read.file].get();
+          if (options.resident && options.resident->files[read.file]) {
+            handle = options.resident->files[read.file].get();
           } else if (files[read.file].file) {
             handle = files[read.file].file.get();
           } else {
@@ -122,6 +124,59 @@ Stats read_local(const std::vector<CheckpointFile>& files, std::span<const Range
   return total;
 }
 
+// The reads of `local` that go into GPU memory from files the resident cache holds, DMA'd by the
+// cache's server from its pinned copies (one request per GPU); the reads left for read_local are
+// returned. Where the server cannot (no GPU on its side, memory CUDA IPC cannot share), none is
+// taken and `note` says why: they are then read from the cache's copy through the engine.
+std::vector<std::size_t> dma_from_cache(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads,
+                                        const std::vector<std::size_t>& local, const ReadRangesOptions& options, Stats& stats,
+                                        std::string& note) {
+  const ResidentCopies& resident = *options.resident;
+  std::vector<cache_detail::DeviceCopy> copies;
+  std::vector<std::size_t> taken, rest;
+  std::vector<int> fds;
+  std::map<std::size_t, std::size_t> fd_of;  // file -> index into fds
+  for (const std::size_t i : local) {
+    const RangeRead& read = reads[i];
+    if (!resident.files[read.file] || read.into.location.kind != MemoryKind::device) {
+      rest.push_back(i);
+      continue;
+    }
+    auto [it, added] = fd_of.emplace(read.file, fds.size());
+    if (added) fds.push_back(files[read.file].file->fd());
+    copies.push_back({it->second, read.offset, read.into.data, read.into.size});
+    taken.push_back(i);
+  }
+  if (copies.empty()) return local;
+  const auto start = std::chrono::steady_clock::now();
+  if (std::string why = cache_detail::copy_to_device(resident.socket, fds, copies); !why.empty()) {
+    note = fmt::format("the resident cache's server could not DMA into GPU memory ({}): read from its copy instead", why);
+    return local;
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::uint64_t bytes = 0;
+  for (const std::size_t i : taken) {
+    const RangeRead& read = reads[i];
+    bytes += read.into.size;
+    stats.add_path({.file = files[read.file].path,
+                    .path = DataPath::cache_host,
+                    .reason = "the resident cache held the same file (device, inode, size, times): its server DMA'd it from its "
+                              "pinned copy straight into GPU memory",
+                    .bytes = read.into.size,
+                    .bytes_direct = read.into.size});
+  }
+  stats.bytes += bytes;
+  stats.bytes_direct += bytes;
+  if (stats.backend.empty()) stats.backend = "cache";
+  if (options.progress) *options.progress += bytes;
+  note = fmt::format("{} of GPU memory DMA'd by the resident cache's server in {:.3f} s", format_size(bytes), seconds);
+  if (options.landed)
+    Executor::shared().run(taken.size(), landed_width(taken.size()), [&](std::size_t k) {
+      options.landed(taken[k], 0, reads[taken[k]].into.size);
+    });
+  return rest;
+}
+
 }  // namespace
 
 Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, const ReadRangesOptions& options) {
@@ -141,7 +196,13 @@ Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const Rang
     }
   }
   Stats total;
-  if (!local.empty()) total = read_local(files, reads, local, options);
+  std::string dma_note;
+  if (options.resident && options.resident->held > 0) local = dma_from_cache(files, reads, local, options, total, dma_note);
+  if (!local.empty()) {
+    Stats part = read_local(files, reads, local, options);
+    if (total.bytes == 0) total = std::move(part);
+    else total.add_part(part);
+  }
   // Bytes read from the resident cache's copy are that file's, the way they took the cache's.
   for (TransferPath& path : total.paths) {
     if (!path.file.ends_with(cache_detail::kCopySuffix)) continue;
@@ -154,9 +215,10 @@ Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const Rang
     if (options.landed)
       landed = [&](std::size_t k, std::uint64_t at, std::uint64_t length) { options.landed(remote_index[k], at, length); };
     Stats part = read_remote(remote, options.remote ? *options.remote : remote.front().object->options(), options.progress, landed);
-    if (local.empty()) total = std::move(part);
+    if (total.bytes == 0) total = std::move(part);
     else total.add_part(part);
   }
+  if (!dma_note.empty()) total.note = dma_note + (total.note.empty() ? "" : "; " + total.note);
   return total;
 }
 

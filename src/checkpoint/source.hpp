@@ -24,6 +24,17 @@ struct RangeRead {
   MemorySpan into{};
 };
 
+// The resident cache's copies of a checkpoint's local files, where `use` (and HBMIO_CACHE) asks
+// for the cache and it holds them unchanged; files past open_checkpoint's bound on open files and
+// objects at URLs are not asked for. `warning`: why the cache could not help (printed on stderr
+// once per process and reason too).
+struct ResidentCopies {
+  std::vector<std::shared_ptr<const File>> files;  // parallel to the checkpoint's files; null: read the file
+  std::size_t held = 0;
+  std::string socket;
+  std::string warning;
+};
+
 struct ReadRangesOptions {
   // The engine for local files, asked for only when there are some (a load from a URL leases none).
   std::function<Engine&()> engine;
@@ -38,20 +49,12 @@ struct ReadRangesOptions {
   // reading the next), the pieces of a batch on up to 16 threads at once.
   LandedFunction landed;
   std::uint64_t landed_batch_bytes = std::uint64_t{1} << 30;
-  // Per file of `files` (or empty): the resident cache's copy to read instead (resident_copies).
-  std::span<const std::shared_ptr<const File>> copies;
+  // The resident cache's copies of `files` (resident_copies), or null: reads of a file it holds go
+  // to its copy; those into GPU memory are DMA'd by the cache's server from its pinned copy where
+  // it can (else read from the copy through the engine).
+  const ResidentCopies* resident = nullptr;
 };
 
-// The resident cache's copies of a checkpoint's local files, where `use` (and HBMIO_CACHE) asks
-// for the cache and it holds them unchanged; files past open_checkpoint's bound on open files and
-// objects at URLs are not asked for. `warning`: why the cache could not help (printed on stderr
-// once per process and reason too).
-struct ResidentCopies {
-  std::vector<std::shared_ptr<const File>> files;  // parallel to the checkpoint's files; null: read the file
-  std::size_t held = 0;
-  std::string socket;
-  std::string warning;
-};
 ResidentCopies resident_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket);
 // "; 3 of 17 files from the resident cache (host memory)" and the like, for a load's note.
 std::string resident_note(const ResidentCopies& copies);

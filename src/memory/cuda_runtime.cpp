@@ -4,7 +4,9 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -202,6 +204,76 @@ void register_host(void* ptr, std::size_t size, const ErrorContext& context) {
   check(cudaHostRegister(ptr, size, cudaHostRegisterPortable), context, "cudaHostRegister");
 }
 void unregister_host(void* ptr) noexcept { if (ptr) (void)cudaHostUnregister(ptr); }
+void register_host_read_only(void* ptr, std::size_t size, const ErrorContext& context) {
+  require_device(context);
+  check(cudaHostRegister(ptr, size, cudaHostRegisterPortable | cudaHostRegisterReadOnly), context, "cudaHostRegister(ReadOnly)");
+}
+
+namespace {
+// The start and size of the allocation holding `ptr`, in the current context: the driver's
+// cuMemGetAddressRange (the runtime has no counterpart), reached through the runtime so that the
+// library links no libcuda.
+std::pair<std::uintptr_t, std::size_t> address_range(const void* ptr, const ErrorContext& context) {
+  using GetAddressRange = int (*)(std::uintptr_t*, std::size_t*, std::uintptr_t);
+  void* entry = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  check(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000, cudaEnableDefault, &found), context,
+        "cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)");
+  if (entry == nullptr || found != cudaDriverEntryPointSuccess) throw Error(errno_code(ENOTSUP), context, "the driver has no cuMemGetAddressRange");
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  if (const int err = reinterpret_cast<GetAddressRange>(entry)(&base, &size, reinterpret_cast<std::uintptr_t>(ptr)); err != 0)
+    throw Error(errno_code(EINVAL), context, fmt::format("cuMemGetAddressRange: CUDA driver error {}", err));
+  return {base, size};
+}
+}  // namespace
+
+std::size_t device_allocation_size(const void* ptr, const ErrorContext& context) {
+  require_device(context);
+  cudaPointerAttributes attributes{};
+  check(cudaPointerGetAttributes(&attributes, ptr), context, "cudaPointerGetAttributes");
+  DeviceGuard guard(attributes.device, context);
+  const auto [base, size] = address_range(ptr, context);
+  return size - (reinterpret_cast<std::uintptr_t>(ptr) - base);
+}
+
+IpcAllocation ipc_allocation_of(const void* ptr, const ErrorContext& context) {
+  require_device(context);
+  cudaPointerAttributes attributes{};
+  check(cudaPointerGetAttributes(&attributes, ptr), context, "cudaPointerGetAttributes");
+  if (attributes.type != cudaMemoryTypeDevice) throw Error(errno_code(EINVAL), context, "not device memory");
+  IpcAllocation out;
+  DeviceGuard guard(attributes.device, context);
+  std::tie(out.base, out.size) = address_range(ptr, context);
+  cudaIpcMemHandle_t handle{};
+  check(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(out.base)), context, "cudaIpcGetMemHandle");
+  out.handle.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
+  char bus[32] = {};
+  check(cudaDeviceGetPCIBusId(bus, sizeof bus, attributes.device), context, "cudaDeviceGetPCIBusId");
+  out.pci_bus_id = bus;
+  return out;
+}
+
+int device_of_pci_bus_id(const std::string& pci_bus_id, const ErrorContext& context) {
+  require_device(context);
+  int device = -1;
+  if (cudaDeviceGetByPCIBusId(&device, pci_bus_id.c_str()) != cudaSuccess || device < 0) {
+    (void)cudaGetLastError();
+    throw Error(errno_code(ENODEV), context, fmt::format("no GPU with PCI bus id {} here", pci_bus_id));
+  }
+  return device;
+}
+
+void* ipc_open(const std::string& handle, int device, const ErrorContext& context) {
+  if (handle.size() != sizeof(cudaIpcMemHandle_t)) throw Error(errno_code(EINVAL), context, "an IPC handle of the wrong size");
+  cudaIpcMemHandle_t h{};
+  std::memcpy(&h, handle.data(), sizeof h);
+  DeviceGuard guard(device, context);
+  void* ptr = nullptr;
+  check(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess), context, "cudaIpcOpenMemHandle");
+  return ptr;
+}
+void ipc_close(void* ptr) noexcept { if (ptr) (void)cudaIpcCloseMemHandle(ptr); }
 
 // cudaMemcpy returns before a device-to-device copy is done, and cudaMemset before the memory is
 // set: both are queued on the legacy default stream, which is synchronised here so that the
@@ -308,6 +380,12 @@ void* malloc_device(std::size_t, int, const ErrorContext& context) { no_cuda(con
 void free_device(void*) noexcept {}
 void register_host(void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
 void unregister_host(void*) noexcept {}
+void register_host_read_only(void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
+IpcAllocation ipc_allocation_of(const void*, const ErrorContext& context) { no_cuda(context); }
+int device_of_pci_bus_id(const std::string&, const ErrorContext& context) { no_cuda(context); }
+std::size_t device_allocation_size(const void*, const ErrorContext& context) { no_cuda(context); }
+void* ipc_open(const std::string&, int, const ErrorContext& context) { no_cuda(context); }
+void ipc_close(void*) noexcept {}
 void memcpy_sync(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
 void memset_device(void*, int, std::size_t, const ErrorContext& context) { no_cuda(context); }
 Stream::Stream(int, const ErrorContext& context) { no_cuda(context); }

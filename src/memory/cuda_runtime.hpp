@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "hbmio/error.hpp"
@@ -46,6 +47,31 @@ void free_device(void* ptr) noexcept;
 // unregister_host before the memory is unmapped.
 void register_host(void* ptr, std::size_t size, const ErrorContext& context);
 void unregister_host(void* ptr) noexcept;
+
+// Page-locks a read-only mapping (cudaHostRegisterReadOnly | Portable): pages that may not be
+// written, such as a sealed memfd's, which a plain registration would refuse.
+void register_host_read_only(void* ptr, std::size_t size, const ErrorContext& context);
+
+// Device memory shared between processes (CUDA IPC). The handle names a whole allocation (the
+// one cudaMalloc returned), so a pointer inside one travels as its allocation's handle and the
+// offset from that allocation's start; the device as its PCI bus id, since processes may number
+// their devices differently (CUDA_VISIBLE_DEVICES).
+struct IpcAllocation {
+  std::string handle;  // cudaIpcMemHandle_t's 64 bytes
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  std::string pci_bus_id;  // "0000:3b:00.0"
+};
+// The allocation holding device pointer `ptr` (Error where it is no device memory, or the memory
+// cannot be shared: made by cudaMallocAsync or the VMM API).
+IpcAllocation ipc_allocation_of(const void* ptr, const ErrorContext& context);
+// The size of the allocation that starts at `ptr` (one ipc_open returned, say).
+std::size_t device_allocation_size(const void* ptr, const ErrorContext& context);
+// This process's device with that PCI bus id (Error ENODEV where it has none).
+int device_of_pci_bus_id(const std::string& pci_bus_id, const ErrorContext& context);
+// Maps another process's allocation into this one (current device: `device`); undone by ipc_close.
+void* ipc_open(const std::string& handle, int device, const ErrorContext& context);
+void ipc_close(void* ptr) noexcept;
 
 void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context);
 void memset_device(void* dst, int value, std::size_t size, const ErrorContext& context);

@@ -20,7 +20,7 @@ struct CacheFlags {
 nlohmann::json status_json(const CacheStatus& s) {
   nlohmann::json entries = nlohmann::json::array();
   for (const CacheEntryStatus& e : s.entries)
-    entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"owner", e.owner},
+    entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"pinned", e.pinned}, {"owner", e.owner},
                        {"hits", e.hits}, {"idle_seconds", e.idle_seconds}});
   return {{"command", "cache status"}, {"version", version()}, {"socket", s.socket}, {"host_bytes_limit", s.host_bytes_limit},
           {"user_bytes_limit", s.user_bytes_limit}, {"host_bytes", s.host_bytes}, {"hits", s.hits}, {"misses", s.misses},
@@ -35,8 +35,8 @@ void print_status(const CacheStatus& s) {
   fmt::print("  hits {}, misses {}, taken in {}, evicted {}, dropped as changed {}, refused {}; clients now {}, since start {}\n", s.hits,
              s.misses, s.adds, s.evictions, s.stale, s.refused, s.clients, s.served_clients);
   for (const CacheEntryStatus& e : s.entries)
-    fmt::print("  {:>10}  {:<6} {:<5}  {:>5} hit(s)  idle {:>6.0f} s  uid {}  {}\n", format_size(e.bytes), e.state, e.tier, e.hits,
-               e.idle_seconds, e.owner, e.path);
+    fmt::print("  {:>10}  {:<6} {:<5} {:<8} {:>5} hit(s)  idle {:>6.0f} s  uid {}  {}\n", format_size(e.bytes), e.state, e.tier,
+               e.pinned ? "pinned" : "unpinned", e.hits, e.idle_seconds, e.owner, e.path);
 }
 
 }  // namespace
