@@ -94,6 +94,7 @@ tests)
   ;;
 cache)
   log "resident cache tests (GPU included)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   HBMIO_CLI="$BIN/hbmio" "$BIN/cache_tests" --gtest_brief=1 > "$OUT/tests-cache.log" 2>&1; tail -6 "$OUT/tests-cache.log"
   build_python || continue
   [ -d /tmp/st09/safetensors ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/st09 "$BIN"/st09/*.whl
@@ -109,7 +110,7 @@ cache)
   done
   log "W5: loads from the resident cache into cuda:0"
   PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/cache_compare.py "${files[@]}" --hbmio "$BIN/hbmio" \
-    --st09 /tmp/st09 --rounds "${ROUNDS:-3}" --json "$OUT/cache.jsonl" 2>&1 | tee "$OUT/cache.txt"
+    --st09 /tmp/st09 --rounds "${ROUNDS:-3}" --json "$OUT/cache.jsonl" 2>&1 | tee "$OUT/cache.txt" || echo "W5 FAILED (see above)"
   ;;
 doctor)
   log "capture sysfs"

@@ -27,8 +27,8 @@ constexpr int kLookupTimeoutMs = 2000;
 
 // One "get" for up to kMaxDescriptors files over `socket`; appends each result and its copy.
 void get_some(int socket, const std::string& socket_path, std::span<const int> fds, bool add, std::vector<nlohmann::json>& results,
-              std::vector<OwnedFd>& copies) {
-  send_message(socket, {{"op", "get"}, {"add", add}}, fds, socket_path);
+              std::vector<OwnedFd>& copies, bool counted = true) {
+  send_message(socket, {{"op", "get"}, {"add", add}, {"count", counted}}, fds, socket_path);
   std::optional<Message> reply = receive_message(socket, socket_path);
   if (!reply) throw Error(errno_code(ECONNRESET), {.op = "cache", .path = socket_path}, "the server closed the connection");
   if (reply->body.contains("error"))
@@ -189,7 +189,7 @@ std::vector<std::string> cache_add(const std::string& socket_path, const std::ve
       for (std::size_t k = at; k < at + n; ++k) some.push_back(fds[open[k]]);
       std::vector<nlohmann::json> results;
       std::vector<cache_detail::OwnedFd> copies;
-      cache_detail::get_some(socket.get(), socket_path, some, first, results, copies);
+      cache_detail::get_some(socket.get(), socket_path, some, first, results, copies, /*counted=*/first);
       for (std::size_t k = 0; k < n; ++k) {
         const std::size_t which = open[at + k];
         const std::string reason = results[k].value("reason", "");

@@ -4,9 +4,11 @@
 // names a file by sending a descriptor it opened itself, never a path, so the server never opens a
 // path on a client's behalf and a client can only ask for files it could open (see server.cpp).
 //
-//   {"op": "get", "add": bool} + one descriptor per file (at most kMaxDescriptors)
+//   {"op": "get", "add": bool, "count": bool (false: not a load's, kept out of hits and misses)}
+//       + one descriptor per file (at most kMaxDescriptors)
 //       -> {"results": [{"hit": true, "tier": "host", "bytes": N} | {"hit": false, "reason": "..."}]}
 //          + one descriptor per hit, in order: a sealed memfd holding the file's bytes
+//   {"op": "copy", ...} -> {"ok": true, "bytes": N}: a DMA into the client's GPU memory (server.cpp)
 //   {"op": "status"} -> the server's CacheStatus (cache.cpp: to_json / from_json)
 //   any failure      -> {"error": "..."}
 #pragma once

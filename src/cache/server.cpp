@@ -283,6 +283,8 @@ struct CacheServer::State {
 
   nlohmann::json get(const nlohmann::json& request, std::vector<OwnedFd>& fds, std::uint32_t uid, std::vector<int>& reply_fds) {
     const bool add = request.value("add", false);
+    // `hbmio cache add --wait` asks again until its files are in: those asks are no load's.
+    const bool counted = request.value("count", true);
     nlohmann::json results = nlohmann::json::array();
     std::lock_guard lock(mutex);
     for (OwnedFd& fd : fds) {
@@ -313,22 +315,22 @@ struct CacheServer::State {
       if (const auto it = entries.find(key); it != entries.end()) {
         Entry& e = *it->second;
         if (e.identity == id && e.ready) {
-          ++e.hits;
-          ++hits;
+          e.hits += counted ? 1 : 0;
+          hits += counted ? 1 : 0;
           e.last_use = Clock::now();
           reply_fds.push_back(e.memory.get());
           results.push_back({{"hit", true}, {"tier", "host"}, {"bytes", id.size}});
           continue;
         }
         if (e.identity == id) {
-          ++misses;
+          misses += counted ? 1 : 0;
           results.push_back({{"hit", false}, {"reason", "being taken in"}});
           continue;
         }
         drop(key);  // the file changed since: never served again
         ++stale;
       }
-      ++misses;
+      misses += counted ? 1 : 0;
       if (!add) {
         results.push_back({{"hit", false}, {"reason", "not held"}});
         continue;
