@@ -112,6 +112,9 @@ TEST(ResidentCache, AHitIsTheFileByteForByteAndSaysSo) {
   EXPECT_EQ(status.entries[0].state, "ready");
   EXPECT_GE(status.entries[0].hits, 1u);
   EXPECT_EQ(status.host_bytes, std::filesystem::file_size(file));
+  // The first load and the add's first ask missed; the add's asks while it waited are no load's.
+  EXPECT_EQ(status.misses, 2u);
+  EXPECT_EQ(status.adds, 1u);
 }
 
 TEST(ResidentCache, ALoadThatAddsIsServedFromTheCacheNextTime) {
