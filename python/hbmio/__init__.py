@@ -248,14 +248,28 @@ def _torch_target(torch, device: str):
     return dev
 
 
-def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, report=None):
+def _cache_text(cache):
+    """load_file's and open's cache= as the extension takes it: "" (None: HBMIO_CACHE decides),
+    "off" (False), "use" (True) or "add"."""
+    if cache is None:
+        return ""
+    if cache is False or cache == "off":
+        return "off"
+    if cache is True or cache == "use":
+        return "use"
+    if cache == "add":
+        return "add"
+    raise ValueError(f"cache must be None, True, False, 'use', 'add' or 'off', not {cache!r}")
+
+
+def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, report=None, cache=""):
     """Loads into one torch.empty(n, dtype=uint8, device=dev) and returns views of it: on CUDA
     the memory comes from PyTorch's caching allocator, so repeated loads reuse it. None when a
     dtype of the file has no torch equivalent here (the caller then takes the DLPack path)."""
     # One look at the headers gives everything: each tensor's dtype (every one must have a torch
     # equivalent, checked before reading), its bytes, and where it lands. The load below reuses
     # the parsed headers (a 3,072-tensor header takes milliseconds to parse).
-    opened = _hbmio.SafeOpen(path)
+    opened = _hbmio.SafeOpen(path, cache="off")  # for its headers: the load below asks the cache
     plan = _hbmio._plan(opened, names)
     torch_dtypes = {t.name: getattr(torch, _TORCH_DTYPES.get(t.dtype, ""), None) for t in plan}
     if not all(isinstance(d, torch.dtype) for d in torch_dtypes.values()):
@@ -292,7 +306,7 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
         # The load lays the tensors out as _plan said (same parsed headers, same options).
         def load():
             _hbmio._load_into(opened, dest, backend=backend, verify=verify, names=names, progress=bar.counter, entries=False,
-                              report=report)
+                              report=report, cache=cache)
 
         if len(plan) < _VIEWS_BESIDE_LOAD:
             load()
@@ -337,7 +351,7 @@ def _is_url(path: str) -> bool:
 
 
 def load_file(path, device="cpu", *, framework="auto", backend=None, verify=False, names=None, progress=False,
-              group=None, placement="replicate", shard_map=None, report=None, mmap=False):
+              group=None, placement="replicate", shard_map=None, report=None, mmap=False, cache=None):
     """Loads a .safetensors file, a sharded checkpoint index or a directory holding either.
 
     Like safetensors.torch.load_file: returns {name: tensor} in file order.
@@ -380,6 +394,12 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                  "remote", "cache-host" (the node's resident cache, docs/cache.md: used where
                  HBMIO_CACHE names its socket). mmap=True reads nothing at load time and leaves
                  it as it was.
+      cache      the node's resident cache (`hbmio cache serve`, docs/cache.md): None (the
+                 default) asks it where HBMIO_CACHE names its socket (and asks it to take in
+                 what it lacks with HBMIO_CACHE_ADD=on); True or "use" asks it (HBMIO_CACHE,
+                 else the default socket); "add" also asks it to take in the files it lacks;
+                 False or "off" never asks. A file it holds unchanged comes from it (into GPU
+                 memory by its server's DMA); a cache that cannot help is a plain load.
 
     Torch on CUDA loads straight into one allocation from PyTorch's caching allocator; other
     loads land in hbmio's own memory, which the tensors share without a copy. The GIL is
@@ -410,7 +430,7 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     if torch is not None:
         dev = _torch_target(torch, device)  # None for "pinned", which torch does not name
         if dev is not None and dev.type == "cuda":
-            out = _load_torch_into(torch, path, dev, backend, verify, names, progress, report)
+            out = _load_torch_into(torch, path, dev, backend, verify, names, progress, report, _cache_text(cache))
             if out is not None:
                 return out
         if dev is not None:
@@ -418,7 +438,7 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     total = _hbmio._tensor_bytes(path, names) if progress else 0
     with _ProgressBar(total, progress) as bar:
         arrays = _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
-                                  report=report)
+                                  report=report, cache=_cache_text(cache))
     if framework == "torch":
         return {name: torch.from_dlpack(array) for name, array in arrays.items()}
     if framework == "numpy":
@@ -431,13 +451,13 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                 # A dtype NumPy lacks (bfloat16, float8, float4): refused as the reference's NumPy
                 # mode refuses it (see _dtypes.py), the header telling which dtype it was.
                 from ._dtypes import numpy_refusal
-                dtype = next((d for n, d, *_ in _hbmio.SafeOpen(path)._entries() if n == name), None)
+                dtype = next((d for n, d, *_ in _hbmio.SafeOpen(path, cache="off")._entries() if n == name), None)
                 raise (numpy_refusal(name, dtype, path) if dtype else TypeError(f"tensor {name}: {e}")) from e
         return out
     return arrays
 
 
-def open(path, framework="auto", device="cpu", *, backend=None, readahead=None, mmap=False):  # noqa: A001 - safe_open's counterpart
+def open(path, framework="auto", device="cpu", *, backend=None, readahead=None, mmap=False, cache=None):  # noqa: A001 - safe_open's counterpart
     """Opens a checkpoint (a file, a sharded index or a directory) for access a tensor at a time,
     like safetensors.safe_open(path, framework, device):
 
@@ -457,8 +477,9 @@ def open(path, framework="auto", device="cpu", *, backend=None, readahead=None, 
     on first touch, and (as there) a file truncated while they live makes touching them fail;
     mmap=False (default) reads each into memory of its own. After the `with` block, keys(),
     get_tensor(), get_slice(), metadata() and the rest raise hbmio.ClosedError ("File is closed",
-    as safe_open raises; it is also a safetensors.SafetensorError where safetensors is installed)."""
-    return SafeOpen(path, framework, device, backend=backend, readahead=readahead, mmap=mmap)
+    as safe_open raises; it is also a safetensors.SafetensorError where safetensors is installed).
+    cache: as load_file's, asked once here for every file (mmap=True maps the files themselves)."""
+    return SafeOpen(path, framework, device, backend=backend, readahead=readahead, mmap=mmap, cache=cache)
 
 
 def _nbytes(array) -> int:

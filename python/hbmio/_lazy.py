@@ -117,14 +117,14 @@ class SafeOpen(_hbmio.SafeOpen):
     offset_keys(), metadata(), get_tensor(name), get_slice(name)[...], get_tensors(); a
     context manager. See hbmio.open."""
 
-    def __init__(self, path, framework="auto", device="cpu", *, backend=None, readahead=None, mmap=False):
-        from . import _backend, _device_text, _framework, _require_gpu
+    def __init__(self, path, framework="auto", device="cpu", *, backend=None, readahead=None, mmap=False, cache=None):
+        from . import _backend, _cache_text, _device_text, _framework, _require_gpu
         path = _os.fspath(path)
         # Bad arguments fail here, not at the first get_tensor: a framework or device form hbmio
         # does not know (ValueError), a GPU this machine lacks (hbmio.Error).
         self._resolved = _framework(framework)
         _require_gpu(_device_text(device), path)
-        super().__init__(path)
+        super().__init__(path, cache=_cache_text(cache))
         self._framework = framework
         self._device = device
         self._backend = _backend(backend)  # $HBMIO_BACKEND as it is at open()

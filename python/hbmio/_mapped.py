@@ -21,7 +21,7 @@ from . import _hbmio as _ext
 
 def _files(path: str) -> list[str]:
     """The files of a checkpoint (a file, a sharded index or a directory), as hbmio resolves them."""
-    return list(_ext.SafeOpen(path).files())
+    return list(_ext.SafeOpen(path, cache="off").files())
 
 
 def _map(path: str):

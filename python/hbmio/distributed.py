@@ -44,7 +44,7 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
             dev = torch.device("cuda", torch.cuda.current_device())
         # 1. Plan (every rank, from its own view of the files) and read this rank's run; the
         # headers are parsed once (SafeOpen) for the plan, the size and the read.
-        opened = _hbmio.SafeOpen(path)
+        opened = _hbmio.SafeOpen(path, cache="off")
         plan, run, ranges, digest = _hbmio._plan_distributed(
             opened, names, world, placement, {k: int(v) for k, v in (shard_map or {}).items()}, bool(verify))
         for t in plan:

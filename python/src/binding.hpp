@@ -107,7 +107,9 @@ VerifyMode verify_mode(nb::handle value);
 // With the GIL held: warns that files without checksums were loaded unchecked.
 void warn_unverified(const hbmio::LoadedCheckpoint& loaded);
 hbmio::LoadOptions load_options(const std::string& backend, VerifyMode verify, std::optional<std::vector<std::string>> names,
-                                Progress* progress);
+                                Progress* progress, const std::string& cache = "");
+// Python's cache= as the library's CacheUse: "" (None: HBMIO_CACHE decides), "off", "use", "add".
+hbmio::CacheUse cache_use(const std::string& cache);
 // Stats as Python sees them: report= dicts and stats dicts.
 nb::list paths_list(const std::vector<hbmio::TransferPath>& paths);
 void fill_stats(nb::dict into, const hbmio::Stats& s);

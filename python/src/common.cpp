@@ -134,9 +134,18 @@ void warn_unverified(const hbmio::LoadedCheckpoint& loaded) {
   if (PyErr_WarnEx(g_not_verified_type, text.c_str(), 2) != 0) throw nb::python_error();
 }
 
+hbmio::CacheUse cache_use(const std::string& cache) {
+  if (cache.empty()) return hbmio::CacheUse::configured;
+  if (cache == "off") return hbmio::CacheUse::off;
+  if (cache == "use") return hbmio::CacheUse::use;
+  if (cache == "add") return hbmio::CacheUse::add;
+  throw nb::value_error(("cache must be None, False, True, \"use\", \"add\" or \"off\", not '" + cache + "'").c_str());
+}
+
 hbmio::LoadOptions load_options(const std::string& backend, VerifyMode verify, std::optional<std::vector<std::string>> names,
-                                Progress* progress) {
+                                Progress* progress, const std::string& cache) {
   hbmio::LoadOptions options;
+  options.cache = cache_use(cache);
   options.backend = backend;
   options.verify = verify.verify;
   options.require_checksums = verify.strict;

@@ -6,8 +6,8 @@ namespace hbmio_py {
 
 // Loads and wraps every tensor as a DLPack array owned by one capsule.
 nb::dict load(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
-              std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report) {
-  hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress);
+              std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report, const std::string& cache) {
+  hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress, cache);
   options.into = parse_device(device);
   auto* loaded = new hbmio::LoadedCheckpoint();
   try {
@@ -159,10 +159,11 @@ Target target_of(nb::handle h) {
 // With entries=False it returns None: a caller that has the layout from _plan (of the same
 // SafeOpen) skips building thousands of tuples.
 nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, nb::handle verify,
-                     std::optional<std::vector<std::string>> names, Progress* progress, bool entries, nb::handle report) {
+                     std::optional<std::vector<std::string>> names, Progress* progress, bool entries, nb::handle report,
+                     const std::string& cache) {
   const Target target = target_of(checkpoint);
   RawArray to = raw_array(dest, true, "_load_into");
-  hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress);
+  hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress, cache);
   // The load's location is the destination's: they cannot disagree. A host destination gets the
   // host kind (a cuda_host array may be pinned, but the engine only needs to know it is host).
   options.into = to.span.location;
@@ -226,14 +227,15 @@ nb::dict write_from(const std::string& path, nb::handle array, std::uint64_t off
 void bind_load(nb::module_& m) {
   m.def("load_file", &load, nb::arg("path"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
-        nb::arg("report").none() = nb::none(),
+        nb::arg("report").none() = nb::none(), nb::arg("cache") = "",
         "Loads a .safetensors file, a sharded *.index.json or a directory holding either into `device` "
         "(\"cpu\", \"pinned\", \"cuda\", \"cuda:N\"). Returns {name: DLPack array} in file order. `report`, a "
-        "dict, is filled with bytes, seconds, backend, note and paths (per file: the way it took and why).");
+        "dict, is filled with bytes, seconds, backend, note and paths (per file: the way it took and why). `cache`: "
+        "\"\" (HBMIO_CACHE decides), \"off\", \"use\" or \"add\" (the node's resident cache, docs/cache.md).");
 
   m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
-        nb::arg("entries") = true, nb::arg("report").none() = nb::none(),
+        nb::arg("entries") = true, nb::arg("report").none() = nb::none(), nb::arg("cache") = "",
         "Loads `checkpoint` (a path, or a SafeOpen: its headers are not read again) into `dest` (a writable "
         "C-contiguous array, host or CUDA, that holds _plan()'s layout: last offset + bytes); "
         "returns [(name, dtype, shape, byte offset in dest)] in file order.");
@@ -332,14 +334,15 @@ void bind_load(nb::module_& m) {
       .def("wait", &ReadQueue::wait, nb::arg("batch"), "Waits for a batch; raises its read's error.");
 
   nb::class_<Handle>(m, "SafeOpen", "A checkpoint opened for lazy, per-tensor loads (like safetensors.safe_open).")
-      .def("__init__", [](Handle* self, const std::string& path) {
+      .def("__init__", [](Handle* self, const std::string& path, const std::string& cache) {
+        const hbmio::CacheUse use = cache_use(cache);
         std::optional<hbmio::OpenedCheckpoint> opened;
         {
           nb::gil_scoped_release release;
-          opened.emplace(path);
+          opened.emplace(path, std::nullopt, use);
         }
         new (self) Handle{std::make_shared<const hbmio::OpenedCheckpoint>(std::move(*opened))};
-      }, nb::arg("path"))
+      }, nb::arg("path"), nb::arg("cache") = "")
       .def_prop_ro("path", [](const Handle& h) { return h.path(); })
       .def("report", [](const Handle& h) {
         hbmio::Stats total;
@@ -431,7 +434,7 @@ void bind_load(nb::module_& m) {
       .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
                             const std::string& backend, nb::handle verify) {
         h.info(name);  // KeyError for an unknown name
-        nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr, nb::none());
+        nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr, nb::none(), "");
         return nb::object(one[nb::str(name.c_str(), name.size())]);
       }, nb::arg("name"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
          nb::arg("verify").none() = false)

@@ -90,3 +90,31 @@ def test_a_stopped_cache_is_a_plain_load(tmp_path, monkeypatch):
     assert "the resident cache could not help" in report["note"]
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value)
+
+
+def test_cache_argument_adds_uses_and_turns_it_off(server, tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    expected = sample(path, 4)
+    monkeypatch.delenv("HBMIO_CACHE", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", os.path.dirname(server))  # cache=True's default socket
+    os.rename(server, os.path.join(os.path.dirname(server), "hbmio-cache.sock"))  # the server's socket, by that name
+    report = {}
+    hbmio.load_file(str(path), framework="numpy", report=report, cache="add")
+    assert [p["path"] for p in report["paths"]] != ["cache-host"]
+    for _ in range(250):  # the server reads it in the background
+        report = {}
+        got = hbmio.load_file(str(path), framework="numpy", report=report, cache=True)
+        if [p["path"] for p in report["paths"]] == ["cache-host"]:
+            break
+        time.sleep(0.02)
+    assert [p["path"] for p in report["paths"]] == ["cache-host"], report
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value)
+    report = {}
+    hbmio.load_file(str(path), framework="numpy", report=report, cache=False)
+    assert [p["path"] for p in report["paths"]] != ["cache-host"]
+    assert "resident cache" not in report["note"]
+    with hbmio.open(str(path), framework="numpy", cache="use") as f:
+        np.testing.assert_array_equal(f.get_tensor("w2"), expected["w2"])
+    with pytest.raises(ValueError, match="cache must be"):
+        hbmio.load_file(str(path), cache="sometimes")
