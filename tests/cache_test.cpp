@@ -180,6 +180,30 @@ TEST(ResidentCache, EvictsTheLeastRecentlyUsedUnderItsLimitAndRefusesWhatCannotF
   EXPECT_EQ(cache_status(socket).entries.size(), 1u);  // b stays: nothing was evicted for a refusal
 }
 
+TEST(ResidentCache, AUsersQuotaEvictsThatUsersFilesAndAllowKeepsOthersOut) {
+  TempDir dir, other, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock");
+  const std::string a = dir.file("a.safetensors"), b = dir.file("b.safetensors"), outside = other.file("c.safetensors");
+  save_sample(a, 13, 4, 512 << 10);  // 2 MiB and a header each
+  save_sample(b, 14, 4, 512 << 10);
+  save_sample(outside, 15, 4, 512 << 10);
+  // Room for both in the cache, not for both under one user's quota.
+  ServerProcess server(socket, "64MiB", {"--user-memory", "3MiB", "--allow", dir.path()});
+  ASSERT_EQ(cache_add(socket, {a}, true), std::vector<std::string>{"held"});
+  ASSERT_EQ(cache_add(socket, {b}, true), std::vector<std::string>{"held"});
+  const CacheStatus status = cache_status(socket);
+  ASSERT_EQ(status.entries.size(), 1u);
+  EXPECT_EQ(status.entries[0].path, std::filesystem::canonical(b).string());
+  EXPECT_EQ(status.entries[0].owner, ::getuid());
+  EXPECT_EQ(status.user_bytes_limit, 3u << 20);
+  EXPECT_EQ(status.evictions, 1u);
+  const std::vector<std::string> said = cache_add(socket, {outside}, true);
+  ASSERT_EQ(said.size(), 1u);
+  EXPECT_NE(said[0].find("outside the directories this cache serves"), std::string::npos) << said[0];
+  EXPECT_FALSE(load_and_check(outside, CacheUse::add, socket).from_cache);
+  EXPECT_EQ(cache_status(socket).entries.size(), 1u);
+}
+
 TEST(ResidentCache, DescriptorsWithoutReadAccessGetNothing) {
   // Both in /tmp: the other user below must reach them, and the build folder's parents may be 0700.
   TempDir dir("/tmp");

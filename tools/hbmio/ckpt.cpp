@@ -27,6 +27,7 @@ struct CkptFlags {
   // program that does not know about shards expects).
   std::string path, into = "host", backend, json, names, layout = "single", placement = "replicate";
   std::string verify;  // "" (off), checksums, strict or bytes
+  std::string cache;   // "" ($HBMIO_CACHE decides), use, add or off
   bool no_checksums = false, reuse_memory = false, drop_cache = false, force = false, verbose = false;
   unsigned runs = 1;
   // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each
@@ -216,7 +217,11 @@ int run_load(const CkptFlags& f) {
   LoadOptions options{.into = into, .names = split_list(f.names, "--names"),
                       .layout = f.layout == "per-tensor" ? TensorLayout::per_tensor : TensorLayout::single_allocation,
                       .verify = f.verify == "checksums" || f.verify == "strict", .require_checksums = f.verify == "strict",
-                      .engine = engine.get()};
+                      .engine = engine.get(),
+                      .cache = f.cache == "use"   ? CacheUse::use
+                               : f.cache == "add" ? CacheUse::add
+                               : f.cache == "off" ? CacheUse::off
+                                                  : CacheUse::configured};
   // --reuse-memory: one allocation, made before timing, that every run loads into (what a
   // framework's caching allocator gives its loaders after the first load).
   Buffer reused;
@@ -424,6 +429,10 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                  "the file (any file; reads the checkpoint twice)")
       ->type_name("[=checksums|strict|bytes]")
       ->check(one_of({"checksums", "strict", "bytes"}));
+  load->add_option("--cache", flags->cache,
+                   "The node's resident cache (hbmio cache serve, docs/cache.md): use (take the files it holds), add "
+                   "(also ask it to take in the others) or off; default: use where $HBMIO_CACHE names its socket")
+      ->check(one_of({"use", "add", "off"}));
   load->add_flag("-v,--verbose", flags->verbose, "Print the load's whole note (the engine's choices, first-use set-up)");
   load->add_option("--runs", flags->runs, "Load N times with one engine and report the median (a benchmark)")
       ->check(CLI::Range(1u, 1000u))
