@@ -114,7 +114,14 @@ def test_cache_argument_adds_uses_and_turns_it_off(server, tmp_path, monkeypatch
     hbmio.load_file(str(path), framework="numpy", report=report, cache=False)
     assert [p["path"] for p in report["paths"]] != ["cache-host"]
     assert "resident cache" not in report["note"]
-    with hbmio.open(str(path), framework="numpy", cache="use") as f:
+    with hbmio.open(str(path), framework="numpy", cache="use") as f:  # walks, slices and prefetch alike
         np.testing.assert_array_equal(f.get_tensor("w2"), expected["w2"])
+        np.testing.assert_array_equal(f.get_slice("w3")[2:10], expected["w3"][2:10])
+        assert {p["path"] for p in f.report()["paths"]} == {"cache-host"}, f.report()
+    pytest.importorskip("torch")
+    with hbmio.open(str(path), framework="pt", cache="use") as f, f.prefetch() as loader:
+        for name, value in loader:
+            np.testing.assert_array_equal(value.numpy(), expected[name])
+        assert {p["path"] for p in f.report()["paths"]} == {"cache-host"}, f.report()
     with pytest.raises(ValueError, match="cache must be"):
         hbmio.load_file(str(path), cache="sometimes")
