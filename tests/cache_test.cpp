@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "cache/client.hpp"
+#include "cache/protocol.hpp"
 #include "test_support.hpp"
 
 extern char** environ;
@@ -317,6 +319,27 @@ TEST(ResidentCache, UnreachableOrUnsetMeansAPlainLoad) {
   ::unsetenv("HBMIO_CACHE");
   const Loaded unset = load_and_check(file, CacheUse::configured, "");
   EXPECT_EQ(unset.stats.note.find("resident cache"), std::string::npos) << unset.stats.note;
+}
+
+TEST(ResidentCache, AClientThatStallsMidRequestOrSpeaksNonsenseLosesOnlyItsConnection) {
+  TempDir sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock");
+  ServerProcess server(socket, "1MiB");
+  // Half a frame's length, then nothing: the one serving thread gives up on it (2 s), not on others.
+  cache_detail::OwnedFd stalled = cache_detail::connect_to(socket, 10000);
+  ASSERT_EQ(::send(stalled.get(), "\x10\x00", 2, MSG_NOSIGNAL), 2);
+  // A frame that is not JSON, and one that asks for something unknown.
+  cache_detail::OwnedFd garbled = cache_detail::connect_to(socket, 10000);
+  const char frame[] = {3, 0, 0, 0, '{', '{', '{'};
+  ASSERT_EQ(::send(garbled.get(), frame, sizeof frame, MSG_NOSIGNAL), static_cast<ssize_t>(sizeof frame));
+  cache_detail::OwnedFd unknown = cache_detail::connect_to(socket, 10000);
+  cache_detail::send_message(unknown.get(), {{"op", "steal"}}, {}, socket);
+  const std::optional<cache_detail::Message> reply = cache_detail::receive_message(unknown.get(), socket);
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_NE(reply->body.value("error", "").find("unknown request"), std::string::npos) << reply->body.dump();
+  const CacheStatus status = cache_status(socket);  // still answers
+  EXPECT_EQ(status.entries.size(), 0u);
+  EXPECT_LE(status.clients, 2u);  // this request and `unknown`: the stalled and the garbled ones were dropped
 }
 
 TEST(ResidentCache, ASecondServerOnTheSameSocketIsRefused) {
