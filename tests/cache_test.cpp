@@ -342,6 +342,29 @@ TEST(ResidentCache, AClientThatStallsMidRequestOrSpeaksNonsenseLosesOnlyItsConne
   EXPECT_LE(status.clients, 2u);  // this request and `unknown`: the stalled and the garbled ones were dropped
 }
 
+// `hbmio doctor` says whether loads here ask a cache and whether it answers.
+TEST(ResidentCache, TheDoctorSaysWhetherTheConfiguredCacheAnswers) {
+  TempDir sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock");
+  const auto cache_check = [] {
+    for (const Check& c : run_doctor({})) if (c.id == "summary.cache") return c;
+    throw std::runtime_error("no summary.cache check");
+  };
+  ::unsetenv("HBMIO_CACHE");
+  EXPECT_EQ(cache_check().status, CheckStatus::info);
+  ::setenv("HBMIO_CACHE", socket.c_str(), 1);
+  const Check down = cache_check();
+  EXPECT_EQ(down.status, CheckStatus::warn);
+  EXPECT_NE(down.fix.find("hbmio cache serve --socket " + socket), std::string::npos) << down.fix;
+  {
+    ServerProcess server(socket, "1MiB");
+    const Check up = cache_check();
+    EXPECT_EQ(up.status, CheckStatus::pass) << up.found;
+    EXPECT_NE(up.found.find("0 file(s)"), std::string::npos) << up.found;
+  }
+  ::unsetenv("HBMIO_CACHE");
+}
+
 TEST(ResidentCache, ASecondServerOnTheSameSocketIsRefused) {
   TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
   const std::string socket = sockets.file("cache.sock");

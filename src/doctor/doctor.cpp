@@ -2,6 +2,9 @@
 // will do for each PATH and what bounds it.
 #include "hbmio/doctor.hpp"
 
+#include "hbmio/cache.hpp"
+#include "hbmio/config.hpp"
+
 #include <algorithm>
 #include <charconv>
 #include <exception>
@@ -169,6 +172,35 @@ void check_summary(const Root& root, const Inventory& inventory, const std::vect
   }
 }
 
+// The node's resident cache (docs/cache.md): whether loads here ask one, and whether it answers.
+// Live only: a recorded tree says nothing about a server running now.
+void check_cache(const Root& root, std::vector<Check>& out) {
+  if (!root.is_live()) return;
+  const std::string socket = configured_cache_socket();
+  if (socket.empty()) {
+    out.push_back(make_check("summary.cache", kGroupSummary, CheckStatus::info,
+                             "no resident cache: HBMIO_CACHE is not set, so every load reads its files", "",
+                             "where processes on this node load the same checkpoints again (restarts, replicas): "
+                             "`hbmio cache serve --host-memory SIZE` and HBMIO_CACHE=its socket (docs/cache.md)"));
+    return;
+  }
+  try {
+    const CacheStatus status = cache_status(socket);
+    std::size_t pinned = 0;
+    for (const CacheEntryStatus& e : status.entries) pinned += e.pinned ? 1 : 0;
+    out.push_back(make_check("summary.cache", kGroupSummary, CheckStatus::pass,
+                             fmt::format("resident cache at {}: {} file(s), {} of {} held, {} pinned for GPU DMA; {} hits, {} misses",
+                                         socket, status.entries.size(), format_size(status.host_bytes),
+                                         format_size(status.host_bytes_limit), pinned, status.hits, status.misses),
+                             "a server answering at HBMIO_CACHE", ""));
+  } catch (const std::exception& e) {
+    out.push_back(make_check("summary.cache", kGroupSummary, CheckStatus::warn,
+                             fmt::format("HBMIO_CACHE={} but no cache answers there ({}): loads read their files", socket, e.what()),
+                             "a server answering at HBMIO_CACHE",
+                             fmt::format("start `hbmio cache serve --socket {} --host-memory SIZE`, or unset HBMIO_CACHE", socket)));
+  }
+}
+
 }  // namespace doctor
 
 std::vector<Check> run_doctor(const DoctorOptions& options) {
@@ -196,6 +228,7 @@ std::vector<Check> run_doctor(const DoctorOptions& options) {
   guarded(kGroupTopology, [&] { check_topology(root, inventory, checks); });
   guarded(kGroupGds, [&] { check_gds(root, inventory, paths, checks); });
   guarded(kGroupSummary, [&] { check_summary(root, inventory, paths, checks); });
+  guarded(kGroupSummary, [&] { check_cache(root, checks); });
 
   // Checks are written per group above, except per-PATH storage lines that are interleaved:
   // order by group, keeping each group's own order.
