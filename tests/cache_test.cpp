@@ -206,6 +206,65 @@ TEST(ResidentCache, AUsersQuotaEvictsThatUsersFilesAndAllowKeepsOthersOut) {
   EXPECT_EQ(cache_status(socket).entries.size(), 1u);
 }
 
+// A hit stays what it was even when a later file of the same request evicts it: the reply carries
+// the sealed copy of that file, never a descriptor number reused meanwhile.
+TEST(ResidentCache, AHitEvictedLaterInItsOwnRequestIsStillItsFile) {
+  TempDir dir, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock"), a = dir.file("a.safetensors"), b = dir.file("b.safetensors");
+  save_sample(a, 16, 4, 512 << 10);
+  save_sample(b, 17, 4, 512 << 10);
+  ServerProcess server(socket, "3MiB");  // room for one of them
+  ASSERT_EQ(cache_add(socket, {a}, true), std::vector<std::string>{"held"});
+  const int fds[] = {::open(a.c_str(), O_RDONLY | O_CLOEXEC), ::open(b.c_str(), O_RDONLY | O_CLOEXEC)};
+  const std::string names[] = {a, b};
+  const cache_detail::Lookup found = cache_detail::lookup(socket, fds, names, /*add=*/true);  // a hit, then b evicts a
+  ::close(fds[0]);
+  ::close(fds[1]);
+  ASSERT_EQ(found.copies.size(), 2u);
+  ASSERT_NE(found.copies[0], nullptr) << found.warning;
+  EXPECT_EQ(found.copies[1], nullptr);
+  const std::uint64_t size = std::filesystem::file_size(a);
+  std::vector<std::byte> copy(size);
+  ASSERT_EQ(found.copies[0]->read_at(copy, 0), size);
+  EXPECT_EQ(copy, test::pread_range(a, 0, size));
+  EXPECT_EQ(cache_status(socket).evictions, 1u);
+}
+
+// A client trusts only a server of its own user or root: another user could have put a socket at
+// the path first and would hand out bytes of its choosing.
+TEST(ResidentCache, AServerOfAnotherUserIsNotTrusted) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a second user needs root to become one";
+  TempDir dir("/tmp");
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0777), 0);
+  const std::string socket = dir.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 18);
+  ASSERT_EQ(::chmod(file.c_str(), 0644), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(10);
+    ::execl(cli(), cli(), "cache", "serve", "--socket", socket.c_str(), "--host-memory", "64MiB", "--mode", "0666", static_cast<char*>(nullptr));
+    ::_exit(11);
+  }
+  bool up = false;
+  for (int i = 0; i < 500 && !up; ++i) {
+    try {
+      cache_status(socket);
+      up = true;
+    } catch (const Error&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  if (up) {
+    const Loaded loaded = load_and_check(file, CacheUse::add, socket);
+    EXPECT_FALSE(loaded.from_cache);
+    EXPECT_NE(loaded.stats.note.find("not trusted"), std::string::npos) << loaded.stats.note;
+  }
+  ::kill(pid, SIGTERM);
+  ::waitpid(pid, nullptr, 0);
+  ASSERT_TRUE(up) << "the other user's server did not answer";
+}
+
 TEST(ResidentCache, DescriptorsWithoutReadAccessGetNothing) {
   // Both in /tmp: the other user below must reach them, and the build folder's parents may be 0700.
   TempDir dir("/tmp");

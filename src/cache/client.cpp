@@ -2,6 +2,8 @@
 #include "cache/client.hpp"
 
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,6 +49,25 @@ void get_some(int socket, const std::string& socket_path, std::span<const int> f
   }
 }
 
+// The server must run as this user or as root: anyone else could have put a socket at the path
+// first (the default in /tmp, say) and would hand out bytes of its choosing.
+void check_server(int socket, const std::string& socket_path) {
+  ucred peer{};
+  socklen_t length = sizeof peer;
+  if (::getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &peer, &length) != 0)
+    throw Error(errno_code(errno), {.op = "cache", .path = socket_path}, "SO_PEERCRED");
+  if (peer.uid != ::geteuid() && peer.uid != 0)
+    throw Error(errno_code(EPERM), {.op = "cache", .path = socket_path},
+                fmt::format("the server there runs as uid {}, neither this user ({}) nor root: not trusted", peer.uid, ::geteuid()));
+}
+
+// A copy is used only if no one can change its bytes any more: sealed against writes and resizing.
+bool sealed(int fd) {
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  const int needed = F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK;
+  return seals >= 0 && (seals & needed) == needed;
+}
+
 }  // namespace
 
 Lookup lookup(const std::string& socket_path, std::span<const int> fds, std::span<const std::string> paths, bool add) {
@@ -54,12 +75,17 @@ Lookup lookup(const std::string& socket_path, std::span<const int> fds, std::spa
   out.copies.resize(fds.size());
   try {
     const OwnedFd socket = connect_to(socket_path, kLookupTimeoutMs);
+    check_server(socket.get(), socket_path);
     std::vector<nlohmann::json> results;
     std::vector<OwnedFd> copies;
     for (std::size_t at = 0; at < fds.size(); at += kMaxDescriptors)
       get_some(socket.get(), socket_path, fds.subspan(at, std::min(kMaxDescriptors, fds.size() - at)), add, results, copies);
     for (std::size_t k = 0; k < fds.size(); ++k) {
       if (!copies[k]) continue;
+      if (!sealed(copies[k].get())) {
+        out.warning = fmt::format("the server's copy of {} is not sealed: not used", paths[k]);
+        continue;
+      }
       const std::uint64_t bytes = results[k].value("bytes", std::uint64_t{0});
       File copy = File::adopt(copies[k].release(), paths[k] + std::string(kCopySuffix));
       // The server's copy must be as long as the file: anything else is a broken server, not a hit.
@@ -109,7 +135,15 @@ std::string copy_to_device(const std::string& socket_path, std::span<const int> 
       // The reply comes when the DMA is done: at least 1 GiB/s, plus time to open the handles.
       const int timeout_ms = static_cast<int>(std::min<std::uint64_t>(5000 + r.bytes / (1 << 20), 600'000));
       const OwnedFd socket = connect_to(socket_path, timeout_ms);
-      send_message(socket.get(), {{"op", "copy"}, {"device", device}, {"allocations", handles}, {"copies", r.copies}}, fds, socket_path);
+      check_server(socket.get(), socket_path);
+      // The server starts the copy by half the time this side waits, or not at all: once this side
+      // gives up, its memory may be reused, and a late DMA would land in it.
+      timespec now{};
+      ::clock_gettime(CLOCK_MONOTONIC, &now);
+      const std::int64_t not_after = now.tv_sec * 1'000'000'000LL + now.tv_nsec + std::int64_t{timeout_ms} * 1'000'000 / 2;
+      send_message(socket.get(),
+                   {{"op", "copy"}, {"device", device}, {"allocations", handles}, {"copies", r.copies}, {"not_after_ns", not_after}}, fds,
+                   socket_path);
       std::optional<Message> reply = receive_message(socket.get(), socket_path);
       if (!reply) return "the server closed the connection";
       if (reply->body.contains("error")) return reply->body["error"].get<std::string>();

@@ -62,7 +62,8 @@ void send_all(int socket, const std::byte* data, std::size_t size, std::span<con
 
 // Reads exactly `size` bytes; with `descriptors`, takes those that came with them. False at the
 // end of the stream before the first byte.
-bool receive_all(int socket, std::byte* data, std::size_t size, std::vector<OwnedFd>* descriptors, const std::string& socket_path) {
+bool receive_all(int socket, std::byte* data, std::size_t size, std::vector<OwnedFd>* descriptors, const std::string& socket_path,
+                 const std::optional<std::chrono::steady_clock::time_point>& deadline) {
   std::size_t got = 0;
   std::vector<char> control(descriptors ? CMSG_SPACE(sizeof(int) * kMaxDescriptors) : 0);
   while (got < size) {
@@ -97,6 +98,8 @@ bool receive_all(int socket, std::byte* data, std::size_t size, std::vector<Owne
       throw Error(errno_code(ECONNRESET), context_of(socket_path), "the peer closed the connection mid-frame");
     }
     got += static_cast<std::size_t>(n);
+    if (got < size && deadline && std::chrono::steady_clock::now() > *deadline)
+      throw Error(errno_code(ETIMEDOUT), context_of(socket_path), "a frame that did not arrive in time");
   }
   return true;
 }
@@ -115,15 +118,16 @@ void send_message(int socket, const nlohmann::json& body, std::span<const int> d
   send_all(socket, frame.data(), frame.size(), descriptors, socket_path);
 }
 
-std::optional<Message> receive_message(int socket, const std::string& socket_path) {
+std::optional<Message> receive_message(int socket, const std::string& socket_path,
+                                       std::optional<std::chrono::steady_clock::time_point> deadline) {
   Message message;
   std::byte header[4];
-  if (!receive_all(socket, header, sizeof header, &message.descriptors, socket_path)) return std::nullopt;
+  if (!receive_all(socket, header, sizeof header, &message.descriptors, socket_path, deadline)) return std::nullopt;
   std::uint32_t length = 0;
   for (int k = 0; k < 4; ++k) length |= std::to_integer<std::uint32_t>(header[k]) << (8 * k);
   if (length > kMaxFrame) throw Error(errno_code(EMSGSIZE), context_of(socket_path), fmt::format("a frame of {} bytes (at most {})", length, kMaxFrame));
   std::string text(length, '\0');
-  if (length > 0 && !receive_all(socket, reinterpret_cast<std::byte*>(text.data()), length, nullptr, socket_path))
+  if (length > 0 && !receive_all(socket, reinterpret_cast<std::byte*>(text.data()), length, nullptr, socket_path, deadline))
     throw Error(errno_code(ECONNRESET), context_of(socket_path), "the peer closed the connection mid-frame");
   try {
     message.body = nlohmann::json::parse(text);

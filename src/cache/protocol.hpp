@@ -13,6 +13,7 @@
 //   any failure      -> {"error": "..."}
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -62,7 +63,9 @@ struct Message {
 void send_message(int socket, const nlohmann::json& body, std::span<const int> descriptors, const std::string& socket_path);
 // Receives one frame; nullopt when the peer closed the connection before its first byte. Throws
 // Error on a broken or oversized frame, or when the socket's receive timeout passes mid-frame.
-std::optional<Message> receive_message(int socket, const std::string& socket_path);
+// With `deadline`, a frame not whole by then is an Error (ETIMEDOUT), however slowly it trickles.
+std::optional<Message> receive_message(int socket, const std::string& socket_path,
+                                       std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt);
 
 // A status as the "status" request's reply carries it, and back.
 nlohmann::json to_json(const CacheStatus& status);

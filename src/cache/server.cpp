@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include <fmt/format.h>
 
@@ -86,7 +88,7 @@ class PinnedMapping {
     }
     try {
       cuda::register_host_read_only(map, size, {.op = "pin the cached copy", .path = path});
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       ::munmap(map, size);
       why = e.what();
       return out;
@@ -134,7 +136,8 @@ struct CacheServer::State {
     OwnedFd memory;  // the sealed memfd (while adding: being filled)
     std::uint32_t owner = 0;
     bool ready = false;
-    bool abandoned = false;  // evicted or replaced while being added: its fill drops it
+    // Evicted or replaced while being added: its fill stops at its next piece and drops it.
+    std::atomic<bool> abandoned{false};
     std::uint64_t hits = 0;
     Clock::time_point last_use;
     PinnedMapping pinned;  // for the GPU's DMA, where there is a GPU
@@ -201,7 +204,18 @@ struct CacheServer::State {
 
   // Reads the file open as `source` into `entry`'s memfd, seals it, and marks it ready, unless
   // the file changed meanwhile or the entry was dropped.
-  void fill(const std::shared_ptr<Entry>& entry, const Key& key, int source) {
+  void fill(const std::shared_ptr<Entry>& entry, const Key& key, int source) noexcept {
+    try {
+      fill_or_throw(entry, key, source);
+    } catch (...) {  // a pool job must not throw (reap_fills would rethrow it on the serving thread)
+      std::lock_guard lock(mutex);
+      if (!entry->abandoned.exchange(true)) {
+        drop(key);
+        ++refused;
+      }
+    }
+  }
+  void fill_or_throw(const std::shared_ptr<Entry>& entry, const Key& key, int source) {
     {
       std::lock_guard lock(mutex);
       if (entry->abandoned) return;
@@ -218,6 +232,7 @@ struct CacheServer::State {
         const std::size_t pieces = static_cast<std::size_t>((size + kFillPiece - 1) / kFillPiece);
         try {
           Executor::shared().run(pieces, kFillThreads, [&](std::size_t k) {
+            if (entry->abandoned.load()) throw Error(errno_code(ECANCELED), {.op = "read", .path = entry->path}, "dropped while read in");
             const std::uint64_t at = k * kFillPiece, length = std::min(kFillPiece, size - at);
             std::uint64_t done = 0;
             while (done < length) {
@@ -281,7 +296,11 @@ struct CacheServer::State {
     return {};
   }
 
-  nlohmann::json get(const nlohmann::json& request, std::vector<OwnedFd>& fds, std::uint32_t uid, std::vector<int>& reply_fds) {
+  // `served` keeps each hit's entry (and so its memfd's descriptor number) alive until the reply is
+  // sent: a later file of the same request may evict it, and a descriptor closed meanwhile could
+  // take the number of a new, unsealed memfd.
+  nlohmann::json get(const nlohmann::json& request, std::vector<OwnedFd>& fds, std::uint32_t uid, std::vector<int>& reply_fds,
+                     std::vector<std::shared_ptr<Entry>>& served) {
     const bool add = request.value("add", false);
     // `hbmio cache add --wait` asks again until its files are in: those asks are no load's.
     const bool counted = request.value("count", true);
@@ -303,10 +322,11 @@ struct CacheServer::State {
       const Identity id = identity_of(st);
       const Key key{id.device, id.inode};
       // An entry of the same path and another inode holds a version the name no longer leads to
-      // (the file was replaced by rename): its memory goes back now rather than when evicted.
+      // (the file was replaced by rename): its memory goes back now rather than when evicted. Only
+      // the same user's: another container's file may have the same path and be another file.
       for (auto it = entries.begin(); it != entries.end();) {
         const auto next = std::next(it);
-        if (it->first != key && !path.empty() && it->second->path == path) {
+        if (it->first != key && !path.empty() && it->second->path == path && it->second->owner == uid) {
           drop(it->first);
           ++stale;
         }
@@ -319,6 +339,7 @@ struct CacheServer::State {
           hits += counted ? 1 : 0;
           e.last_use = Clock::now();
           reply_fds.push_back(e.memory.get());
+          served.push_back(it->second);
           results.push_back({{"hit", true}, {"tier", "host"}, {"bytes", id.size}});
           continue;
         }
@@ -348,12 +369,23 @@ struct CacheServer::State {
         results.push_back({{"hit", false}, {"reason", fmt::format("not taken in: memfd: {}", std::strerror(errno))}});
         continue;
       }
-      auto entry = std::make_shared<Entry>(Entry{.identity = id, .path = path, .memory = std::move(memory), .owner = uid, .last_use = Clock::now()});
+      auto entry = std::make_shared<Entry>();
+      entry->identity = id;
+      entry->path = path;
+      entry->memory = std::move(memory);
+      entry->owner = uid;
+      entry->last_use = Clock::now();
+      auto source = std::make_shared<OwnedFd>(std::move(fd));  // std::function (the executor's job) is copyable
+      try {
+        fills.push_back(Executor::shared().start([this, entry, key, source] { fill(entry, key, source->get()); }));
+      } catch (const std::exception& e) {  // no thread for it: not taken in, and nothing held for it
+        ++refused;
+        results.push_back({{"hit", false}, {"reason", fmt::format("not taken in: {}", e.what())}});
+        continue;
+      }
       entries[key] = entry;
       bytes += id.size;
       ++adds;
-      auto source = std::make_shared<OwnedFd>(std::move(fd));  // std::function (the executor's job) is copyable
-      fills.push_back(Executor::shared().start([this, entry, key, source] { fill(entry, key, source->get()); }));
       results.push_back({{"hit", false}, {"reason", "not held; taking it in"}});
     }
     return {{"results", std::move(results)}};
@@ -386,6 +418,16 @@ struct CacheServer::State {
         held.push_back(it->second);
       }
     }
+    // A client that gave up waiting reads its files itself and may reuse its memory: a request
+    // that comes too late is refused, never carried out into memory that is no longer the load's.
+    // (CLOCK_MONOTONIC is one clock for every process of the machine.)
+    if (const auto not_after = request.value("not_after_ns", std::int64_t{0}); not_after > 0) {
+      timespec now{};
+      ::clock_gettime(CLOCK_MONOTONIC, &now);
+      if (now.tv_sec * 1'000'000'000LL + now.tv_nsec > not_after) return {{"error", "the request came after its deadline"}};
+    }
+    std::uint64_t held_bytes = 0;
+    for (const auto& e : held) held_bytes += e->identity.size;
     const int device = cuda::device_of_pci_bus_id(request.at("device").get<std::string>(), context);
     struct Opened {
       void* base = nullptr;
@@ -399,23 +441,37 @@ struct CacheServer::State {
       opened->size = cuda::device_allocation_size(opened->base, context);
       allocations.push_back(std::move(opened));
     }
-    cuda::DeviceGuard guard(device, context);
-    auto stream = streams.find(device);
-    if (stream == streams.end()) stream = streams.emplace(device, cuda::Stream(device, context)).first;
-    std::uint64_t bytes = 0;
+    // A client's numbers are checked, never trusted, all of them before the first copy: a copy
+    // past either end refuses the request whole, and so does one that asks for more than twice
+    // the bytes of its files (a load reads each byte once).
+    struct Copy {
+      std::byte* to;
+      const std::byte* from;
+      std::uint64_t length;
+    };
+    std::vector<Copy> copies;
+    std::uint64_t asked = 0;
     for (const nlohmann::json& c : request.at("copies")) {
       const auto file = c.at(0).get<std::size_t>(), allocation = c.at(3).get<std::size_t>();
       const auto offset = c.at(1).get<std::uint64_t>(), length = c.at(2).get<std::uint64_t>(), at = c.at(4).get<std::uint64_t>();
-      // A client's numbers are checked, never trusted: a copy past either end is refused whole.
       if (file >= held.size() || allocation >= allocations.size() || offset > held[file]->identity.size ||
           length > held[file]->identity.size - offset || at > allocations[allocation]->size || length > allocations[allocation]->size - at)
         throw Error(errno_code(EINVAL), context, "a copy outside its file or its allocation");
-      stream->second.copy_to_device_async(static_cast<std::byte*>(allocations[allocation]->base) + at, held[file]->pinned.data() + offset,
-                                          length, context);
-      bytes += length;
+      asked += length;
+      if (asked > 2 * held_bytes) throw Error(errno_code(EINVAL), context, "more bytes than twice its files hold");
+      copies.push_back({static_cast<std::byte*>(allocations[allocation]->base) + at, held[file]->pinned.data() + offset, length});
     }
-    stream->second.synchronize(context);
-    return {{"ok", true}, {"bytes", bytes}};
+    cuda::DeviceGuard guard(device, context);
+    auto stream = streams.find(device);
+    if (stream == streams.end()) stream = streams.emplace(device, cuda::Stream(device, context)).first;
+    try {
+      for (const Copy& c : copies) stream->second.copy_to_device_async(c.to, c.from, c.length, context);
+      stream->second.synchronize(context);
+    } catch (...) {
+      stream->second.synchronize_noexcept();  // nothing in flight when the handles close
+      throw;
+    }
+    return {{"ok", true}, {"bytes", asked}};
   }
 
   // Forgets fills that are done (their results are in their entries).
@@ -495,6 +551,8 @@ void CacheServer::run(const std::atomic<bool>& stop) {
     if (ready <= 0) continue;
     if (polled[0].revents & POLLIN) {
       OwnedFd accepted(::accept4(s.listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      // Out of descriptors: the connection waits in the backlog; not a busy loop meanwhile.
+      if (!accepted && (errno == EMFILE || errno == ENFILE)) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       if (accepted) {
         ucred credentials{};
         socklen_t length = sizeof credentials;
@@ -515,15 +573,19 @@ void CacheServer::run(const std::atomic<bool>& stop) {
       if (!(polled[k].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       bool keep = true;
       try {
-        std::optional<cache_detail::Message> request = cache_detail::receive_message(current->socket.get(), s.options.socket);
+        // A whole request within 2 s (each read waits at most that long, and the frame as a whole
+        // too): a client that trickles bytes holds the serving thread no longer than about 4 s.
+        std::optional<cache_detail::Message> request =
+            cache_detail::receive_message(current->socket.get(), s.options.socket, Clock::now() + std::chrono::seconds(2));
         if (!request) {
           keep = false;
         } else {
           nlohmann::json reply;
           std::vector<int> reply_fds;
+          std::vector<std::shared_ptr<State::Entry>> served;
           const std::string op = request->body.is_object() ? request->body.value("op", "") : "";
           if (op == "get") {
-            reply = s.get(request->body, request->descriptors, current->uid, reply_fds);
+            reply = s.get(request->body, request->descriptors, current->uid, reply_fds, served);
           } else if (op == "copy") {
             try {
               reply = s.copy(request->body, request->descriptors);
