@@ -15,14 +15,12 @@ import pytest
 
 import hbmio
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hbmio_command import hbmio_command  # noqa: E402
+
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
 
-def hbmio_command():
-    for candidate in (os.environ.get("HBMIO_CLI"), shutil.which("hbmio"), str(Path(sys.executable).parent / "hbmio")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 HBMIO = hbmio_command()

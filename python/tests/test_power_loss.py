@@ -32,14 +32,10 @@ mfusepy = pytest.importorskip("mfusepy", reason="mfusepy (a FUSE binding) is not
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import crashfs  # noqa: E402
+from hbmio_command import hbmio_command  # noqa: E402
 
 
 
-def hbmio_command():
-    for candidate in (os.environ.get("HBMIO_CLI"), shutil.which("hbmio"), str(Path(sys.executable).parent / "hbmio")):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 HBMIO = hbmio_command()
