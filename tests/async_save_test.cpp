@@ -26,12 +26,6 @@ std::vector<std::byte> read_all(const std::string& path) { return pread_range(pa
 
 constexpr std::uint64_t pool_blocks(std::uint64_t n) { return n * (std::uint64_t{64} << 20); }  // StagingPool's 64 MiB blocks
 
-bool backend_available(const std::string& name) {
-  for (const auto& b : probe_backends())
-    if (b.name == name) return b.available;
-  return false;
-}
-
 // Tensors of several sizes in `where`, one of them larger than a staging block (a tensor cut
 // across blocks) and several smaller (blocks shared by tensors), plus an empty one.
 struct State {

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <mutex>
 #include <tuple>
 
 #include "test_support.hpp"
@@ -123,13 +125,40 @@ void batch_matrix(const Case& param) {
   const MemoryLocation where = MemoryLocation::parse(memory);
   Buffer buffer = Buffer::allocate(where, total);
   fill_memory(buffer.span(), std::byte{0xA5});
+  // Every read is told once as it lands (LandedSink), and its bytes are in place when it is.
+  struct Sink final : LandedSink {
+    std::function<bool(std::uint64_t)> in_place;
+    std::mutex mutex;
+    std::vector<int> told;
+    std::vector<std::uint64_t> early;  // told before its bytes were all there
+    void landed(std::uint64_t tag) noexcept override {
+      const bool ok = in_place(tag);
+      std::lock_guard lock(mutex);
+      ++told.at(tag);
+      if (!ok) early.push_back(tag);
+    }
+  } sink;
+  sink.told.assign(ranges.size(), 0);
+  sink.in_place = [&](std::uint64_t tag) {
+    const Range& r = ranges[tag];
+    try {
+      const auto now = to_host(buffer.span().subspan(r.at, r.length));
+      return now == pread_range(paths[r.file], r.offset, r.length);
+    } catch (...) {
+      return false;
+    }
+  };
   std::vector<IoRequest> requests;
   std::size_t bytes = 0;
   for (const Range& r : ranges) {
-    requests.push_back({.op = IoOp::read, .file = &files[r.file], .offset = r.offset, .memory = buffer.span().subspan(r.at, r.length)});
+    requests.push_back({.op = IoOp::read, .file = &files[r.file], .offset = r.offset, .memory = buffer.span().subspan(r.at, r.length),
+                        .landed = &sink, .landed_tag = requests.size()});
     bytes += r.length;
   }
   const Stats stats = engine->submit_batch(requests);
+  EXPECT_EQ(sink.told, std::vector<int>(ranges.size(), 1)) << "each read told landed exactly once";
+  EXPECT_TRUE(sink.early.empty()) << sink.early.size() << " reads told landed before their bytes were in place, the first "
+                                  << (sink.early.empty() ? 0 : sink.early.front());
   EXPECT_EQ(stats.bytes, bytes);
   EXPECT_EQ(stats.bytes_direct + stats.bytes_buffered, bytes);
   const auto got = to_host(buffer.span());
@@ -160,6 +189,16 @@ void batch_matrix(const Case& param) {
       at += length;
     }
     std::reverse(writes.begin(), writes.end());  // order within a batch does not matter
+    {
+      std::vector<IoRequest> told = writes;
+      told.back().landed = &sink;  // only reads are told as they land
+      try {
+        engine->submit_batch(told);
+        ADD_FAILURE() << "a write naming a LandedSink was taken";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code().value(), EINVAL) << e.what();
+      }
+    }
     const Stats stats = engine->submit_batch(writes);
     EXPECT_EQ(stats.bytes, expected.size());
     // uring gathers writes laid end to end into full pieces: of the whole range only its

@@ -44,6 +44,13 @@ class TempDir {
   std::string path_;
 };
 
+// Whether `name` ("uring", "cufile", ...) runs on this machine.
+inline bool backend_available(const std::string& name) {
+  for (const auto& b : probe_backends())
+    if (b.name == name) return b.available;
+  return false;
+}
+
 inline std::vector<std::byte> random_bytes(std::size_t size, std::uint64_t seed) {
   std::vector<std::byte> data(size);
   std::mt19937_64 rng(seed);

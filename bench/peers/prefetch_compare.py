@@ -7,9 +7,6 @@ file read once untimed before each, so the page cache holds it):
   hbmio prefetch()                hbmio.open(path, "pt").prefetch(device=D): take every tensor
   hbmio prefetch(plan 1/8)        prefetch({name: slice(0, rows // 8)}) of every tensor of >= 8 rows
   hbmio get_slice walk 1/8        f.get_slice(name)[: rows // 8] in file order
-  hbmio prefetch() b256, hbmio prefetch(plan 1/8) b256
-                                  the two above with every batch 256 MiB (the loader before its
-                                  batches grew from 64 MiB to 1 GiB): the change measured in one run
   st0.9 load_file                 safetensors.torch.load_file(path, device=D) (0.9, backend "mmap")
   st0.9 load_file pread           the same with backend="pread"
   st0.9 prefetch() T=8|16         safe_open(path, "pt").prefetch(device=D, threads=T): every tensor
@@ -47,10 +44,6 @@ else:
         names = list(f.offset_keys())
         shapes = {n: f.shape(n) for n in names}
 plan = {n: (slice(0, rows8(shapes[n])) if rows8(shapes[n]) else None) for n in names}
-if which.endswith(" b256"):
-    import hbmio._prefetch as _pf
-    _pf._FIRST_BATCH = _pf._MAX_BATCH = 256 << 20
-    which = which[:-len(" b256")]
 def load():
   if which == "hbmio.load_file":
       return hbmio.load_file(path, device=device)
@@ -92,8 +85,7 @@ print(json.dumps({"contender": label, "seconds": seconds, "first": times[0], "by
                   "version": getattr(sys.modules.get("safetensors"), "__version__", None)}))
 '''
 
-HBMIO = ["hbmio.load_file", "hbmio prefetch()", "hbmio prefetch(plan 1/8)", "hbmio get_slice walk 1/8", "hbmio prefetch() b256",
-         "hbmio prefetch(plan 1/8) b256"]
+HBMIO = ["hbmio.load_file", "hbmio prefetch()", "hbmio prefetch(plan 1/8)", "hbmio get_slice walk 1/8"]
 REFERENCE = ["st0.9 load_file", "st0.9 load_file pread", "st0.9 prefetch() T=8", "st0.9 prefetch() T=16",
              "st0.9 prefetch(plan 1/8) T=16"]
 

@@ -185,7 +185,23 @@ class OpenedCheckpoint {
   bool has_metadata() const noexcept { return !files_.empty() && files_.front().header.has_metadata; }
   // Reads the given byte ranges of tensors, all in one batch through `engine`. Throws Error
   // naming the file, tensor and offset (EINVAL for a range past a tensor's end).
-  Stats read(const std::vector<TensorRead>& reads, Engine& engine, std::atomic<std::uint64_t>* progress = nullptr) const;
+  struct ReadOptions {
+    std::atomic<std::uint64_t>* progress = nullptr;  // bytes in place so far
+    // Told i once reads[i] is all in place (GPU copies done), while later reads are still being
+    // read: a caller hands each tensor out as it lands. It runs on the engine's threads (objects
+    // at URLs: the remote workers'), possibly several at once: it must be quick and not throw.
+    std::function<void(std::size_t read)> landed;
+    // Once set, local reads not started yet stop and the call throws Error(ECANCELED).
+    std::atomic<bool>* cancel = nullptr;
+  };
+  Stats read(const std::vector<TensorRead>& reads, Engine& engine, const ReadOptions& options) const;
+  // The Error read() would throw for this read (EINVAL: no such tensor, or a range past its end).
+  void check(const TensorRead& read) const;
+  Stats read(const std::vector<TensorRead>& reads, Engine& engine, std::atomic<std::uint64_t>* progress = nullptr) const {
+    ReadOptions options;
+    options.progress = progress;
+    return read(reads, engine, options);
+  }
 
  private:
   std::string path_;
@@ -195,12 +211,16 @@ class OpenedCheckpoint {
   std::map<std::string, std::size_t, std::less<>> by_name_;
 };
 
-// Batches of reads of an opened checkpoint, read one after another on a thread of the library's
-// pool while the caller goes on: a read-ahead (Python's SafeOpen walks queue the next tensors
-// while the caller uses the last). push() queues a batch and returns its id; wait(id) waits for it
-// and rethrows its read's error; each batch is waited for once. Its destinations must stay valid
-// until then, or until the queue is destroyed, which waits for the batch being read and drops the
-// batches not started. `on_read` gets each batch's Stats (on the reading thread). Thread-safe.
+// Batches of reads of an opened checkpoint, read in order by a job of the library's pool while the
+// caller goes on: a read-ahead (Python's SafeOpen walks queue the next tensors while the caller
+// uses the last) and a prefetch. push() queues a batch and returns its id; wait(id) waits for it
+// and rethrows its read's error; each batch is waited for once. The batches queued when the job
+// comes to them are read as one engine batch, each finished as soon as its own bytes have landed:
+// a prefetch queues every batch at once and reads at the rate of one large load while handing the
+// first tensors out early. Destinations must stay valid until their batch is waited for, or until
+// the queue is destroyed, which stops the local reads not started, waits for those in flight and
+// drops the batches not started. `on_read` gets the Stats of each engine batch (on the reading
+// thread). Thread-safe.
 class ReadQueue {
  public:
   // `backend`: of the engine leased from EnginePool::shared() for the queue's life ("": the
@@ -213,6 +233,8 @@ class ReadQueue {
 
   const OpenedCheckpoint& checkpoint() const noexcept;
   std::uint64_t push(std::vector<TensorRead> reads);
+  // Several batches at once (read together, see above); their ids in order.
+  std::vector<std::uint64_t> push(std::vector<std::vector<TensorRead>> batches);
   // Throws Error(EINVAL) for an id that is not queued (waited for already).
   void wait(std::uint64_t id);
 

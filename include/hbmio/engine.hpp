@@ -33,6 +33,21 @@ class FaultHook;
 
 enum class IoOp { read, write };
 
+// Told as each read of a batch lands (IoRequest::landed), while the batch's later reads are still
+// being transferred: a caller hands out each tensor as soon as its bytes are in place instead of
+// when the whole batch is.
+class LandedSink {
+ public:
+  // The request tagged `tag` has all its bytes in place (device memory: its copies have finished).
+  // Called once per request, on one of the engine's threads, before submit_batch returns; never
+  // for a request of a batch that fails before it lands. It runs inside the transfer: it must
+  // be quick (hand heavy work such as hashing to another thread) and must not throw.
+  virtual void landed(std::uint64_t tag) noexcept = 0;
+
+ protected:
+  ~LandedSink() = default;
+};
+
 struct IoRequest {
   IoOp op = IoOp::read;
   const File* file = nullptr;
@@ -44,6 +59,10 @@ struct IoRequest {
   // Optional: once it reads true the transfer stops at its next chunk (what is in flight
   // completes first) and throws Error(ECANCELED). A save stopped by Ctrl-C uses it.
   const std::atomic<bool>* cancel = nullptr;
+  // Optional, reads only: told `landed_tag` once this request's bytes are in place (see
+  // LandedSink). Must outlive the transfer. A write that names one is refused (EINVAL).
+  LandedSink* landed = nullptr;
+  std::uint64_t landed_tag = 0;
 };
 
 // Thread-safety: an Engine may be shared by threads; each engine serves one request at a time

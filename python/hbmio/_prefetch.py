@@ -6,14 +6,13 @@ iterating (name, tensor) pairs in readiness order. Only the planned bytes are re
 of a C-ordered tensor is one contiguous byte range.
 
 How: every planned tensor gets its memory up front (it will all be on the device anyway), and
-the reads go in file order in batches (each one engine request, as the read-ahead's) to two
-readers of the binding, batches alternating between them, so one batch is read while the next is
-set up. The first batch is small (_FIRST_BATCH bytes: the first tensors are handed out soon), and
-each next one twice the one before, up to _MAX_BATCH: an engine request ends with its workers
-draining one by one, a cost paid per batch, so large batches keep a whole-file prefetch near
-load_file's rate (bench/RESULTS.md, section 11). `threads` is accepted for the reference's signature: hbmio's
+the reads are queued at once, in file order, as batches of up to _BATCH bytes, to one reader of
+the binding (hbmio::ReadQueue), which reads them all as one engine request, so the whole plan
+reads at load_file's rate with no pause between batches, and marks each batch done as soon as its
+own bytes have landed (the engine tells each read as it lands): the first tensors are handed out
+while the rest are still being read. `threads` is accepted for the reference's signature: hbmio's
 engines bring their own workers (HBMIO_WORKERS), which is where the parallel reads happen.
-A tensor handed out is complete on every stream: a batch's read returns only once its copies
+A tensor handed out is complete on every stream: a read is told landed only once its copies
 are done. close() (or the end of a `with` block) stops what has not started, waits for what
 is being read, and frees every tensor not taken.
 """
@@ -21,9 +20,7 @@ from __future__ import annotations
 
 import operator as _operator
 
-_FIRST_BATCH = 64 << 20
-_MAX_BATCH = 1 << 30
-_READERS = 2
+_BATCH = 64 << 20
 
 
 class TensorMeta:
@@ -88,39 +85,37 @@ class PrefetchLoader:
         self._batches = []      # (reader, number, {name: tensor}) in push order; None once collected
         self._batch_names = []  # the names of each batch, in file order
         self._closed = False
-        self._readers = [owner._read_queue(backend) for _ in range(min(_READERS, max(1, len(items))))]
+        self._reader = owner._read_queue(backend)
         self._order = 0         # the next batch to collect when iterating
-        batch, total, limit = [], 0, _FIRST_BATCH
+        batches, batch, total = [], [], 0
         for it in items:
-            if batch and total + it[5] > limit:
-                self._push(target, batch)
-                batch, total, limit = [], 0, min(2 * limit, _MAX_BATCH)
+            if batch and total + it[5] > _BATCH:
+                batches.append(batch)
+                batch, total = [], 0
             batch.append(it)
             total += it[5]
         if batch:
-            self._push(target, batch)
-
-    def _push(self, target, batch):
-        made, addresses = {}, []
-        for _, name, dtype, shape, _, nbytes in batch:
-            made[name], raw = target.make(dtype, shape, nbytes)
-            addresses.append(target.address(raw))
+            batches.append(batch)
+        queued = []
+        for batch in batches:
+            made, addresses = {}, []
+            for _, name, dtype, shape, _, nbytes in batch:
+                made[name], raw = target.make(dtype, shape, nbytes)
+                addresses.append(target.address(raw))
+                self._batch_of[name] = len(self._batches)
+            self._batches.append(made)
+            self._batch_names.append(list(made))
+            queued.append(([it[0] for it in batch], addresses, target.location, list(made.values()),
+                           [it[4] for it in batch], [it[5] for it in batch]))
         target.before_reads()
-        reader = self._readers[len(self._batches) % len(self._readers)]
-        number = reader.push([it[0] for it in batch], addresses, target.location, list(made.values()),
-                             [it[4] for it in batch], [it[5] for it in batch])
-        for name in made:
-            self._batch_of[name] = len(self._batches)
-        self._batches.append((reader, number, made))
-        self._batch_names.append(list(made))
+        self._numbers = self._reader.push_many(queued) if queued else []
 
     def _collect(self, k):
-        entry = self._batches[k]
-        if entry is None:
+        made = self._batches[k]
+        if made is None:
             return
-        reader, number, made = entry
         self._batches[k] = None
-        reader.wait(number)  # raises the read's error (it reaches whoever takes these tensors)
+        self._reader.wait(self._numbers[k])  # raises the read's error (it reaches whoever takes these tensors)
         self._ready.update(made)
 
     # --- the reference's interface ---------------------------------------------------------
@@ -156,7 +151,7 @@ class PrefetchLoader:
     def close(self):
         """Stops the background load (waiting for the batch being read) and frees every tensor not
         taken yet; tensors handed out keep their memory."""
-        self._readers = []   # dropping a reader skips its batches not started, waits for the one being read
+        self._reader = None  # dropping the reader stops the reads not started, waits for those in flight
         self._batches = [None] * len(self._batches)
         self._ready.clear()
         self._untaken.clear()

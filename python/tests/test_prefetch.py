@@ -26,10 +26,9 @@ def raw(t):
 
 @pytest.fixture
 def model(tmp_path, monkeypatch):
-    # Batches from 16 KiB growing to 64 KiB, so that a few tensors make several batches, of
-    # several sizes, over both readers.
-    monkeypatch.setattr("hbmio._prefetch._FIRST_BATCH", 16 << 10)
-    monkeypatch.setattr("hbmio._prefetch._MAX_BATCH", 64 << 10)
+    # Batches of 16 KiB, so that a few tensors make several batches of one engine request, each
+    # handed out as its own bytes land.
+    monkeypatch.setattr("hbmio._prefetch._BATCH", 16 << 10)
     torch.manual_seed(0)
     state = {f"layer{i}.w": torch.randn(37 + i, 129) for i in range(12)}
     state["scalar"] = torch.tensor(3.5)

@@ -38,24 +38,47 @@ const std::map<std::string, std::string>& OpenedCheckpoint::metadata() const noe
   return files_.empty() ? none : files_.front().header.metadata;
 }
 
-Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engine, std::atomic<std::uint64_t>* progress) const {
+void OpenedCheckpoint::check(const TensorRead& r) const {
+  if (r.tensor >= tensors_.size())
+    throw Error(errno_code(EINVAL), {.op = "read tensor", .path = path_},
+                fmt::format("tensor index {} (the checkpoint holds {})", r.tensor, tensors_.size()));
+  const Tensor& t = tensors_[r.tensor];
+  const std::uint64_t size = t.info->size();
+  if (r.offset > size || r.length > size - r.offset || r.into.size < r.length)
+    throw Error(errno_code(EINVAL),
+                {.op = "read tensor", .path = files_[t.file].path, .offset = t.file_offset + r.offset, .length = r.length},
+                fmt::format("bytes {}..{} of tensor '{}' ({} bytes) into {} bytes of memory", r.offset, r.offset + r.length,
+                            t.info->name, size, r.into.size));
+}
+
+Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engine, const ReadOptions& options) const {
   std::vector<detail::RangeRead> ranges;
+  std::vector<std::size_t> read_of;  // per range, its index in `reads`
   ranges.reserve(reads.size());
-  for (const TensorRead& r : reads) {
-    if (r.tensor >= tensors_.size())
-      throw Error(errno_code(EINVAL), {.op = "read tensor", .path = path_},
-                  fmt::format("tensor index {} (the checkpoint holds {})", r.tensor, tensors_.size()));
+  for (std::size_t i = 0; i < reads.size(); ++i) {
+    const TensorRead& r = reads[i];
+    check(r);
     const Tensor& t = tensors_[r.tensor];
-    const std::uint64_t size = t.info->size();
-    if (r.offset > size || r.length > size - r.offset || r.into.size < r.length)
-      throw Error(errno_code(EINVAL),
-                  {.op = "read tensor", .path = files_[t.file].path, .offset = t.file_offset + r.offset, .length = r.length},
-                  fmt::format("bytes {}..{} of tensor '{}' ({} bytes) into {} bytes of memory", r.offset, r.offset + r.length,
-                              t.info->name, size, r.into.size));
-    if (r.length > 0) ranges.push_back({t.file, t.file_offset + r.offset, r.into.subspan(0, r.length)});
+    if (r.length > 0) {
+      ranges.push_back({t.file, t.file_offset + r.offset, r.into.subspan(0, r.length)});
+      read_of.push_back(i);
+    }
   }
   // Objects at URLs with the options they were opened with (OpenedCheckpoint's `remote`).
-  Stats stats = detail::read_ranges(files_, ranges, {.engine = [&]() -> Engine& { return engine; }, .progress = progress, .resident = resident_.get()});
+  detail::ReadRangesOptions source{.engine = [&]() -> Engine& { return engine; }, .progress = options.progress,
+                                   .cancel = options.cancel, .resident = resident_.get()};
+  std::vector<std::atomic<std::uint64_t>> missing;  // per range, bytes not yet told landed
+  if (options.landed) {
+    for (std::size_t i = 0; i < reads.size(); ++i)
+      if (reads[i].length == 0) options.landed(i);  // nothing to wait for
+    missing = std::vector<std::atomic<std::uint64_t>>(ranges.size());
+    for (std::size_t k = 0; k < ranges.size(); ++k) missing[k] = ranges[k].into.size;
+    source.landed = [&](std::size_t k, std::uint64_t, std::uint64_t length) {
+      if (missing[k].fetch_sub(length) == length) options.landed(read_of[k]);
+    };
+    source.landed_quick = true;
+  }
+  Stats stats = detail::read_ranges(files_, ranges, source);
   stats.note += detail::resident_note(*resident_);
   return stats;
 }

@@ -21,35 +21,75 @@ struct ReadQueue::State {
 
   struct Batch {
     std::vector<TensorRead> reads;
+    std::size_t unlanded = 0;  // reads not yet in place, while its round is read
     bool done = false;
     std::exception_ptr error;
   };
   std::mutex mutex;
   std::condition_variable changed;
-  std::map<std::uint64_t, Batch> batches;  // map nodes stay put: the reader reads one unlocked
+  std::map<std::uint64_t, Batch> batches;  // map nodes stay put: the reader reads them unlocked
   std::deque<std::uint64_t> queue;         // batches not started yet, in order
   std::uint64_t next_id = 0;
   bool reading = false;  // a job of the pool is reading (or about to): the destructor waits for it
   bool stop = false;
+  std::atomic<bool> cancel{false};  // the destructor's: local reads not started stop
 
-  // The pool's job: reads queued batches until none is left, or the queue is destroyed.
+  // The pool's job: reads the queued batches, all of them as one round (one engine batch, each
+  // batch done as its last read lands), until none is left or the queue is destroyed.
   void drain() {
     std::unique_lock lock(mutex);
     while (!stop && !queue.empty()) {
-      const std::uint64_t id = queue.front();
-      queue.pop_front();
-      Batch& batch = batches.at(id);  // only wait() erases it, once done
+      const std::vector<std::uint64_t> round(queue.begin(), queue.end());
+      queue.clear();
+      std::vector<TensorRead> reads;
+      std::vector<Batch*> batch_of;  // per read
+      for (const std::uint64_t id : round) {
+        Batch& batch = batches.at(id);  // only wait() erases it, once done
+        batch.unlanded = batch.reads.size();
+        if (batch.reads.empty()) batch.done = true;
+        try {  // a batch that asks for a range past a tensor fails alone, not its round
+          for (const TensorRead& read : batch.reads) checkpoint->check(read);
+        } catch (...) {
+          batch.error = std::current_exception();
+          batch.done = true;
+          continue;
+        }
+        for (const TensorRead& read : batch.reads) {
+          reads.push_back(read);
+          batch_of.push_back(&batch);
+        }
+      }
+      changed.notify_all();
       lock.unlock();
       std::exception_ptr error;
       try {
-        const Stats stats = checkpoint->read(batch.reads, *engine);
+        const OpenedCheckpoint::ReadOptions options{
+            .landed =
+                [&](std::size_t i) {
+                  std::lock_guard guard(mutex);
+                  // The round's last batch is done only after on_read has its Stats: a caller that
+                  // waited for every batch then finds them reported.
+                  if (--batch_of[i]->unlanded == 0 && batch_of[i] != batch_of.back()) {
+                    batch_of[i]->done = true;
+                    changed.notify_all();
+                  }
+                },
+            .cancel = &cancel};
+        const Stats stats = checkpoint->read(reads, *engine, options);
         if (on_read) on_read(stats);
       } catch (...) {
         error = std::current_exception();
       }
       lock.lock();
-      batch.error = error;
-      batch.done = true;
+      for (const std::uint64_t id : round) {  // the last batch; those a failure left unfinished get its error
+        const auto it = batches.find(id);
+        if (it == batches.end() || it->second.done) continue;
+        if (it->second.unlanded > 0)
+          it->second.error = error ? error
+                                   : std::make_exception_ptr(Error(errno_code(EIO), {.op = "read ahead", .path = checkpoint->path()},
+                                                                   "a read was never told landed"));
+        it->second.done = true;
+      }
       changed.notify_all();
     }
     reading = false;
@@ -68,27 +108,39 @@ ReadQueue::ReadQueue(std::shared_ptr<const OpenedCheckpoint> checkpoint, std::st
 ReadQueue::~ReadQueue() {
   std::unique_lock lock(state_->mutex);
   state_->stop = true;
+  state_->cancel = true;
   state_->changed.wait(lock, [&] { return !state_->reading; });
 }
 
 const OpenedCheckpoint& ReadQueue::checkpoint() const noexcept { return *state_->checkpoint; }
 
 std::uint64_t ReadQueue::push(std::vector<TensorRead> reads) {
+  std::vector<std::vector<TensorRead>> one;
+  one.push_back(std::move(reads));
+  return push(std::move(one)).front();
+}
+
+std::vector<std::uint64_t> ReadQueue::push(std::vector<std::vector<TensorRead>> batches) {
   std::lock_guard lock(state_->mutex);
-  const std::uint64_t id = state_->next_id++;
-  state_->batches.emplace(id, State::Batch{.reads = std::move(reads)});
-  state_->queue.push_back(id);
-  if (!state_->reading) {
+  std::vector<std::uint64_t> ids;
+  for (std::vector<TensorRead>& reads : batches) {
+    ids.push_back(state_->next_id++);
+    state_->batches.emplace(ids.back(), State::Batch{.reads = std::move(reads)});
+    state_->queue.push_back(ids.back());
+  }
+  if (!state_->reading && !ids.empty()) {
     try {
       detail::Executor::shared().post([state = state_] { state->drain(); });
     } catch (...) {
-      state_->queue.pop_back();
-      state_->batches.erase(id);
+      for (const std::uint64_t id : ids) {
+        state_->queue.pop_back();
+        state_->batches.erase(id);
+      }
       throw;
     }
     state_->reading = true;
   }
-  return id;
+  return ids;
 }
 
 void ReadQueue::wait(std::uint64_t id) {

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <map>
+#include <optional>
 #include <filesystem>
 #include <mutex>
 #include <set>
@@ -36,90 +38,187 @@ namespace {
 // back to back) is told in pieces, so that its tensors are checked on several threads at once.
 constexpr std::uint64_t kLandedPiece = std::uint64_t{64} << 20;
 
-// At most as many threads check a batch at once as hash a load in one pass (xxh3_of_each): each
+// At most as many threads check pieces at once as hash a load in one pass (xxh3_of_each): each
 // may hold a pinned staging buffer for device memory.
 unsigned landed_width(std::size_t pieces) {
   return static_cast<unsigned>(std::min<std::size_t>({pieces, std::max(1u, std::thread::hardware_concurrency()), 16}));
 }
 
-// The local reads, as engine batches. Without `landed`: one batch, unless the files to open again
-// exceed the bound. With it: batches of at most landed_batch_bytes, reads cut in pieces of
-// kLandedPiece, each batch told landed on the pool, piece by piece, while the next one reads (one
-// batch being checked at a time).
-Stats read_local(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, std::span<const std::size_t> which,
-                 const ReadRangesOptions& options) {
+// Tells ReadRangesOptions::landed of each piece as the engine lands it (LandedSink): right on the
+// engine's thread where the caller says landed is quick, else on up to `width` pool jobs, which
+// take the landed pieces in turn (checking a piece must not hold up the reads). A throw from
+// landed is kept and rethrown by finish(), which waits for every piece told.
+class PieceSink final : public LandedSink {
+ public:
   struct Piece {
     std::size_t read;
     std::uint64_t at, length;
   };
+
+  PieceSink(const ReadRangesOptions& options, unsigned width)
+      : options_(options), width_(std::max(width, 1u)), stop_(options.cancel != nullptr ? options.cancel : &own_stop_) {}
+  ~PieceSink() { finish_noexcept(); }  // the jobs reference `options` and the caller's memory
+  PieceSink(const PieceSink&) = delete;
+  PieceSink& operator=(const PieceSink&) = delete;
+
+  std::uint64_t add(const Piece& piece) {
+    std::lock_guard lock(mutex_);
+    pieces_.push_back(piece);
+    return pieces_.size() - 1;
+  }
+
+  void landed(std::uint64_t tag) noexcept override {
+    std::unique_lock lock(mutex_);
+    const Piece piece = pieces_[tag];
+    if (options_.landed_quick) {
+      lock.unlock();
+      tell(piece);
+      return;
+    }
+    landed_.push_back(piece);
+    if (active_ == width_) return;  // a job takes it when it is done with its own
+    ++active_;
+    try {
+      jobs_.push_back(Executor::shared().start([this] { drain(); }));
+    } catch (...) {
+      --active_;  // finish() tells what no job took
+    }
+  }
+
+  // After the last batch: waits for every piece's landed call; rethrows the first throw.
+  void finish() {
+    std::vector<Pending<void>> jobs;
+    {
+      std::lock_guard lock(mutex_);
+      jobs.swap(jobs_);
+    }
+    for (Pending<void>& job : jobs) job.get();  // drain() throws nothing
+    std::deque<Piece> left;  // no job could be started for these: told here
+    {
+      std::lock_guard lock(mutex_);
+      left.swap(landed_);
+    }
+    for (const Piece& piece : left) tell(piece);
+    std::lock_guard lock(mutex_);
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+  // The requests' `cancel`: the caller's (ReadRangesOptions::cancel) or the sink's own, set once a
+  // landed call threw, so that the engine stops at its next chunk rather than read the rest of a
+  // checkpoint that already failed its check.
+  const std::atomic<bool>* stop() const noexcept { return stop_; }
+  bool threw() {
+    std::lock_guard lock(mutex_);
+    return error_ != nullptr;
+  }
+
+ private:
+  void finish_noexcept() noexcept {
+    try {
+      finish();
+    } catch (...) {
+    }
+  }
+
+  void drain() noexcept {
+    std::unique_lock lock(mutex_);
+    while (!landed_.empty()) {
+      const Piece piece = landed_.front();
+      landed_.pop_front();
+      lock.unlock();
+      tell(piece);
+      lock.lock();
+    }
+    --active_;
+  }
+
+  void tell(const Piece& piece) noexcept {
+    try {
+      options_.landed(piece.read, piece.at, piece.length);
+    } catch (...) {
+      std::lock_guard lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+      *stop_ = true;
+    }
+  }
+
+  const ReadRangesOptions& options_;
+  const unsigned width_;
+  std::mutex mutex_;
+  std::deque<Piece> pieces_;  // by tag; a deque: a told piece is copied out under the mutex
+  std::deque<Piece> landed_;  // told by the engine, not yet by a job
+  std::vector<Pending<void>> jobs_;
+  unsigned active_ = 0;
+  std::exception_ptr error_;
+  std::atomic<bool> own_stop_{false};
+  std::atomic<bool>* const stop_;
+};
+
+// The local reads, as engine batches: one, unless the files to open again exceed the bound. With
+// `landed`, reads are cut in pieces of kLandedPiece, each told as the engine lands it (PieceSink),
+// while the rest of the batch is still being read.
+Stats read_local(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, std::span<const std::size_t> which,
+                 const ReadRangesOptions& options) {
   Engine& engine = options.engine();
   Stats total;
   std::size_t batches = 0;
   std::vector<IoRequest> requests;
-  std::vector<Piece> batch;  // what the requests cover, for landed
   std::vector<std::shared_ptr<const File>> reopened;
-  std::uint64_t batch_bytes = 0;
-  Pending<void> landing;  // the previous batch's landed calls
+  std::optional<PieceSink> sink;
+  if (options.landed) {
+    std::size_t pieces = 0;
+    for (const std::size_t i : which) pieces += static_cast<std::size_t>((reads[i].into.size + kLandedPiece - 1) / kLandedPiece);
+    sink.emplace(options, landed_width(pieces));
+  }
   const auto flush = [&] {
     if (requests.empty()) return;
-    Stats part = engine.submit_batch(requests);
+    Stats part;
+    try {
+      part = engine.submit_batch(requests);
+    } catch (...) {
+      if (sink && sink->threw()) sink->finish();  // the check that stopped the reads is the error
+      throw;
+    }
     if (batches++ == 0) total = std::move(part);  // its note says what the engine did
     else total.add_part(part);
     requests.clear();
     reopened.clear();
-    batch_bytes = 0;
-    if (!options.landed) {
-      batch.clear();
-      return;
-    }
-    if (landing.valid()) landing.get();
-    landing = Executor::shared().start([&options, done = std::move(batch)] {
-      Executor::shared().run(done.size(), landed_width(done.size()), [&](std::size_t k) {
-        options.landed(done[k].read, done[k].at, done[k].length);
-      });
-    });
-    batch.clear();
   };
   const std::size_t bound = open_file_bound();
   std::size_t last_file = SIZE_MAX;
   const File* handle = nullptr;
-  try {
-    for (const std::size_t i : which) {
-      const RangeRead& read = reads[i];
-      const std::uint64_t piece = options.landed ? kLandedPiece : read.into.size;
-      for (std::uint64_t at = 0; at < read.into.size; at += piece) {
-        const std::uint64_t length = std::min<std::uint64_t>(piece, read.into.size - at);
-        if (options.landed && batch_bytes > 0 && batch_bytes + length > options.landed_batch_bytes) {
-          flush();
-          last_file = SIZE_MAX;  // its reopened file went with the batch
+  for (const std::size_t i : which) {
+    const RangeRead& read = reads[i];
+    const std::uint64_t piece = options.landed ? kLandedPiece : read.into.size;
+    for (std::uint64_t at = 0; at < read.into.size; at += piece) {
+      const std::uint64_t length = std::min<std::uint64_t>(piece, read.into.size - at);
+      if (read.file != last_file) {
+        last_file = read.file;
+        if (options.resident && options.resident->files[read.file]) {
+          handle = options.resident->files[read.file].get();
+        } else if (files[read.file].file) {
+          handle = files[read.file].file.get();
+        } else {
+          if (reopened.size() == bound) flush();
+          reopened.push_back(reopen(files[read.file]));
+          handle = reopened.back().get();
         }
-        if (read.file != last_file) {
-          last_file = read.file;
-          if (options.resident && options.resident->files[read.file]) {
-            handle = options.resident->files[read.file].get();
-          } else if (files[read.file].file) {
-            handle = files[read.file].file.get();
-          } else {
-            if (reopened.size() == bound) flush();
-            reopened.push_back(reopen(files[read.file]));
-            handle = reopened.back().get();
-          }
-        }
-        requests.push_back({.op = IoOp::read, .file = handle, .offset = read.offset + at,
-                            .memory = read.into.subspan(at, static_cast<std::size_t>(length)), .progress = options.progress});
-        batch.push_back({i, at, length});
-        batch_bytes += length;
       }
+      IoRequest request{.op = IoOp::read, .file = handle, .offset = read.offset + at,
+                        .memory = read.into.subspan(at, static_cast<std::size_t>(length)), .progress = options.progress,
+                        .cancel = options.cancel};
+      if (sink) {
+        request.landed = &*sink;
+        request.landed_tag = sink->add({i, at, length});
+        request.cancel = sink->stop();
+      }
+      requests.push_back(request);
     }
-    flush();
-    if (landing.valid()) landing.get();
-  } catch (...) {
-    landing.wait();  // it references `options` and the caller's memory
-    throw;
   }
+  flush();
+  if (sink) sink->finish();  // on a throw above, its destructor waits for the pieces told
   if (batches > 1)
-    total.note = fmt::format("{} batches{}{}", batches,
-                             options.landed ? " (each checked while the next was read)" : " (the files were opened a bounded number at a time)",
+    total.note = fmt::format("{} batches (the files were opened a bounded number at a time){}", batches,
                              total.note.empty() ? "" : "; " + total.note);
   return total;
 }

@@ -41,14 +41,17 @@ struct ReadRangesOptions {
   // For objects at URLs; null: the options each object was opened with.
   const RemoteOptions* remote = nullptr;
   std::atomic<std::uint64_t>* progress = nullptr;  // bytes in place so far
-  // Told that bytes [at, at + length) of reads[read] are in place (GPU copies done), on a pool or
-  // remote worker thread, possibly several at once, while later bytes are still being read; a
-  // throw from it fails the call. Objects at URLs: per part as it arrives. Local files: per piece
-  // of a read (up to 64 MiB), once the engine batch that holds it is done, while the next batch is
-  // read (the batches are then of at most `landed_batch_bytes`, so that checking one overlaps
-  // reading the next), the pieces of a batch on up to 16 threads at once.
+  // Told that bytes [at, at + length) of reads[read] are in place (GPU copies done) while later
+  // bytes are still being read: objects at URLs per part as it arrives, on the remote workers;
+  // local files per piece of a read (up to 64 MiB) as the engine lands it (LandedSink), on up to
+  // 16 pool threads at once, or on the engine's own threads with `landed_quick`. A throw from it
+  // stops the reads at their next chunk and fails the call with that exception.
   LandedFunction landed;
-  std::uint64_t landed_batch_bytes = std::uint64_t{1} << 30;
+  // `landed` is quick (a count, a waiter woken) and may run on the engine's threads, in the read.
+  bool landed_quick = false;
+  // Once set, local reads not started yet stop and the call throws Error(ECANCELED) (objects at
+  // URLs are read to the end). The read sets it too when a landed call throws.
+  std::atomic<bool>* cancel = nullptr;
   // The resident cache's copies of `files` (resident_copies), or null: reads of a file it holds go
   // to its copy; those into GPU memory are DMA'd by the cache's server from its pinned copy where
   // it can (else read from the copy through the engine).

@@ -311,6 +311,7 @@ class CufileEngine final : public Engine {
     const std::size_t size = request.memory.size;
     if (size == 0) {
       stats.note = "empty request";
+      tell_landed(request);
       timer.finish(stats);
       return stats;
     }
@@ -340,6 +341,7 @@ class CufileEngine final : public Engine {
                                      (plan.o_direct ? "; O_DIRECT descriptor" : "; buffered descriptor"),
                            .bytes = size,
                            .bytes_direct = plan.dma || plan.o_direct ? size : 0});
+    tell_landed(request);  // cuFileRead returns once its DMA is done
     timer.finish(stats);
     return stats;
   }

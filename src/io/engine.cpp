@@ -29,6 +29,8 @@ void validate_request(const IoRequest& request, std::string_view backend) {
     throw Error(errno_code(EBADF), context, "file is open for writing only");
   if (request.op == IoOp::write && !request.file->writable())
     throw Error(errno_code(EBADF), context, "file is open for reading only");
+  if (request.op == IoOp::write && request.landed != nullptr)
+    throw Error(errno_code(EINVAL), context, "a write names a LandedSink: only reads are told as they land");
   const std::uint64_t length = request.memory.size;
   if (request.offset > static_cast<std::uint64_t>(INT64_MAX) || length > static_cast<std::uint64_t>(INT64_MAX) - request.offset)
     throw Error(errno_code(EOVERFLOW), context, "offset + length overflows a file offset");

@@ -27,6 +27,11 @@ void validate_request(const IoRequest& request, std::string_view backend);
 // validate_request() for each, and one op (all reads or all writes) across the batch.
 void validate_batch(std::span<const IoRequest> requests, std::string_view backend);
 
+// Tells the request's LandedSink, if it names one, that its bytes are in place.
+inline void tell_landed(const IoRequest& request) noexcept {
+  if (request.landed != nullptr) request.landed->landed(request.landed_tag);
+}
+
 // Wall and process CPU time over a transfer, written into Stats by finish().
 class TransferTimer {
  public:

@@ -60,6 +60,7 @@ class PosixEngine final : public Engine {
                                                                                   : "cudaMemcpy into a pageable buffer, then pwrite through the page cache")
                                            : std::string(request.op == IoOp::read ? "pread through the page cache" : "pwrite through the page cache"),
                              .bytes = memory.size});
+    tell_landed(request);
     timer.finish(stats);
     return stats;
   }

@@ -103,6 +103,9 @@ struct Slot {
   std::byte* data = nullptr;
   SlotState state = SlotState::free;
   cuda::Event copied;  // device jobs only: fires when the slot's copy to the GPU is done
+  // A read's slot while its copy runs: the part and how many of its bytes land when it is done.
+  const Part* part = nullptr;
+  std::size_t bytes = 0;
 };
 
 // One in-flight storage I/O.
@@ -149,6 +152,9 @@ struct Job {
     std::atomic<std::uint64_t> resumed{0};  // page cache: the rest of a short O_DIRECT read
   };
   std::vector<PartBytes> part_bytes;
+  // Reads whose request names a LandedSink: per part, its bytes not yet in place (empty when no
+  // request of the job names one). The worker that lands a part's last bytes tells the sink.
+  std::unique_ptr<std::atomic<std::uint64_t>[]> unlanded;
   std::mutex error_mutex;
   std::exception_ptr error;
   // Unaligned edges of direct writes, written after the direct pieces (see start_next_piece).
@@ -508,6 +514,7 @@ class Worker {
     slots_[slot].copied.synchronize(context());
     copying_.pop_front();
     slots_[slot].state = SlotState::free;
+    land(*slots_[slot].part, slots_[slot].bytes);
     return slot;
   }
 
@@ -614,18 +621,30 @@ class Worker {
           stream_.copy_to_device_async(op.user, slot.data + op.wanted_offset, op.wanted, ctx);
           slot.copied.record(stream_, ctx);
           slot.state = SlotState::copying;
+          slot.part = &part;
+          slot.bytes = op.wanted;
           copying_.push_back(op.slot);
         } else {
           std::memcpy(op.user, slot.data + op.wanted_offset, op.wanted);
           slot.state = SlotState::free;
+          land(part, op.wanted);
         }
       } else {
         slot.state = SlotState::free;
       }
+    } else if (job_->op == IoOp::read) {
+      land(part, op.wanted);  // read straight into the caller's memory
     }
     part.for_each_request(op.begin, op.begin + op.wanted, [](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
       if (r.progress) *r.progress += hi - lo;
     });
+  }
+
+  // `bytes` of a read part are in place; the last of them tells its request's sink.
+  void land(const Part& part, std::uint64_t bytes) noexcept {
+    if (!job_->unlanded) return;
+    std::atomic<std::uint64_t>& left = job_->unlanded[static_cast<std::size_t>(&part - job_->parts.data())];
+    if (left.fetch_sub(bytes, std::memory_order_acq_rel) == bytes) tell_landed(part.first());
   }
 
   Options options_;
@@ -673,6 +692,8 @@ class UringEngine final : public Engine {
     UringPlan plan = plan_batch(requests, options_, name());  // parts and chunks; no I/O yet
     stats.bytes = plan.bytes;
     std::string note = std::move(plan.note);
+    for (const IoRequest& request : requests)
+      if (request.memory.size == 0) tell_landed(request);  // no part: nothing to wait for
     if (plan.parts.empty()) {
       timer.finish(stats);
       return stats;
@@ -683,6 +704,10 @@ class UringEngine final : public Engine {
     job.chunk_size = plan.chunk_size;
     job.device = plan.device;
     job.op = requests.front().op;
+    if (std::any_of(requests.begin(), requests.end(), [](const IoRequest& r) { return r.landed != nullptr; })) {
+      job.unlanded = std::make_unique<std::atomic<std::uint64_t>[]>(job.parts.size());
+      for (std::size_t i = 0; i < job.parts.size(); ++i) job.unlanded[i] = job.parts[i].end() - job.parts[i].offset();
+    }
 
     // A worker per chunk, up to the engine's, and no more than the bytes are worth: waking a
     // thread costs about what copying kBytesPerWorker from the page cache does.
