@@ -2,6 +2,9 @@
 // order), reads it through the engine into a free buffer of a fixed ring, and queues it for the
 // caller. The engine does the parallel I/O (uring: every worker ring busy over the batch's ranges,
 // bounce buffers copied to the GPU while the next chunks arrive); this thread only keeps it fed.
+// Batches are read in groups (one engine request each, two in flight on two engines), and each
+// batch is queued as soon as its own bytes have landed (the engine tells each read as it lands),
+// in the stream's order: a group's first batch does not wait for its last.
 //
 //   caller: next() ──gives back the buffer it held──► free ring ──► stream thread: plan, read
 //           ◄──────────────── ready queue ◄──────────────────────────────────────┘
@@ -48,10 +51,11 @@ __extension__ typedef unsigned __int128 u128;  // Lemire's bounded draw needs th
 
 double seconds_between(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-// Small batches are read several at a time (one engine batch), so that the engine's queue stays
-// deep when each batch alone would be a few hundred KiB; a batch of this size or more alone keeps
-// every worker ring busy (the uring engine cuts it into chunks for all of them).
-constexpr std::uint64_t kGroupBytes = 32ull << 20;
+// Batches are read several at a time (one engine request), so that the engine's queue stays deep
+// when each batch alone would be a few hundred KiB, and an engine request's start and drain are
+// paid once per group rather than per batch; a group is at most this big, and at most half of the
+// ring, so that two groups are in flight.
+constexpr std::uint64_t kGroupBytes = 128ull << 20;
 // Shard files kept open between batches; more are closed least recently used first (a whole
 // shard's descriptors), and a shard opened again must still be the file its header came from.
 constexpr std::size_t kOpenShards = 64;
@@ -260,6 +264,13 @@ struct BatchStream::State {
     int slot = -1;
     double read_seconds = 0;
   };
+  // Batches whose bytes have landed wait here until every batch before them has (under the
+  // mutex): the caller gets them in the stream's order. Numbered by the fill thread (next_number).
+  std::map<std::uint64_t, Ready> landed_early;
+  std::uint64_t next_number = 0, next_to_queue = 0;
+  // A batch that could not be planned (its shard replaced) ends the stream: the batches after it,
+  // though read, are never queued, and the caller gets the error once those before it are taken.
+  std::uint64_t queue_end = UINT64_MAX;
 
   mutable std::mutex mutex;
   mutable std::condition_variable changed;  // waited on by const readers too (wait_scanned)
@@ -286,16 +297,24 @@ struct BatchStream::State {
   Shard scan_one(const File& file, ShardFormat format, std::vector<StreamField>& fields_out) const;
   void plan_epoch(std::uint64_t number, const Split& split, const std::function<bool(BatchPlan&&)>& emit) const;
   void resume_from(const StreamPosition& position);
-  // A group of batches being read: one engine request, in flight on the pool.
-  struct Group {
+  // A group of batches being read: one engine request, in flight on the pool; each batch queued
+  // for the caller as its last request lands (the engine tells the group, a LandedSink).
+  struct Group final : LandedSink {
+    State* state = nullptr;
     std::vector<IoRequest> requests;
-    std::vector<Ready> done;                         // its batches, delivered once it is read
+    std::vector<Ready> done;                         // its batches, in order, until each lands
+    std::vector<std::size_t> unlanded;               // per batch: its requests not landed yet (under the mutex)
+    std::vector<std::size_t> batch_of;               // per request: its batch
+    std::uint64_t first_number = 0;                  // the stream's number of done[0]
+    Clock::time_point last_landed;                   // the read's start, then its last landing (under the mutex)
     std::vector<std::shared_ptr<const File>> files;  // what its requests read (trimmed from open_files meanwhile)
     std::exception_ptr failed;  // a shard that could not be opened: the batches before it are read first
-    detail::Pending<double> reading;  // the request's seconds
+    detail::Pending<void> reading;
+    void landed(std::uint64_t request) noexcept override { state->landed(*this, batch_of[request]); }
   };
   std::unique_ptr<Group> start_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine);
   void finish_group(Group& group);
+  void landed(Group& group, std::size_t batch) noexcept;
   int take_slot(bool wait);
   void wait_scanned(std::unique_lock<std::mutex>& lock) const;
 
@@ -524,6 +543,8 @@ void BatchStream::State::run() noexcept {
     std::uint64_t group_bytes = 0;
     std::uint64_t record_total = 0;
     for (const auto& f : fields) record_total += f.record_bytes;
+    const std::uint64_t group_target =
+        std::max<std::uint64_t>(1, std::min<std::uint64_t>(kGroupBytes, options.read_ahead * batch_records * record_total / 2));
     const auto flush = [&] {
       if (!group.empty()) {
         in_flight.push_back(start_group(group, *engines[groups++ % engines.size()].get()));
@@ -538,18 +559,24 @@ void BatchStream::State::run() noexcept {
       while (!in_flight.empty()) finish_oldest();
     };
     const auto emit = [&](BatchPlan&& plan) {
-      // A buffer for this batch: wait for one only when nothing is gathered yet; otherwise read
-      // what is gathered first, so the caller never waits on a batch held back for company. The
-      // caller gives buffers back only after taking batches: every group read is delivered first.
+      // A buffer for this batch: when none is free, read what is gathered first (the caller never
+      // waits on a batch held back for company), then let the oldest group finish (the caller
+      // gives buffers back as it takes the batches that landed), and wait for the caller only when
+      // nothing is being read.
       int slot = take_slot(false);
-      if (slot < 0) {
-        deliver_all();
-        slot = take_slot(true);
-        if (slot < 0) return false;  // stopping
+      while (slot < 0) {
+        flush();
+        if (in_flight.empty()) {
+          slot = take_slot(true);
+          if (slot < 0) return false;  // stopping
+          break;
+        }
+        finish_oldest();
+        slot = take_slot(false);
       }
       group_bytes += plan.records * record_total;
       group.emplace_back(slot, std::move(plan));
-      if (group_bytes >= kGroupBytes) flush();
+      if (group_bytes >= group_target) flush();
       return !stop;
     };
     const Split whole({{0, total_records}}, options.world);
@@ -608,6 +635,8 @@ std::shared_ptr<const File> BatchStream::State::file_of(std::size_t shard) {
 std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::vector<std::pair<int, BatchPlan>>& group,
                                                                             Engine& engine) {
   auto g = std::make_unique<Group>();
+  g->state = this;
+  g->last_landed = Clock::now();
   // The caller's work still using a buffer given back (its step's kernels) is waited for by the
   // read, on the pool, not here: the group before this one is delivered meanwhile.
   std::vector<cuda::Event*> in_use;
@@ -629,7 +658,9 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
           const std::uint64_t rb = fields[f].record_bytes;
           if (rb == 0) continue;
           g->requests.push_back({.op = IoOp::read, .file = file.get(), .offset = shards[run.shard].field_offset[f] + run.first * rb,
-                                 .memory = r.batch.fields[f].subspan(run.at * rb, run.count * rb), .cancel = &stop});
+                                 .memory = r.batch.fields[f].subspan(run.at * rb, run.count * rb), .cancel = &stop,
+                                 .landed = g.get(), .landed_tag = g->requests.size()});
+          g->batch_of.push_back(g->done.size());
         }
         // Held once per run of runs from one shard (a shuffled batch has a run per record).
         if (g->files.empty() || g->files.back() != file) g->files.push_back(std::move(file));
@@ -638,42 +669,63 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
       // A shard that cannot be opened (or was replaced) stops this batch; the batches gathered
       // before it are read and delivered first, as a read error's would be.
       g->requests.resize(planned);
+      g->batch_of.resize(planned);
       g->failed = std::current_exception();
       break;
     }
+    g->unlanded.push_back(g->requests.size() - planned);
     g->done.push_back(std::move(r));
   }
+  g->first_number = next_number;
+  next_number += g->done.size();
+  if (g->failed) {
+    std::lock_guard lock(mutex);
+    queue_end = std::min(queue_end, next_number);
+  }
+  for (std::size_t b = 0; b < g->done.size(); ++b)
+    if (g->unlanded[b] == 0) landed(*g, b);  // nothing to read (records of no bytes)
   while (open_files.size() > kOpenShards) open_files.pop_back();  // the group holds what it reads
-  g->reading = detail::Executor::shared().start([this, &engine, requests = std::span<const IoRequest>(g->requests),
-                                                 in_use = std::move(in_use)] {
+  g->reading = detail::Executor::shared().start([this, &engine, group = g.get(), in_use = std::move(in_use)] {
     std::optional<cuda::DeviceGuard> device;  // as on the fill's thread (run())
     if (options.device.kind == MemoryKind::device) device.emplace(options.device.device, ErrorContext{.op = "stream"});
     for (cuda::Event* released : in_use) released->synchronize({.op = "wait for the caller's use of a stream batch"});
-    const Clock::time_point start = Clock::now();
-    if (!requests.empty()) engine.submit_batch(requests);
-    return seconds_between(start, Clock::now());
+    {
+      std::lock_guard lock(mutex);
+      group->last_landed = Clock::now();
+    }
+    if (!group->requests.empty()) engine.submit_batch(group->requests);
   });
   return g;
 }
 
+// Called by the engine as a batch's last request lands (and by start_group for a batch with
+// nothing to read): the batch is queued for the caller once every batch before it has been.
+void BatchStream::State::landed(Group& g, std::size_t batch) noexcept {
+  {
+    std::lock_guard lock(mutex);
+    if (g.unlanded[batch] > 0 && --g.unlanded[batch] > 0) return;
+    const Clock::time_point now = Clock::now();
+    Ready& r = g.done[batch];
+    r.read_seconds = std::max(0.0, seconds_between(g.last_landed, now));  // a group's batches sum to its read
+    g.last_landed = std::max(g.last_landed, now);
+    landed_early.emplace(g.first_number + batch, std::move(r));
+    for (auto it = landed_early.begin(); it != landed_early.end() && it->first == next_to_queue && it->first < queue_end;
+         it = landed_early.erase(it)) {
+      ready.push_back(std::move(it->second));
+      ++next_to_queue;
+    }
+  }
+  changed.notify_all();
+}
+
+// Waits for a group's read: its batches were queued as they landed.
 void BatchStream::State::finish_group(Group& g) {
-  double took = 0;
   try {
-    took = g.reading.get();
+    g.reading.get();
   } catch (const Error& e) {
     if (stop && e.code().value() == ECANCELED) return;
     throw;
   }
-  std::uint64_t total = 0;
-  for (const auto& r : g.done) total += r.batch.records;
-  {
-    std::lock_guard lock(mutex);
-    for (auto& r : g.done) {
-      r.read_seconds = total ? took * static_cast<double>(r.batch.records) / static_cast<double>(total) : 0;
-      ready.push_back(std::move(r));
-    }
-  }
-  changed.notify_all();
   if (g.failed) std::rethrow_exception(g.failed);
 }
 
