@@ -11,11 +11,18 @@ Contenders, each reading every shard once per pass into --device in batches of -
              (automatic batching off: one contiguous slice per batch, the fast form for memmaps),
              num_workers=--workers, pin_memory=True, persistent_workers=False, then
              .cuda(non_blocking=True): the documented fast recipe
-Each pass is measured alone (ingestion rate) and with a training-step stand-in: --matmuls bf16
-matrix multiplies of --matmul-n per batch, each step consuming the batch (a reduction of it added
-to the matrices) and ending in a host sync, as loss.item() does. Reported: GiB/s, host CPU seconds
-(this process and its worker children) per GiB, the step's GPU time (CUDA events around the
-multiplies only) against the same loop without ingestion, and the loop's wall time.
+Each pass is measured (--loads) alone (ingestion rate), and with the GPU busy:
+  step    a training-step stand-in per batch: --matmuls bf16 matrix multiplies of --matmul-n, each
+          step consuming the batch (a reduction of it added to the matrices) and ending in a host
+          sync, as loss.item() does. The loop then cannot run faster than the steps alone: its
+          ceiling is the step-bound rate (data bytes / the steps' wall time alone), reported as
+          step_bound_gib_per_s and of_step_bound beside the loop's wall time against the steps'.
+  beside  the same multiplies on a CUDA stream of their own, kept queued (two steps ahead, never
+          waited for) while the batches are consumed as fast as they come: the GPU computes beside
+          the ingestion, which is measured against the page-cache and storage ceilings as when
+          alone; steps_beside says how many steps ran meanwhile.
+Reported: GiB/s, host CPU seconds (this process and its worker children) per GiB, the step's GPU
+time (CUDA events around the multiplies only) against the same loop without ingestion.
 Cold passes drop the page cache first; rounds rotate the order. Every pass checks the count of
 records and the sum of all values against the reference computed when the shards were written.
 One JSON line per measurement on stdout and in --json.
@@ -87,6 +94,33 @@ class Step:
         return s
 
 
+class Beside:
+    """The step's multiplies on a stream of their own, kept two steps ahead and never waited for:
+    called once per batch, it tops the queue up."""
+
+    def __init__(self, torch, step):
+        self.torch, self.step = torch, step
+        self.stream = torch.cuda.Stream(device=step.a.device)
+        self.queued = []
+        self.steps = 0
+
+    def __call__(self, batch):
+        t = self.torch
+        self.queued = [e for e in self.queued if not e.query()]
+        while len(self.queued) < 2:
+            with t.cuda.stream(self.stream):
+                y = self.step.x
+                for _ in range(self.step.a.matmuls):
+                    y = t.tanh(y @ self.step.w)
+                done = t.cuda.Event()
+                done.record(self.stream)
+            self.queued.append(done)
+            self.steps += 1
+
+    def finish(self):
+        self.stream.synchronize()
+
+
 def consume(torch, batches, step, device, records_out):
     """Iterates the batches; returns (records, sum of all values) and runs the step when given."""
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -96,6 +130,8 @@ def consume(torch, batches, step, device, records_out):
         total += b.sum(dtype=torch.float64)
         if step is not None:
             step(b)
+    if isinstance(step, Beside):
+        step.finish()
     records_out.append(records)
     return total.item()
 
@@ -153,6 +189,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--mode", choices=["cold", "warm", "both"], default="both")
     p.add_argument("--only", default="ceiling,hbmio,dataloader")
+    p.add_argument("--loads", default="alone,step,beside", help="what runs beside each pass (see above)")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--json")
     a = p.parse_args()
@@ -196,11 +233,15 @@ def main():
         for r in range(a.rounds):
             order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
             for c in order:
-                for with_step in ([False] if c == "ceiling" else [False, True]):
+                loads = [x for x in ("alone", "step", "beside") if x in a.loads.split(",")]
+                for load in (["alone"] if c == "ceiling" else loads):
+                    if load == "beside" and a.device == "cpu":
+                        continue
+                    with_step = load == "step"
                     if mode == "cold":
                         drop_cache(files[0])
                     gc.collect()
-                    rec = dict(contender=c, mode=mode, round=r, step=with_step)
+                    rec = dict(contender=c, mode=mode, round=r, step=with_step, beside=load == "beside")
                     try:
                         cpu0 = cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN)
                         t0 = time.perf_counter()
@@ -210,7 +251,7 @@ def main():
                                 hbmio.read_into(f, pinned[:n], backend="uring")
                             extra = {}
                         else:
-                            st = step if with_step else None
+                            st = step if with_step else Beside(torch, step) if load == "beside" else None
                             step.gpu_ms.clear()
                             if c == "hbmio":
                                 records, value, extra = hbmio_pass(torch, a, files, st)
@@ -222,10 +263,15 @@ def main():
                                 extra["step_gpu_ms"] = round(statistics.median(step.gpu_ms), 3)
                                 extra["step_slowdown"] = round(extra["step_gpu_ms"] / alone_ms, 3)
                                 extra["wall_vs_alone"] = round((time.perf_counter() - t0) / alone_wall, 3)
+                                extra["step_bound_gib_per_s"] = round(data_bytes / GIB / alone_wall, 3)
+                            if load == "beside":
+                                extra["steps_beside"] = st.steps
                         seconds = time.perf_counter() - t0
                         cpu = cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN) - cpu0
                         rec.update(seconds=round(seconds, 3), gib_per_s=round(data_bytes / GIB / seconds, 3),
                                    cpu_s_per_gib=round(cpu / (data_bytes / GIB), 3), **extra)
+                        if "step_bound_gib_per_s" in rec:
+                            rec["of_step_bound"] = round(rec["gib_per_s"] / rec["step_bound_gib_per_s"], 3)
                     except Exception as e:  # one failing contender must not stop the others
                         rec["error"] = f"{type(e).__name__}: {e}"
                     emit(rec)
