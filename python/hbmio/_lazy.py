@@ -673,6 +673,15 @@ class _Slice:
 
     def __getitem__(self, key):
         owner = self._owner
+        if owner._mmap and (key is Ellipsis or type(key) is slice and key == _ALL and self._shape) and owner._resolved == "torch":
+            # The whole tensor of a mapped handle, as transformers 5 asks for every tensor: the
+            # view itself, without the general path's per-dimension work (tens of microseconds a
+            # tensor, which made a model of many small tensors load slower than stock).
+            target = owner._own_target()
+            if self._dtype != "F4" and target.can(self._dtype):
+                view = owner._mapped_view(self._index, target)
+                if view is not None:
+                    return view
         if owner._resolved == "torch" and (self._dtype == "F4" or not _plain_torch_index(key, len(self._shape))):
             # F4: torch holds it packed (float4_e2m1fn_x2, the last dimension half the file's), so
             # the index is torch's on that tensor. (safetensors 0.8 and 0.9 raise RuntimeError for
@@ -757,6 +766,7 @@ def _prod(values) -> int:
 
 
 _INT64 = range(-(1 << 63), 1 << 63)
+_ALL = slice(None)  # [:]
 
 
 def _plain_torch_index(key, ndim) -> bool:
