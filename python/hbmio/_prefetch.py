@@ -6,11 +6,11 @@ iterating (name, tensor) pairs in readiness order. Only the planned bytes are re
 of a C-ordered tensor is one contiguous byte range.
 
 How: every planned tensor gets its memory up front (it will all be on the device anyway), and
-the reads are queued at once, in file order, as batches of up to _BATCH bytes, to one reader of
-the binding (hbmio::ReadQueue), which reads them all as one engine request, so the whole plan
-reads at load_file's rate with no pause between batches, and marks each batch done as soon as its
-own bytes have landed (the engine tells each read as it lands): the first tensors are handed out
-while the rest are still being read. `threads` is accepted for the reference's signature: hbmio's
+the reads are queued in file order, as batches of up to _BATCH bytes, each as soon as its tensors
+exist, to one reader of the binding (hbmio::ReadQueue), which reads what is queued by then as one
+engine request (so a plan reads at load_file's rate, without a pause per batch) and marks each
+batch done as soon as its own bytes have landed (the engine tells each read as it lands): the
+first tensors are handed out while the rest are still being read. `threads` is accepted for the reference's signature: hbmio's
 engines bring their own workers (HBMIO_WORKERS), which is where the parallel reads happen.
 A tensor handed out is complete on every stream: a read is told landed only once its copies
 are done. close() (or the end of a `with` block) stops what has not started, waits for what
@@ -96,7 +96,10 @@ class PrefetchLoader:
             total += it[5]
         if batch:
             batches.append(batch)
-        queued = []
+        # Each batch is queued as soon as its tensors exist: making thousands of tensors takes as
+        # long as reading them, so the reads start with the first batch rather than after the
+        # last one is made; the reader takes what has been queued by each time it starts a read.
+        self._numbers = []
         for batch in batches:
             made, addresses = {}, []
             for _, name, dtype, shape, _, nbytes in batch:
@@ -105,10 +108,9 @@ class PrefetchLoader:
                 self._batch_of[name] = len(self._batches)
             self._batches.append(made)
             self._batch_names.append(list(made))
-            queued.append(([it[0] for it in batch], addresses, target.location, list(made.values()),
-                           [it[4] for it in batch], [it[5] for it in batch]))
-        target.before_reads()
-        self._numbers = self._reader.push_many(queued) if queued else []
+            target.before_reads()
+            self._numbers.append(self._reader.push([it[0] for it in batch], addresses, target.location, list(made.values()),
+                                                   [it[4] for it in batch], [it[5] for it in batch]))
 
     def _collect(self, k):
         made = self._batches[k]

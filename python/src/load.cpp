@@ -119,13 +119,6 @@ class ReadQueue {
     return id;
   }
 
-  // Several batches queued at once: read as one engine batch, each done as its bytes land.
-  std::vector<std::uint64_t> push(std::vector<std::vector<hbmio::TensorRead>> batches, std::vector<nb::object> keep) {
-    const std::vector<std::uint64_t> ids = queue_->push(std::move(batches));
-    for (std::size_t k = 0; k < ids.size(); ++k) keep_.emplace(ids[k], std::move(keep[k]));
-    return ids;
-  }
-
   // Waits for batch `id`; raises its read's error. Each batch is waited for once.
   void wait(std::uint64_t id) {
     std::exception_ptr error;
@@ -338,21 +331,6 @@ void bind_load(nb::module_& m) {
          nb::arg("lengths") = nb::none(),
          "Queues a read of tensors (or of byte ranges of them) into the addresses `dests` in `location`, in memory "
          "`keep` holds; returns the batch's number.")
-      .def("push_many", [](ReadQueue& q, const nb::list& batches) {
-        std::vector<std::vector<hbmio::TensorRead>> reads;
-        std::vector<nb::object> keep;
-        for (nb::handle item : batches) {
-          const auto b = nb::cast<nb::tuple>(item);
-          if (b.size() != 6) throw nb::value_error("push_many: each batch is (indices, dests, location, keep, offsets, lengths)");
-          reads.push_back(tensor_reads(q.checkpoint(), nb::cast<std::vector<std::size_t>>(b[0]), nb::cast<nb::list>(b[1]),
-                                       nb::cast<std::optional<std::vector<std::uint64_t>>>(b[4]),
-                                       nb::cast<std::optional<std::vector<std::uint64_t>>>(b[5]), nb::cast<std::string>(b[2])));
-          keep.push_back(nb::borrow(b[3]));
-        }
-        return q.push(std::move(reads), std::move(keep));
-      }, nb::arg("batches"),
-         "Queues several batches, each (indices, dests, location, keep, offsets, lengths) as push() takes them, to be "
-         "read as one engine batch, each done as soon as its own bytes land; returns their numbers.")
       .def("wait", &ReadQueue::wait, nb::arg("batch"), "Waits for a batch; raises its read's error.");
 
   nb::class_<Handle>(m, "SafeOpen", "A checkpoint opened for lazy, per-tensor loads (like safetensors.safe_open).")
