@@ -1146,6 +1146,57 @@ TEST(OpenedCheckpoints, ReadTensorsAndRangesInAnyOrder) {
 // The read-ahead's reader: batches queued while the caller goes on, each read whole and in order,
 // each error reaching the wait of its own batch only, and a queue dropped with batches still
 // queued stopping without touching them.
+// A read that fails inside a round (a file cut short after it was opened) fails only the batch
+// whose bytes are gone: the round's other batches are read again alone and get their bytes.
+TEST(OpenedCheckpoints, AReadQueueRoundThatFailsFailsOnlyTheBatchThatAskedForTheMissingBytes) {
+  for (const char* backend : {"posix", "uring"}) {
+    if (std::string(backend) == "uring" && !backend_available("uring")) continue;
+    SCOPED_TRACE(backend);
+    TempDir dir;
+    const std::string path = dir.file("cut.safetensors");
+    std::vector<Buffer> data;
+    std::vector<TensorToSave> tensors;
+    for (int k = 0; k < 12; ++k) {
+      data.push_back(Buffer::allocate({MemoryKind::host}, std::size_t{1} << 20));
+      for (std::size_t i = 0; i < data.back().size(); i += 512) data.back().data()[i] = static_cast<std::byte>(k * 13 + i / 512);
+      tensors.push_back({fmt::format("t{:02}", k), st::Dtype::U8, {data.back().size()}, data.back().span()});
+    }
+    save_checkpoint(path, tensors, {.checksums = false});
+    const auto opened = std::make_shared<const OpenedCheckpoint>(path);
+    const st::Header header = st::read_header(path);
+    const std::string last = opened->tensors().back().info->name;
+    std::filesystem::resize_file(path, header.data_offset + header.find(last)->begin + 4096);  // the last tensor cut short
+    ReadQueue queue(opened, backend);
+    // The cut tensor's batch first: its read fails before the others have landed.
+    std::vector<std::string> names{last};
+    for (const auto& t : opened->tensors())
+      if (t.info->name != last) names.push_back(t.info->name);
+    std::vector<Buffer> into;
+    std::vector<std::vector<TensorRead>> batches;
+    for (const std::string& name : names) {
+      const std::size_t t = *opened->find(name);
+      into.push_back(Buffer::allocate({MemoryKind::host}, opened->tensors()[t].info->size()));
+      batches.push_back({{.tensor = t, .offset = 0, .length = into.back().size(), .into = into.back().span()}});
+    }
+    const std::vector<std::uint64_t> ids = queue.push(std::move(batches));
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const std::string& name = names[i];
+      if (name == last) {
+        try {
+          queue.wait(ids[i]);
+          ADD_FAILURE() << "a tensor cut short was read";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("ended"), std::string::npos) << e.what();
+        }
+        continue;
+      }
+      EXPECT_NO_THROW(queue.wait(ids[i])) << name;
+      const std::size_t k = static_cast<std::size_t>(std::stoi(name.substr(1)));
+      EXPECT_EQ(std::memcmp(into[i].data(), data[k].data(), data[k].size()), 0) << name;
+    }
+  }
+}
+
 TEST(OpenedCheckpoints, AReadQueueReadsBatchesInOrderAndGivesEachItsOwnError) {
   TempDir dir;
   const Sample sample = make_sample({MemoryKind::host});

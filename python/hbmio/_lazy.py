@@ -673,7 +673,7 @@ class _Slice:
 
     def __getitem__(self, key):
         owner = self._owner
-        if owner._mmap and (key is Ellipsis or type(key) is slice and key == _ALL and self._shape) and owner._resolved == "torch":
+        if owner._mmap and (key is Ellipsis or _whole_slice(key) and self._shape) and owner._resolved == "torch":
             # The whole tensor of a mapped handle, as transformers 5 asks for every tensor: the
             # view itself, without the general path's per-dimension work (tens of microseconds a
             # tensor, which made a model of many small tensors load slower than stock).
@@ -766,7 +766,11 @@ def _prod(values) -> int:
 
 
 _INT64 = range(-(1 << 63), 1 << 63)
-_ALL = slice(None)  # [:]
+
+
+def _whole_slice(key) -> bool:
+    """Whether `key` is [:] (compared bound by bound: a bound may be an array)."""
+    return type(key) is slice and key.start is None and key.stop is None and key.step is None
 
 
 def _plain_torch_index(key, ndim) -> bool:

@@ -84,6 +84,7 @@ class PrefetchLoader:
         self._batch_of = {}     # name -> batch number
         self._batches = []      # (reader, number, {name: tensor}) in push order; None once collected
         self._batch_names = []  # the names of each batch, in file order
+        self._errors = {}       # batch number -> the error its read raised
         self._closed = False
         self._reader = owner._read_queue(backend)
         self._order = 0         # the next batch to collect when iterating
@@ -115,9 +116,15 @@ class PrefetchLoader:
     def _collect(self, k):
         made = self._batches[k]
         if made is None:
+            if k in self._errors:  # every tensor of a batch that failed raises its error
+                raise self._errors[k]
             return
         self._batches[k] = None
-        self._reader.wait(self._numbers[k])  # raises the read's error (it reaches whoever takes these tensors)
+        try:
+            self._reader.wait(self._numbers[k])  # raises the read's error
+        except BaseException as e:
+            self._errors[k] = e
+            raise
         self._ready.update(made)
 
     # --- the reference's interface ---------------------------------------------------------

@@ -4,6 +4,7 @@ drop-in's metadata: hbmio.torch writes what the reference writes, metadata() sho
 caller's keys."""
 import os
 import pathlib
+import shutil
 
 import pytest
 
@@ -156,3 +157,27 @@ def test_backend_names_of_the_reference_are_accepted_and_unknown_ones_refused_at
         with pytest.raises(safetensors.SafetensorError, match='"bogus" is invalid') as e:  # the reference's type
             call()
         assert isinstance(e.value, hbmio.Error) and isinstance(e.value, ValueError)
+
+
+
+def test_a_failed_read_reaches_every_tensor_of_its_batch(model, monkeypatch, tmp_path):
+    """A file cut short after it was opened: each tensor whose batch could not be read raises the
+    read's hbmio.Error when taken (a second tensor of that batch too, not a KeyError); with small
+    batches, those before the cut are handed out intact."""
+    path, state = model
+    copy = tmp_path / "copy.safetensors"
+    shutil.copyfile(path, copy)
+    for file, batch in ((path, 1 << 30), (copy, 16 << 10)):  # one batch for all; then many
+        monkeypatch.setattr("hbmio._prefetch._BATCH", batch)
+        with hbmio.open(file, framework="pt") as f:
+            names = f.offset_keys()
+            last = next(n for n in reversed(names) if state[n].numel())
+            os.truncate(file, os.path.getsize(file) - 64)  # the last tensor's bytes cut short
+            with f.prefetch() as loader:
+                with pytest.raises(hbmio.Error, match="ended"):
+                    loader.take(last)
+                if batch == 1 << 30:
+                    with pytest.raises(hbmio.Error, match="ended"):
+                        loader.take(names[0])
+                else:
+                    assert raw(loader.take(names[0])) == raw(state[names[0]])

@@ -32,68 +32,102 @@ struct ReadQueue::State {
   std::uint64_t next_id = 0;
   bool reading = false;  // a job of the pool is reading (or about to): the destructor waits for it
   bool stop = false;
-  std::atomic<bool> cancel{false};  // the destructor's: local reads not started stop
+  std::atomic<bool>* cancel = nullptr;  // the read in flight's: the destructor stops its local reads
 
   // The pool's job: reads the queued batches, all of them as one round (one engine batch, each
-  // batch done as its last read lands), until none is left or the queue is destroyed.
-  void drain() {
+  // batch done as its last read lands), until none is left or the queue is destroyed. A round
+  // that fails is read again batch by batch for the batches it left unfinished, so that each
+  // gets its own result: one bad tensor fails only the batch that asked for it.
+  void drain() noexcept {
     std::unique_lock lock(mutex);
     while (!stop && !queue.empty()) {
-      const std::vector<std::uint64_t> round(queue.begin(), queue.end());
-      queue.clear();
-      std::vector<TensorRead> reads;
-      std::vector<Batch*> batch_of;  // per read
-      for (const std::uint64_t id : round) {
-        Batch& batch = batches.at(id);  // only wait() erases it, once done
-        batch.unlanded = batch.reads.size();
-        if (batch.reads.empty()) batch.done = true;
-        try {  // a batch that asks for a range past a tensor fails alone, not its round
-          for (const TensorRead& read : batch.reads) checkpoint->check(read);
-        } catch (...) {
-          batch.error = std::current_exception();
-          batch.done = true;
-          continue;
-        }
-        for (const TensorRead& read : batch.reads) {
-          reads.push_back(read);
-          batch_of.push_back(&batch);
-        }
-      }
-      changed.notify_all();
-      lock.unlock();
-      std::exception_ptr error;
+      std::vector<std::uint64_t> round;
       try {
-        const OpenedCheckpoint::ReadOptions options{
-            .landed =
-                [&](std::size_t i) {
-                  std::lock_guard guard(mutex);
-                  // The round's last batch is done only after on_read has its Stats: a caller that
-                  // waited for every batch then finds them reported.
-                  if (--batch_of[i]->unlanded == 0 && batch_of[i] != batch_of.back()) {
-                    batch_of[i]->done = true;
-                    changed.notify_all();
-                  }
-                },
-            .cancel = &cancel};
-        const Stats stats = checkpoint->read(reads, *engine, options);
-        if (on_read) on_read(stats);
-      } catch (...) {
-        error = std::current_exception();
+        round.assign(queue.begin(), queue.end());
+        queue.clear();
+        read_round(round, lock);
+        std::vector<std::uint64_t> unfinished;
+        for (const std::uint64_t id : round)
+          if (const auto it = batches.find(id); it != batches.end() && !it->second.done) unfinished.push_back(id);
+        if (unfinished.size() > 1)
+          for (const std::uint64_t id : unfinished)
+            if (!stop) read_round({id}, lock);
+      } catch (...) {  // memory for a round's lists: its batches fail with that
+        for (const std::uint64_t id : round)
+          if (const auto it = batches.find(id); it != batches.end() && !it->second.done) {
+            it->second.error = std::current_exception();
+            it->second.done = true;
+          }
       }
-      lock.lock();
-      for (const std::uint64_t id : round) {  // the last batch; those a failure left unfinished get its error
-        const auto it = batches.find(id);
-        if (it == batches.end() || it->second.done) continue;
-        if (it->second.unlanded > 0)
-          it->second.error = error ? error
-                                   : std::make_exception_ptr(Error(errno_code(EIO), {.op = "read ahead", .path = checkpoint->path()},
-                                                                   "a read was never told landed"));
-        it->second.done = true;
-      }
+      // What is still unfinished failed (or was stopped): each batch keeps the error its last read gave.
+      for (const std::uint64_t id : round)
+        if (const auto it = batches.find(id); it != batches.end() && !it->second.done) it->second.done = true;
       changed.notify_all();
     }
     reading = false;
     changed.notify_all();
+  }
+
+  // Reads the batches `ids` (not done yet) as one engine batch; `lock` is held on entry and on
+  // return. A batch is done as its last read lands (the round's last one after on_read); one that
+  // does not land gets the read's error and stays not done for drain() to decide.
+  void read_round(const std::vector<std::uint64_t>& ids, std::unique_lock<std::mutex>& lock) {
+    std::vector<TensorRead> reads;
+    std::vector<Batch*> batch_of;  // per read
+    for (const std::uint64_t id : ids) {
+      Batch& batch = batches.at(id);  // only wait() erases it, once done
+      batch.unlanded = batch.reads.size();
+      batch.error = nullptr;  // read again alone after its round failed: this read's result counts
+      if (batch.reads.empty()) batch.done = true;
+      try {  // a batch that asks for a range past a tensor fails alone, not its round
+        for (const TensorRead& read : batch.reads) checkpoint->check(read);
+      } catch (...) {
+        batch.error = std::current_exception();
+        batch.done = true;
+        continue;
+      }
+      for (const TensorRead& read : batch.reads) {
+        reads.push_back(read);
+        batch_of.push_back(&batch);
+      }
+    }
+    changed.notify_all();
+    if (reads.empty()) return;
+    std::atomic<bool> stopped{false};
+    cancel = &stopped;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      const OpenedCheckpoint::ReadOptions options{
+          .landed =
+              [&](std::size_t i) {
+                std::lock_guard guard(mutex);
+                // The round's last batch is done only after on_read has its Stats: a caller that
+                // waited for every batch then finds them reported.
+                if (--batch_of[i]->unlanded == 0 && batch_of[i] != batch_of.back()) {
+                  batch_of[i]->done = true;
+                  changed.notify_all();
+                }
+              },
+          .cancel = &stopped};
+      const Stats stats = checkpoint->read(reads, *engine, options);
+      if (on_read) on_read(stats);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    cancel = nullptr;
+    for (const std::uint64_t id : ids) {
+      const auto it = batches.find(id);
+      if (it == batches.end() || it->second.done) continue;
+      if (it->second.unlanded == 0) {
+        it->second.done = true;  // the round's last batch, all in place
+      } else {
+        it->second.error = error ? error
+                                 : std::make_exception_ptr(Error(errno_code(EIO), {.op = "read ahead", .path = checkpoint->path()},
+                                                                 "a read was never told landed"));
+      }
+    }
   }
 };
 
@@ -108,7 +142,7 @@ ReadQueue::ReadQueue(std::shared_ptr<const OpenedCheckpoint> checkpoint, std::st
 ReadQueue::~ReadQueue() {
   std::unique_lock lock(state_->mutex);
   state_->stop = true;
-  state_->cancel = true;
+  if (state_->cancel != nullptr) *state_->cancel = true;
   state_->changed.wait(lock, [&] { return !state_->reading; });
 }
 

@@ -55,8 +55,11 @@ class PieceSink final : public LandedSink {
     std::uint64_t at, length;
   };
 
-  PieceSink(const ReadRangesOptions& options, unsigned width)
-      : options_(options), width_(std::max(width, 1u)), stop_(options.cancel != nullptr ? options.cancel : &own_stop_) {}
+  // `pieces`: how many will be added (the jobs' list is reserved for as many: see landed()).
+  PieceSink(const ReadRangesOptions& options, unsigned width, std::size_t pieces)
+      : options_(options), width_(std::max(width, 1u)), stop_(options.cancel != nullptr ? options.cancel : &own_stop_) {
+    jobs_.reserve(pieces);
+  }
   ~PieceSink() { finish_noexcept(); }  // the jobs reference `options` and the caller's memory
   PieceSink(const PieceSink&) = delete;
   PieceSink& operator=(const PieceSink&) = delete;
@@ -75,10 +78,18 @@ class PieceSink final : public LandedSink {
       tell(piece);
       return;
     }
-    landed_.push_back(piece);
+    try {
+      landed_.push_back(piece);
+    } catch (...) {  // no memory to queue it: the read fails with that
+      if (!error_) error_ = std::current_exception();
+      *stop_ = true;
+      return;
+    }
     if (active_ == width_) return;  // a job takes it when it is done with its own
     ++active_;
     try {
+      // At most one job per piece: reserved, so that adding it cannot throw once the job exists
+      // (a Pending dropped here would run drain() on this thread, which holds the mutex).
       jobs_.push_back(Executor::shared().start([this] { drain(); }));
     } catch (...) {
       --active_;  // finish() tells what no job took
@@ -168,7 +179,7 @@ Stats read_local(const std::vector<CheckpointFile>& files, std::span<const Range
   if (options.landed) {
     std::size_t pieces = 0;
     for (const std::size_t i : which) pieces += static_cast<std::size_t>((reads[i].into.size + kLandedPiece - 1) / kLandedPiece);
-    sink.emplace(options, landed_width(pieces));
+    sink.emplace(options, landed_width(pieces), pieces);
   }
   const auto flush = [&] {
     if (requests.empty()) return;

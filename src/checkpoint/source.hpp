@@ -50,7 +50,8 @@ struct ReadRangesOptions {
   // `landed` is quick (a count, a waiter woken) and may run on the engine's threads, in the read.
   bool landed_quick = false;
   // Once set, local reads not started yet stop and the call throws Error(ECANCELED) (objects at
-  // URLs are read to the end). The read sets it too when a landed call throws.
+  // URLs are read to the end). The read sets it too when a landed call throws: a flag of this
+  // call's own, not one shared with later calls.
   std::atomic<bool>* cancel = nullptr;
   // The resident cache's copies of `files` (resident_copies), or null: reads of a file it holds go
   // to its copy; those into GPU memory are DMA'd by the cache's server from its pinned copy where

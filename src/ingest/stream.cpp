@@ -315,6 +315,7 @@ struct BatchStream::State {
   std::unique_ptr<Group> start_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine);
   void finish_group(Group& group);
   void landed(Group& group, std::size_t batch) noexcept;
+  void queue_landed(Group& group, std::size_t batch) noexcept;
   int take_slot(bool wait);
   void wait_scanned(std::unique_lock<std::mutex>& lock) const;
 
@@ -682,8 +683,11 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
     std::lock_guard lock(mutex);
     queue_end = std::min(queue_end, next_number);
   }
-  for (std::size_t b = 0; b < g->done.size(); ++b)
-    if (g->unlanded[b] == 0) landed(*g, b);  // nothing to read (records of no bytes)
+  {
+    std::lock_guard lock(mutex);
+    for (std::size_t b = 0; b < g->done.size(); ++b)
+      if (g->unlanded[b] == 0) queue_landed(*g, b);  // nothing to read (records of no bytes)
+  }
   while (open_files.size() > kOpenShards) open_files.pop_back();  // the group holds what it reads
   g->reading = detail::Executor::shared().start([this, &engine, group = g.get(), in_use = std::move(in_use)] {
     std::optional<cuda::DeviceGuard> device;  // as on the fill's thread (run())
@@ -698,12 +702,20 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
   return g;
 }
 
-// Called by the engine as a batch's last request lands (and by start_group for a batch with
-// nothing to read): the batch is queued for the caller once every batch before it has been.
+// Called by the engine as each request of a group lands: a batch whose last request it was is
+// queued for the caller once every batch before it has been.
 void BatchStream::State::landed(Group& g, std::size_t batch) noexcept {
   {
     std::lock_guard lock(mutex);
-    if (g.unlanded[batch] > 0 && --g.unlanded[batch] > 0) return;
+    if (g.unlanded[batch] == 0 || --g.unlanded[batch] > 0) return;  // a second tell of a batch is none
+    queue_landed(g, batch);
+  }
+  changed.notify_all();
+}
+
+// Under the mutex: batch `batch` of `g` is all in place.
+void BatchStream::State::queue_landed(Group& g, std::size_t batch) noexcept {
+  try {
     const Clock::time_point now = Clock::now();
     Ready& r = g.done[batch];
     r.read_seconds = std::max(0.0, seconds_between(g.last_landed, now));  // a group's batches sum to its read
@@ -714,8 +726,10 @@ void BatchStream::State::landed(Group& g, std::size_t batch) noexcept {
       ready.push_back(std::move(it->second));
       ++next_to_queue;
     }
+  } catch (...) {  // no memory to queue it: the stream ends with that
+    if (!error) error = std::current_exception();
+    queue_end = std::min(queue_end, next_to_queue);
   }
-  changed.notify_all();
 }
 
 // Waits for a group's read: its batches were queued as they landed.
@@ -727,6 +741,12 @@ void BatchStream::State::finish_group(Group& g) {
     throw;
   }
   if (g.failed) std::rethrow_exception(g.failed);
+  std::lock_guard lock(mutex);
+  for (std::size_t b = 0; b < g.unlanded.size(); ++b)
+    if (g.unlanded[b] > 0)  // every batch after it would wait for it, and the caller for them
+      throw Error(errno_code(EIO), {.op = "stream"},
+                  fmt::format("batch {} of epoch {} was read but never told landed by the engine", g.done[b].batch.index,
+                              g.done[b].batch.epoch));
 }
 
 Shard BatchStream::State::scan_one(const File& file, ShardFormat format, std::vector<StreamField>& out) const {
