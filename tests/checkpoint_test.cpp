@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -1140,6 +1141,102 @@ TEST(OpenedCheckpoints, ReadTensorsAndRangesInAnyOrder) {
     opened.read({{.tensor = *opened.find(sample.tensors[0].name), .offset = 0, .length = sample.bytes[0].size(), .into = again.span()}},
                 *engine);
     EXPECT_EQ(std::memcmp(again.data(), sample.bytes[0].data(), sample.bytes[0].size()), 0);
+  }
+}
+
+// Reads laid out in memory as their tensors lie in the file (a prefetch's batch in one allocation)
+// are read as one range, and each is still told landed once, with its bytes in place when told;
+// ranges that stop being adjacent (another shard, a gap in memory, part of a tensor) split it.
+// Hands its requests on to another engine, counting them.
+class CountingEngine final : public Engine {
+ public:
+  explicit CountingEngine(Engine& inner) : inner_(inner) {}
+  std::string_view name() const noexcept override { return inner_.name(); }
+  Stats submit(const IoRequest& request) override {
+    ++requests;
+    return inner_.submit(request);
+  }
+  Stats submit_batch(std::span<const IoRequest> batch) override {
+    requests += batch.size();
+    return inner_.submit_batch(batch);
+  }
+  std::atomic<std::size_t> requests{0};
+
+ private:
+  Engine& inner_;
+};
+
+TEST(OpenedCheckpoints, ReadsAdjacentInFileAndMemoryAreReadTogetherAndEachToldLanded) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  std::map<std::string, std::size_t> index_of;
+  for (std::size_t k = 0; k < sample.tensors.size(); ++k) index_of[sample.tensors[k].name] = k;
+  for (const std::uint64_t shard : {std::uint64_t{0}, std::uint64_t{300000}}) {
+    const std::string path = dir.file(shard ? "model" : "m.safetensors");
+    save_checkpoint(path, sample.tensors, {.max_shard_size = shard});
+    const OpenedCheckpoint opened(path);
+    for (const char* backend : {"posix", "uring"}) {
+      SCOPED_TRACE(fmt::format("{}, {}", shard ? "sharded" : "one file", backend));
+      auto inner = make_engine(backend, small_options());
+      CountingEngine engine(*inner);
+      // Every tensor in file order into one buffer, each where the file has it relative to the
+      // first (a gap of 64 bytes after every third read, and the second read only its tail).
+      std::vector<TensorRead> reads;
+      std::vector<std::pair<std::size_t, std::uint64_t>> wanted;  // per read: sample index, first byte
+      std::uint64_t total = 0;
+      for (std::size_t i = 0; i < opened.tensors().size(); ++i) {
+        const std::size_t k = index_of.at(opened.tensors()[i].info->name);
+        const std::uint64_t from = i == 1 ? sample.bytes[k].size() / 2 : 0;
+        reads.push_back({.tensor = i, .offset = from, .length = sample.bytes[k].size() - from, .into = {nullptr, 0, {}}});
+        wanted.emplace_back(k, from);
+        total += reads.back().length + (i % 3 == 2 ? 64 : 0);
+      }
+      Buffer buffer = Buffer::allocate({MemoryKind::host}, total + 1);
+      std::uint64_t at = 0;
+      for (std::size_t i = 0; i < reads.size(); ++i) {
+        reads[i].into = buffer.span().subspan(at, reads[i].length);
+        at += reads[i].length + (i % 3 == 2 ? 64 : 0);
+      }
+      std::vector<std::atomic<int>> told(reads.size());
+      std::atomic<int> early{0};
+      const auto in_place = [&](std::size_t i) {
+        const auto& [k, from] = wanted[i];
+        return reads[i].length == 0 || std::memcmp(reads[i].into.data, sample.bytes[k].data() + from, reads[i].length) == 0;
+      };
+      std::atomic<std::uint64_t> progress{0};
+      OpenedCheckpoint::ReadOptions options;
+      options.progress = &progress;
+      options.landed = [&](std::size_t i) {
+        ++told[i];
+        if (!in_place(i)) ++early;
+      };
+      opened.read(reads, engine, options);
+      // One request per run of reads adjacent in file and memory: a new one after each gap in
+      // memory, at each shard's first tensor, after the tail read and wherever the file pads.
+      std::size_t runs = 0;
+      std::size_t last_file = SIZE_MAX;
+      std::uint64_t file_end = 0;
+      const std::byte* memory_end = nullptr;
+      for (std::size_t i = 0; i < reads.size(); ++i) {
+        if (reads[i].length == 0) continue;
+        const auto& t = opened.tensors()[i];
+        const std::uint64_t begin = t.file_offset + reads[i].offset;
+        runs += !(t.file == last_file && begin == file_end && reads[i].into.data == memory_end);
+        last_file = t.file;
+        file_end = begin + reads[i].length;
+        memory_end = reads[i].into.data + reads[i].length;
+      }
+      EXPECT_LT(runs, reads.size() / 2) << "the sample should make long runs";
+      EXPECT_EQ(engine.requests.load(), runs);
+      for (std::size_t i = 0; i < reads.size(); ++i) {
+        EXPECT_EQ(told[i].load(), 1) << "read " << i;
+        EXPECT_TRUE(in_place(i)) << "read " << i << " (" << sample.tensors[wanted[i].first].name << ")";
+      }
+      EXPECT_EQ(early.load(), 0) << "reads told landed before their bytes were in place";
+      std::uint64_t bytes = 0;
+      for (const auto& r : reads) bytes += r.length;
+      EXPECT_EQ(progress.load(), bytes);
+    }
   }
 }
 

@@ -5,9 +5,11 @@ checkpoint into the device in the background and hands each out once, by take(na
 iterating (name, tensor) pairs in readiness order. Only the planned bytes are read: a row slice
 of a C-ordered tensor is one contiguous byte range.
 
-How: every planned tensor gets its memory up front (it will all be on the device anyway), and
-the reads are queued in file order, as batches of up to _BATCH bytes, each as soon as its tensors
-exist, to one reader of the binding (hbmio::ReadQueue), which reads what is queued by then as one
+How: every planned tensor gets its memory up front (it will all be on the device anyway): each
+batch of up to _BATCH bytes one allocation, its tensors views of it laid out as in the file, so
+a batch of many small tensors is one allocation and one engine request (as the reference's, an
+allocation is freed once every tensor of it handed out is dropped and the loader is closed).
+The reads are queued in file order, each batch as soon as its tensors exist, to one reader of the binding (hbmio::ReadQueue), which reads what is queued by then as one
 engine request (so a plan reads at load_file's rate, without a pause per batch) and marks each
 batch done as soon as its own bytes have landed (the engine tells each read as it lands): the
 first tensors are handed out while the rest are still being read. `threads` is accepted for the reference's signature: hbmio's
@@ -53,6 +55,39 @@ def _rows(name, key, shape):
     return start, max(start, stop)
 
 
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return strides[::-1]
+
+
+def _batch_memory(target, batch):
+    """One allocation for a batch's tensors, each a view of it, laid out in file order with no gap
+    but what each dtype's alignment needs: whole tensors then lie in memory as in the file, so the
+    binding reads the batch as one request rather than one per tensor, and one allocation replaces
+    one per tensor (each costs microseconds on a GPU). Returns (the allocation, {name: tensor},
+    the address of each tensor's bytes)."""
+    torch = target.torch
+    places, at = [], 0
+    for _, _, dtype, _, _, nbytes in batch:
+        at = -(-at // dtype.itemsize) * dtype.itemsize
+        places.append(at)
+        at += nbytes
+    raw = torch.empty(max(-(-at // 16) * 16, 16), dtype=torch.uint8, device=target.dev)
+    base = raw.data_ptr()
+    views = {}  # dtype -> the allocation seen as that dtype
+    made, addresses = {}, []
+    for (_, name, dtype, shape, _, _), at in zip(batch, places):
+        view = views.get(dtype)
+        if view is None:
+            view = views[dtype] = raw.view(dtype)
+        made[name] = view.as_strided(shape, _contiguous_strides(shape), at // dtype.itemsize)
+        addresses.append(base + at)
+    return raw, made, addresses
+
+
 class PrefetchLoader:
     """See hbmio/_prefetch.py. Made by SafeOpen.prefetch()."""
 
@@ -64,19 +99,23 @@ class PrefetchLoader:
             plan = {name: None for name, *_ in entries}
         elif not isinstance(plan, dict):
             raise TypeError(f"prefetch plan: expected a dict {{name: None | slice}}, got {type(plan).__name__}")
+        from ._dtypes import torch_shape
         target = _Target("torch", device)
-        items = []  # (index, name, dtype, shape, byte offset in the tensor, bytes)
+        items = []  # (index, name, torch dtype, torch shape, byte offset in the tensor, bytes)
         for name, key in plan.items():
             i = owner._lookup(name)
             _, dtype, shape, nbytes = entries[i]
-            if not target.can(dtype):
+            # F4 as the reference gives it: float4_e2m1fn_x2, two values a byte (_dtypes.torch_shape).
+            torch_dtype = getattr(target.torch, "float4_e2m1fn_x2", None) if dtype == "F4" else target.dtypes.get(dtype)
+            if not target.ok or torch_dtype is None:
                 raise TypeError(f"prefetch: tensor {name!r} has dtype {dtype}, which torch cannot represent here")
             if key is None:
-                items.append((i, name, dtype, list(shape), 0, nbytes))
+                rows, start, size = list(shape), 0, nbytes
             else:
                 a, b = _rows(name, key, shape)
                 row = nbytes // shape[0] if shape[0] else 0
-                items.append((i, name, dtype, [b - a] + list(shape[1:]), a * row, (b - a) * row))
+                rows, start, size = [b - a] + list(shape[1:]), a * row, (b - a) * row
+            items.append((i, name, torch_dtype, torch_shape(name, dtype, rows, owner.path), start, size))
         items.sort(key=_operator.itemgetter(0))  # file order: the reads run forward through the file
         self._names = [it[1] for it in items]
         self._untaken = set(self._names)
@@ -102,15 +141,13 @@ class PrefetchLoader:
         # last one is made; the reader takes what has been queued by each time it starts a read.
         self._numbers = []
         for batch in batches:
-            made, addresses = {}, []
-            for _, name, dtype, shape, _, nbytes in batch:
-                made[name], raw = target.make(dtype, shape, nbytes)
-                addresses.append(target.address(raw))
+            raw, made, addresses = _batch_memory(target, batch)
+            for name in made:
                 self._batch_of[name] = len(self._batches)
             self._batches.append(made)
             self._batch_names.append(list(made))
             target.before_reads()
-            self._numbers.append(self._reader.push([it[0] for it in batch], addresses, target.location, list(made.values()),
+            self._numbers.append(self._reader.push([it[0] for it in batch], addresses, target.location, raw,
                                                    [it[4] for it in batch], [it[5] for it in batch]))
 
     def _collect(self, k):

@@ -181,3 +181,31 @@ def test_a_failed_read_reaches_every_tensor_of_its_batch(model, monkeypatch, tmp
                         loader.take(names[0])
                 else:
                     assert raw(loader.take(names[0])) == raw(state[names[0]])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_batch_is_one_allocation_of_views_in_every_dtype(tmp_path, device):
+    """The tensors of a batch are views of one allocation laid out as in the file (padding only
+    where a dtype's alignment needs it: an odd-sized U8 before an F32), each contiguous, aligned
+    and byte-equal to the reference's, F4 as torch's float4_e2m1fn_x2; and the reference's
+    fixture of every dtype."""
+    torch.manual_seed(1)
+    state = {"a_bytes": torch.randint(0, 255, (7,), dtype=torch.uint8), "b_f32": torch.randn(5, 3),
+             "c_bool": torch.rand(9) > 0.5, "d_i64": torch.arange(11), "e_bf16": torch.randn(4, 4).to(torch.bfloat16),
+             "f_f8": torch.randn(13).to(torch.float8_e4m3fn), "g_c64": torch.randn(3, dtype=torch.complex64),
+             "h_scalar": torch.tensor(2.5, dtype=torch.float64), "i_empty": torch.zeros(0, 3, dtype=torch.int16),
+             "j_f4": torch.randint(0, 255, (2, 3), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+    path = tmp_path / "mixed.safetensors"
+    st_torch.save_file(state, str(path))
+    for file in (path, FIXTURES / "dtypes.safetensors"):
+        with safe_open(str(file), "pt") as ref:
+            want = {k: ref.get_tensor(k) for k in ref.keys()}
+        with hbmio.open(file, framework="pt", device=device) as f, f.prefetch() as loader:
+            got = dict(loader)
+        assert sorted(got) == sorted(want)
+        storages = {t.untyped_storage().data_ptr() for t in got.values()}
+        assert len(storages) == 1, f"{file.name}: {len(storages)} allocations for one batch"
+        for k, t in want.items():
+            assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+            assert got[k].is_contiguous() and got[k].data_ptr() % t.element_size() == 0, k
+            assert raw(got[k]) == raw(t), k

@@ -2,8 +2,11 @@
 // files opened once, reads of parts of tensors planned onto those descriptors and sent to an
 // engine as one batch.
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <iterator>
 #include <tuple>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -52,29 +55,58 @@ void OpenedCheckpoint::check(const TensorRead& r) const {
 }
 
 Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engine, const ReadOptions& options) const {
+  // Reads that follow each other both in one file and in memory (a prefetch's tensors laid out in
+  // one allocation as they lie in the file) become one range, so the engine reads many small
+  // tensors as one large request: no piece, copy and completion per tensor. Each range remembers
+  // its reads (`members`) to tell each one landed.
+  struct Member {
+    std::size_t read;        // index into `reads`
+    std::uint64_t begin;     // where its bytes start within the range
+    std::uint64_t length;
+  };
   std::vector<detail::RangeRead> ranges;
-  std::vector<std::size_t> read_of;  // per range, its index in `reads`
+  std::vector<std::size_t> first_member;  // per range, its first member; members are in range order
+  std::vector<Member> members;
   ranges.reserve(reads.size());
   for (std::size_t i = 0; i < reads.size(); ++i) {
     const TensorRead& r = reads[i];
     check(r);
+    if (r.length == 0) continue;
     const Tensor& t = tensors_[r.tensor];
-    if (r.length > 0) {
-      ranges.push_back({t.file, t.file_offset + r.offset, r.into.subspan(0, r.length)});
-      read_of.push_back(i);
+    const std::uint64_t offset = t.file_offset + r.offset;
+    if (!ranges.empty()) {
+      detail::RangeRead& last = ranges.back();
+      if (last.file == t.file && last.offset + last.into.size == offset && last.into.location == r.into.location &&
+          last.into.data + last.into.size == r.into.data) {
+        members.push_back({i, last.into.size, r.length});
+        last.into.size += static_cast<std::size_t>(r.length);
+        continue;
+      }
     }
+    first_member.push_back(members.size());
+    members.push_back({i, 0, r.length});
+    ranges.push_back({t.file, offset, r.into.subspan(0, static_cast<std::size_t>(r.length))});
   }
+  first_member.push_back(members.size());
   // Objects at URLs with the options they were opened with (OpenedCheckpoint's `remote`).
   detail::ReadRangesOptions source{.engine = [&]() -> Engine& { return engine; }, .progress = options.progress,
                                    .cancel = options.cancel, .resident = resident_.get()};
-  std::vector<std::atomic<std::uint64_t>> missing;  // per range, bytes not yet told landed
+  std::vector<std::atomic<std::uint64_t>> missing;  // per member, bytes not yet told landed
   if (options.landed) {
     for (std::size_t i = 0; i < reads.size(); ++i)
       if (reads[i].length == 0) options.landed(i);  // nothing to wait for
-    missing = std::vector<std::atomic<std::uint64_t>>(ranges.size());
-    for (std::size_t k = 0; k < ranges.size(); ++k) missing[k] = ranges[k].into.size;
-    source.landed = [&](std::size_t k, std::uint64_t, std::uint64_t length) {
-      if (missing[k].fetch_sub(length) == length) options.landed(read_of[k]);
+    missing = std::vector<std::atomic<std::uint64_t>>(members.size());
+    for (std::size_t m = 0; m < members.size(); ++m) missing[m] = members[m].length;
+    source.landed = [&](std::size_t k, std::uint64_t at, std::uint64_t length) {
+      // The members of range k that [at, at + length) overlaps: from the last one starting at or
+      // before `at`, while they start before its end.
+      const auto begin = members.begin() + static_cast<std::ptrdiff_t>(first_member[k]);
+      const auto end = members.begin() + static_cast<std::ptrdiff_t>(first_member[k + 1]);
+      auto m = std::prev(std::upper_bound(begin, end, at, [](std::uint64_t v, const Member& x) { return v < x.begin; }));
+      for (; m != end && m->begin < at + length; ++m) {
+        const std::uint64_t n = std::min(at + length, m->begin + m->length) - std::max(at, m->begin);
+        if (missing[static_cast<std::size_t>(m - members.begin())].fetch_sub(n) == n) options.landed(m->read);
+      }
     };
     source.landed_quick = true;
   }
