@@ -1,8 +1,13 @@
 // Options, sizes, memory locations, buffers: the small pieces everything else relies on.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <set>
 
+#include "memory/staging_ring.hpp"
 #include "test_support.hpp"
 
 namespace hbmio::test {
@@ -125,6 +130,62 @@ TEST(Buffers, SubspanChecksBounds) {
   Buffer b = Buffer::allocate({MemoryKind::host}, 100);
   EXPECT_EQ(b.span().subspan(10, 90).size, 90u);
   EXPECT_THROW(b.span().subspan(10, 91), Error);
+}
+
+// The staging ring every path into GPU memory without GDS lands through: each slot is handed out
+// once until given back, and a slot whose copy is queued comes back only through reclaim_oldest,
+// oldest first, once its copy is done; the copies land every byte where they were sent.
+TEST(StagingRings, SlotsAreHandedOutOnceUntilGivenBack) {
+  detail::StagingRing ring(MemoryKind::host, 3, 8192);
+  std::set<int> taken;
+  for (int i = 0; i < 3; ++i) {
+    const int slot = ring.acquire();
+    ASSERT_GE(slot, 0);
+    EXPECT_TRUE(taken.insert(slot).second) << "slot " << slot << " handed out twice";
+    EXPECT_EQ(ring.data(slot), ring.memory().data() + static_cast<std::size_t>(slot) * 8192);
+  }
+  EXPECT_EQ(ring.acquire(), -1);
+  ring.release(1);
+  EXPECT_EQ(ring.acquire(), 1);
+  EXPECT_FALSE(ring.copying());
+  // Copies to a GPU need pinned slots: refused before any CUDA call, so this runs everywhere.
+  try {
+    ring.use_device(0, {.op = "test"});
+    ADD_FAILURE() << "a ring of pageable memory was bound to a GPU";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), std::errc::invalid_argument);
+  }
+}
+
+TEST(GpuStagingRing, CopiesLandInOrderAndSlotsComeBackOnlyOnceCopied) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  constexpr std::size_t kSlot = std::size_t{1} << 20, kParts = 9;
+  const ErrorContext context{.op = "staging ring test"};
+  detail::StagingRing ring(MemoryKind::pinned, 2, kSlot);
+  ring.use_device(0, context);
+  Buffer device = Buffer::allocate({MemoryKind::device, 0}, kParts * kSlot);
+  std::deque<int> queued;
+  for (std::size_t k = 0; k < kParts; ++k) {
+    int slot = ring.acquire();
+    if (slot < 0) {
+      ASSERT_TRUE(ring.copying());
+      EXPECT_EQ(ring.reclaim_oldest(std::chrono::microseconds(30), context), queued.front());  // oldest first
+      queued.pop_front();
+      slot = ring.acquire();
+    }
+    ASSERT_GE(slot, 0);
+    std::memset(ring.data(slot), static_cast<int>(k + 1), kSlot);
+    ring.copy_to_device(slot, 4096, device.data() + k * kSlot, kSlot - 4096, context);  // from an offset in the slot
+    queued.push_back(slot);
+  }
+  while (ring.copying()) {
+    EXPECT_EQ(ring.reclaim_oldest(std::chrono::microseconds(0), context), queued.front());
+    queued.pop_front();
+  }
+  const std::vector<std::byte> back = to_host(device.span());
+  for (std::size_t k = 0; k < kParts; ++k)
+    for (std::size_t i = 0; i < kSlot - 4096; i += 4093)
+      ASSERT_EQ(back[k * kSlot + i], static_cast<std::byte>(k + 1)) << "part " << k << ", byte " << i;
 }
 
 TEST(Files, DirectIoAlignmentIsReported) {

@@ -59,6 +59,7 @@
 #include "io/page_cache.hpp"
 #include "io/uring_plan.hpp"
 #include "memory/cuda_runtime.hpp"
+#include "memory/staging_ring.hpp"
 
 namespace hbmio::detail {
 namespace {
@@ -97,13 +98,9 @@ class Ring {
   io_uring ring_{};
 };
 
-enum class SlotState { free, reading, copying };
-
-struct Slot {
-  std::byte* data = nullptr;
-  SlotState state = SlotState::free;
-  cuda::Event copied;  // device jobs only: fires when the slot's copy to the GPU is done
-  // A read's slot while its copy runs: the part and how many of its bytes land when it is done.
+// A read's slot while its copy to the GPU runs: the part and how many of its bytes land when the
+// copy is done.
+struct Landing {
   const Part* part = nullptr;
   std::size_t bytes = 0;
 };
@@ -192,13 +189,11 @@ class Worker {
     try {
       prepare(job);
       loop();
-      while (!copying_.empty()) wait_for_oldest_copy();  // the data is in GPU memory on return
+      while (staging_.copying()) wait_for_oldest_copy();  // the data is in GPU memory on return
     } catch (...) {
       job.fail(std::current_exception());
-      drain();
+      drain();  // frees every slot (staging_.reset()); a job that ends well has given each back
     }
-    for (auto& slot : slots_) slot.state = SlotState::free;
-    copying_.clear();
     job_ = nullptr;
     part_ = nullptr;
     device_guard_.reset();
@@ -243,27 +238,21 @@ class Worker {
       reset_ops();
     }
     const bool need_cuda_pinned = job.device >= 0;
-    if (pool_.data() == nullptr || (need_cuda_pinned && !pool_.cuda_registered())) {
+    if (!staging_.valid() || (need_cuda_pinned && !staging_.memory().cuda_registered())) {
       if (fixed_buffers_) io_uring_unregister_buffers(ring_->get());
       fixed_buffers_ = false;
-      slots_.clear();
-      pool_ = Buffer();
-      events_ready_ = false;
+      staging_ = StagingRing();
       fault_point(FaultSite::setup, "allocate bounce buffers");
       const std::size_t slot_bytes = options_.bounce_buffer_size + 2 * kSlotAlignment;
       // Host jobs use page-aligned host memory: pinning through CUDA would create a CUDA
       // context (and hold GPU memory) for a transfer that never touches the GPU.
       set_up = true;
       auto t = std::chrono::steady_clock::now();
-      pool_ = Buffer::allocate({need_cuda_pinned ? MemoryKind::pinned : MemoryKind::host, 0},
-                               slot_bytes * options_.bounce_buffers);
+      staging_ = StagingRing(need_cuda_pinned ? MemoryKind::pinned : MemoryKind::host, options_.bounce_buffers, slot_bytes);
       job.pinning_ns += since(t);
+      landing_.assign(options_.bounce_buffers, {});
       std::vector<iovec> iovecs(options_.bounce_buffers);
-      slots_.resize(options_.bounce_buffers);
-      for (unsigned i = 0; i < options_.bounce_buffers; ++i) {
-        slots_[i].data = pool_.data() + i * slot_bytes;
-        iovecs[i] = {slots_[i].data, slot_bytes};
-      }
+      for (unsigned i = 0; i < options_.bounce_buffers; ++i) iovecs[i] = {staging_.data(static_cast<int>(i)), slot_bytes};
       int r = -inject(faults_, FaultSite::setup, "io_uring_register_buffers");
       t = std::chrono::steady_clock::now();
       if (r == 0) r = io_uring_register_buffers(ring_->get(), iovecs.data(), static_cast<unsigned>(iovecs.size()));
@@ -274,24 +263,18 @@ class Worker {
         // Old kernels refuse some memory as fixed buffers (or count it against RLIMIT_MEMLOCK):
         // the slots then work as plain buffers, at the cost of pinning pages per I/O.
       } else if (r < 0) {
-        slots_.clear();
-        pool_ = Buffer();
+        staging_ = StagingRing();
         throw Error(errno_code(-r), ctx, "io_uring_register_buffers");
       }
     }
     if (!fixed_buffers_) job_->fixed_buffer_errno.store(fixed_buffer_errno_);
     if (job.device >= 0) {
-      const int device = job.device;
-      if (!stream_.valid() || stream_.device() != device) {
+      const cuda::Stream& stream = staging_.stream();
+      if (!stream.valid() || stream.device() != job.device) {
         set_up = true;
         fault_point(FaultSite::setup, "cudaStreamCreate");
-        stream_ = cuda::Stream(device, ctx);
-        events_ready_ = false;
       }
-      if (!events_ready_) {
-        for (auto& slot : slots_) slot.copied = cuda::Event(ctx);  // events belong to the device
-        events_ready_ = true;
-      }
+      staging_.use_device(job.device, ctx);
     }
     if (set_up) {
       job.setup_ns += since(start);
@@ -313,7 +296,7 @@ class Worker {
       // the next read at once rather than idle until some storage read completes (a disk's
       // latency is far longer).
       int r;
-      if (copying_.empty()) {
+      if (!staging_.copying()) {
         r = io_uring_submit_and_wait(ring, 1);
       } else {
         __kernel_timespec timeout{.tv_sec = 0, .tv_nsec = 100'000};
@@ -351,8 +334,7 @@ class Worker {
           if (fixed_buffers_) io_uring_unregister_buffers(ring);
           ring_.reset();
           fixed_buffers_ = false;
-          slots_.clear();
-          pool_ = Buffer();
+          staging_ = StagingRing();
           break;
         }
         if (r >= 0) pending_sqes_ = 0;
@@ -366,7 +348,7 @@ class Worker {
     in_flight_ = 0;
     retry_.clear();
     reset_ops();
-    stream_.synchronize_noexcept();
+    staging_.reset();
     chunk_end_ = cursor_ = 0;
   }
 
@@ -467,7 +449,7 @@ class Worker {
     if (slot < 0) return false;
     const IoRequest& request = part_->first();
     op.slot = slot;
-    op.buffer = slots_[slot].data;
+    op.buffer = staging_.data(slot);
     op.user = user;
     if (request.op == IoOp::read) {
       op.file_pos = round_down(p, a);
@@ -482,13 +464,12 @@ class Worker {
       part_->for_each_request(p, q, [&](const IoRequest& r, std::uint64_t lo, std::uint64_t hi) {
         std::byte* to = op.buffer + (lo - p);
         const std::byte* from = r.memory.data + (lo - r.offset);
-        if (part_->device) stream_.copy_to_host_async(to, from, hi - lo, ctx);
+        if (part_->device) staging_.stream().copy_to_host_async(to, from, hi - lo, ctx);
         else std::memcpy(to, from, hi - lo);
       });
-      if (part_->device) stream_.synchronize(ctx);
+      if (part_->device) staging_.stream().synchronize(ctx);
       ++job_->bounce_copies;
     }
-    slots_[slot].state = SlotState::reading;
     return true;
   }
 
@@ -497,25 +478,18 @@ class Worker {
   // (the loop comes back within 0.1 ms, see loop()); with none, waiting for the copy is all
   // there is to do.
   int acquire_slot() {
-    for (std::size_t i = 0; i < slots_.size(); ++i)
-      if (slots_[i].state == SlotState::free) return static_cast<int>(i);
-    if (copying_.empty()) return -1;
-    if (in_flight_ > 0 && !slots_[copying_.front()].copied.ready(context())) return -1;
-    return wait_for_oldest_copy();
+    if (const int slot = staging_.acquire(); slot >= 0) return slot;
+    if (!staging_.copying()) return -1;
+    if (in_flight_ > 0 && !staging_.oldest_done(context())) return -1;
+    wait_for_oldest_copy();
+    return staging_.acquire();
   }
 
-  // Copies run in order on the worker's stream, so the oldest finishes first. A small copy is
-  // done within microseconds: poll for it a short while before sleeping in the driver (the events
-  // block rather than spin, see cuda::Event, and waking from that costs more than a small copy).
-  int wait_for_oldest_copy() {
-    const int slot = copying_.front();
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(30);
-    while (!slots_[slot].copied.ready(context()) && std::chrono::steady_clock::now() < until) {}
-    slots_[slot].copied.synchronize(context());
-    copying_.pop_front();
-    slots_[slot].state = SlotState::free;
-    land(*slots_[slot].part, slots_[slot].bytes);
-    return slot;
+  // The oldest copy's slot freed and its bytes landed. A small copy is done within microseconds:
+  // poll for it a short while before sleeping in the driver (StagingRing::reclaim_oldest).
+  void wait_for_oldest_copy() {
+    const Landing landing = landing_[static_cast<std::size_t>(staging_.reclaim_oldest(std::chrono::microseconds(30), context()))];
+    land(*landing.part, landing.bytes);
   }
 
   // At most queue_depth ops exist (in flight or waiting to be resubmitted), so one is free here.
@@ -612,25 +586,20 @@ class Worker {
     Job::PartBytes& counts = job_->part_bytes[static_cast<std::size_t>(&part - job_->parts.data())];
     (op.direct ? counts.direct : op.resumed ? counts.resumed : part.alignment == 0 ? counts.plain : counts.cached) += op.wanted;
     if (op.slot >= 0) {
-      Slot& slot = slots_[op.slot];
       if (job_->op == IoOp::read) {
         ++job_->bounce_copies;
         if (part.device) {
           const ErrorContext ctx = context(part, op.file_pos + op.wanted_offset, op.wanted);
           fault_point(FaultSite::device_copy, "cudaMemcpyAsync (host to device)");
-          stream_.copy_to_device_async(op.user, slot.data + op.wanted_offset, op.wanted, ctx);
-          slot.copied.record(stream_, ctx);
-          slot.state = SlotState::copying;
-          slot.part = &part;
-          slot.bytes = op.wanted;
-          copying_.push_back(op.slot);
+          staging_.copy_to_device(op.slot, op.wanted_offset, op.user, op.wanted, ctx);
+          landing_[static_cast<std::size_t>(op.slot)] = {&part, op.wanted};
         } else {
-          std::memcpy(op.user, slot.data + op.wanted_offset, op.wanted);
-          slot.state = SlotState::free;
+          std::memcpy(op.user, staging_.data(op.slot) + op.wanted_offset, op.wanted);
+          staging_.release(op.slot);
           land(part, op.wanted);
         }
       } else {
-        slot.state = SlotState::free;
+        staging_.release(op.slot);
       }
     } else if (job_->op == IoOp::read) {
       land(part, op.wanted);  // read straight into the caller's memory
@@ -654,18 +623,15 @@ class Worker {
   Job* job_ = nullptr;
   const Part* part_ = nullptr;  // the part of the chunk at hand
   std::unique_ptr<Ring> ring_;
-  Buffer pool_;
-  std::vector<Slot> slots_;
-  cuda::Stream stream_;
+  StagingRing staging_;          // the bounce buffers ("slots") and the stream of their copies to the GPU
+  std::vector<Landing> landing_;  // per slot
   std::vector<Op> ops_;
   std::vector<int> free_ops_;
   std::deque<int> retry_;
-  std::deque<int> copying_;  // slots whose copy to the GPU is queued, oldest first
   unsigned in_flight_ = 0;
   unsigned pending_sqes_ = 0;
   std::uint64_t cursor_ = 0, chunk_end_ = 0;
   bool chunk_direct_ = false;
-  bool events_ready_ = false;
   bool fixed_buffers_ = false;  // slots registered with the ring
   int fixed_buffer_errno_ = 0;
 };

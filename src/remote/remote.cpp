@@ -5,7 +5,6 @@
 #include "hbmio/remote.hpp"
 
 #include <algorithm>
-#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -20,6 +19,7 @@
 #include "core/executor.hpp"
 #include "hbmio/error.hpp"
 #include "memory/cuda_runtime.hpp"
+#include "memory/staging_ring.hpp"
 #include "remote/http.hpp"
 
 namespace hbmio {
@@ -30,6 +30,7 @@ using remote::Response;
 using remote::Sink;
 using remote::Target;
 using Clock = std::chrono::steady_clock;
+using detail::StagingRing;
 
 struct Attempt {
   CURLcode curl = CURLE_OK;
@@ -157,21 +158,22 @@ Response get(const Target& target, const RemoteOptions& options, std::uint64_t o
   }
 }
 
-// A worker's way into GPU memory. The part's bytes land in a ring of pinned chunks, and each full
-// chunk is copied to the device on the worker's stream at once, so the copy runs while the rest of
-// the part is still arriving; a chunk is written again only once its copy is done (events that
-// sleep rather than spin: the cores are the network's). A few chunks, not a part-sized buffer,
-// per connection: the part size is the network's choice, not a pinned-memory cost.
+// A worker's way into GPU memory. The part's bytes land in a ring of pinned chunks (StagingRing),
+// and each full chunk is copied to the device on the ring's stream at once, so the copy runs while
+// the rest of the part is still arriving; a chunk is written again only once its copy is done
+// (waits that sleep rather than spin: the cores are the network's). A few chunks, not a
+// part-sized buffer, per connection: the part size is the network's choice, not a pinned-memory
+// cost.
 class DeviceLanding {
  public:
   static constexpr std::size_t kChunk = std::size_t{4} << 20;
   static constexpr std::size_t kChunks = 4;
 
-  DeviceLanding(int device, const ErrorContext& context)
-      : ring_(Buffer::allocate({MemoryKind::pinned}, kChunk * kChunks)), stream_(device, context) {
-    for (auto& e : events_) e = cuda::Event(context);
+  DeviceLanding(int device, const ErrorContext& context) : ring_(MemoryKind::pinned, kChunks, kChunk), device_(device) {
+    ring_.use_device(device, context);
+    current_ = ring_.acquire();
   }
-  int device() const noexcept { return stream_.device(); }
+  int device() const noexcept { return device_; }
 
   // A part going to `dest` (device memory) starts.
   void start(std::byte* dest, const ErrorContext& context) {
@@ -188,7 +190,7 @@ class DeviceLanding {
     }
     while (size > 0) {
       const std::size_t n = std::min(size, kChunk - filled_);
-      std::memcpy(ring_.data() + current_ * kChunk + filled_, bytes, n);
+      std::memcpy(ring_.data(current_) + filled_, bytes, n);
       filled_ += n;
       bytes += n;
       size -= n;
@@ -198,32 +200,28 @@ class DeviceLanding {
   // Sends the last chunk and waits until every byte of the part is in device memory.
   void finish() {
     send();
-    if (pending_) events_[last_].synchronize(context_);  // the stream is in order: the last copy done means all are
-    pending_ = false;
+    while (ring_.copying()) ring_.reclaim_oldest(std::chrono::microseconds(0), context_);
   }
 
  private:
   void send() {
     if (filled_ == 0) return;
-    stream_.copy_to_device_async(dest_ + begin_, ring_.data() + current_ * kChunk, filled_, context_);
-    events_[current_].record(stream_, context_);
-    used_[current_] = pending_ = true;
-    last_ = current_;
-    current_ = (current_ + 1) % kChunks;
+    ring_.copy_to_device(current_, 0, dest_ + begin_, filled_, context_);
     begin_ += filled_;
     filled_ = 0;
-    if (used_[current_]) events_[current_].synchronize(context_);  // its previous copy must be done before it is refilled
+    current_ = ring_.acquire();
+    if (current_ < 0) {  // every chunk is being copied: the oldest must be done before it is refilled
+      ring_.reclaim_oldest(std::chrono::microseconds(0), context_);
+      current_ = ring_.acquire();
+    }
   }
 
-  Buffer ring_;
-  cuda::Stream stream_;
-  std::array<cuda::Event, kChunks> events_;
-  std::array<bool, kChunks> used_{};
-  std::size_t current_ = 0, last_ = 0;
+  StagingRing ring_;
+  int device_;
+  int current_ = -1;  // the chunk being filled
   std::byte* dest_ = nullptr;
   std::uint64_t begin_ = 0;  // the part offset of the current chunk's first byte
   std::size_t filled_ = 0;
-  bool pending_ = false;
   ErrorContext context_;
 };
 
