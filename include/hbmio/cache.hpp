@@ -91,6 +91,10 @@ std::string default_cache_socket();
 // path, when none answers there).
 CacheStatus cache_status(const std::string& socket);
 
+// `status` as one JSON object (text): the fields above by their names, `entries` an array of
+// objects. The server's status reply and `hbmio cache status --json` are this object.
+std::string status_json(const CacheStatus& status);
+
 // Asks the server at `socket` to take in `paths` (opened here; Error naming a file that cannot be
 // opened). With `wait`, returns once each is held or refused. Returns, per path, what the server
 // said ("held", "adding", or its reason for refusing).

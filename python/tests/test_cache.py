@@ -67,6 +67,13 @@ def test_loads_take_held_files_from_the_cache_and_report_it(server, tmp_path, mo
     got = hbmio.load_file(str(path), framework="numpy", report=report)
     assert [p["path"] for p in report["paths"]] == ["cache-host"], report
     assert "from the resident cache" in report["note"]
+    # The command's --json: the library's status object (status_json), named and versioned.
+    import json
+    status = json.loads(subprocess.run([HBMIO, "cache", "status", "--socket", server, "--json", "-"], check=True,
+                                       capture_output=True, text=True).stdout)
+    assert status["command"] == "cache status" and status["version"] and status["socket"] == server
+    assert status["hits"] >= 1 and status["host_bytes"] == os.path.getsize(path)
+    assert [(e["path"], e["bytes"], e["tier"]) for e in status["entries"]] == [(str(path), os.path.getsize(path), "host")]
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value)
 

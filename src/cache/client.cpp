@@ -190,6 +190,8 @@ CacheStatus status_from_json(const nlohmann::json& j) {
 
 }  // namespace cache_detail
 
+std::string status_json(const CacheStatus& status) { return cache_detail::to_json(status).dump(); }
+
 CacheStatus cache_status(const std::string& socket_path) {
   const cache_detail::OwnedFd socket = cache_detail::connect_to(socket_path, 5000);
   cache_detail::send_message(socket.get(), {{"op", "status"}}, {}, socket_path);

@@ -17,15 +17,12 @@ struct CacheFlags {
   bool wait = false;
 };
 
-nlohmann::json status_json(const CacheStatus& s) {
-  nlohmann::json entries = nlohmann::json::array();
-  for (const CacheEntryStatus& e : s.entries)
-    entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"pinned", e.pinned}, {"owner", e.owner},
-                       {"hits", e.hits}, {"idle_seconds", e.idle_seconds}});
-  return {{"command", "cache status"}, {"version", version()}, {"socket", s.socket}, {"host_bytes_limit", s.host_bytes_limit},
-          {"user_bytes_limit", s.user_bytes_limit}, {"host_bytes", s.host_bytes}, {"hits", s.hits}, {"misses", s.misses},
-          {"adds", s.adds}, {"evictions", s.evictions}, {"stale", s.stale}, {"refused", s.refused}, {"clients", s.clients},
-          {"served_clients", s.served_clients}, {"uptime_seconds", s.uptime_seconds}, {"entries", entries}};
+// The library's status object with the command's name and version, as every --json of the command.
+nlohmann::json status_json_of_command(const CacheStatus& s) {
+  nlohmann::json j = nlohmann::json::parse(status_json(s));
+  j["command"] = "cache status";
+  j["version"] = version();
+  return j;
 }
 
 void print_status(const CacheStatus& s) {
@@ -92,7 +89,7 @@ void add_cache_command(CLI::App& app, int& exit_status) {
     std::string socket = flags->socket.empty() ? configured_cache_socket() : flags->socket;
     if (socket.empty()) socket = default_cache_socket();
     const CacheStatus s = cache_status(socket);
-    if (!flags->json.empty()) write_json(status_json(s), flags->json);
+    if (!flags->json.empty()) write_json(status_json_of_command(s), flags->json);
     if (flags->json != "-") print_status(s);
     exit_status = 0;
   });
