@@ -30,6 +30,8 @@
 #            .gpu/weed.xz and boto3/Run:ai wheels in .whl, see scripts/package-gpu-run.sh --remote)
 #   smallshards  from_pretrained of a many-shard small model (15+ shards, 11 MiB) stock and through
 #            hbmio.use_in_transformers(), first call and later calls, fresh processes (bench/peers/small_shards.py)
+#   firstcall  the first from_pretrained call of a process profiled (cProfile), stock and through hbmio,
+#            on the smallshards stage's model (bench/micro/first_call_probe.py)
 #   prefetch safetensors 0.9's loaders (load_file mmap/pread, prefetch() and prefetch(plan)) against
 #            hbmio's on files written by the reference (bench/peers/prefetch_compare.py; needs the
 #            0.9 wheel in .gpu/st09, see scripts/package-gpu-run.sh; ROUNDS (3), PF_FILES "big small")
@@ -215,6 +217,15 @@ smallshards)
   log "from_pretrained of a small many-shard model into cuda:0, stock and through hbmio"
   PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/small_shards.py --device cuda:0 --dir /var/tmp/small-shards \
     --runs "${ROUNDS:-5}" --json "$OUT/small-shards.jsonl" 2>&1 | tail -8
+  ;;
+firstcall)
+  # Where the first from_pretrained call of a process goes, stock and through hbmio (cProfile),
+  # on the smallshards stage's model (run that stage first).
+  build_python || continue
+  log "first from_pretrained call profiled, stock and through hbmio"
+  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/micro/first_call_probe.py /var/tmp/small-shards cuda:0 \
+    >"$OUT/first_call.txt" 2>&1
+  grep -E "^=====|first .* second|import hbmio" "$OUT/first_call.txt"
   ;;
 prefetch)
   build_python || continue
