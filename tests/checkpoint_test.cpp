@@ -179,9 +179,9 @@ void round_trip(MemoryLocation where, const std::string& backend) {
   }
 
   // Into the caller's memory, twice (the second load overwrites the first in place): byte for
-  // byte the same, every tensor inside the given span, nothing past load_size() touched.
+  // byte the same, every tensor inside the given span, nothing past plan_load().bytes touched.
   const LoadOptions into_mine{.into = where, .backend = backend};
-  const std::uint64_t need = load_size(path, into_mine);
+  const std::uint64_t need = plan_load({.path = path, .options = into_mine}).bytes;
   Buffer mine = Buffer::allocate(where, need + 1);
   fill_memory(mine.span(), std::byte{0x5A});
   LoadOptions reuse = into_mine;
@@ -199,7 +199,7 @@ void round_trip(MemoryLocation where, const std::string& backend) {
   // plan_load says where each tensor lands: exactly where the load put it.
   {
     const LoadedCheckpoint again = load_checkpoint(path, reuse);
-    const auto plan = plan_load(path, into_mine);
+    const auto plan = plan_load({.path = path, .options = into_mine}).tensors;
     ASSERT_EQ(plan.size(), again.tensors().size());
     for (std::size_t i = 0; i < plan.size(); ++i) {
       EXPECT_EQ(plan[i].name, again.tensors()[i].name);
@@ -209,18 +209,22 @@ void round_trip(MemoryLocation where, const std::string& backend) {
     EXPECT_EQ(plan.back().memory_offset + plan.back().size, need);
     // Opened once, planned and loaded from the same parsed headers: the same layout and bytes.
     const std::vector<CheckpointFile> files = open_checkpoint(path);
-    const auto plan_again = plan_load_files(path, files, into_mine);
+    const auto plan_again = plan_load({.path = path, .files = &files, .options = into_mine}).tensors;
     ASSERT_EQ(plan_again.size(), plan.size());
     for (std::size_t i = 0; i < plan.size(); ++i) EXPECT_EQ(plan_again[i].memory_offset, plan[i].memory_offset) << plan[i].name;
     fill_memory(mine.span(), std::byte{0x5A});
-    const LoadedCheckpoint opened = load_checkpoint_files(path, files, reuse);
+    const LoadResult result = load({.path = path, .files = &files, .options = reuse});
+    ASSERT_EQ(result.locations.size(), 1u);
+    const LoadedCheckpoint& opened = result.locations.front();
+    EXPECT_EQ(result.bytes_from_storage, opened.stats().bytes);
     ASSERT_EQ(opened.tensors().size(), sample.tensors.size());
     for (std::size_t i = 0; i < sample.tensors.size(); ++i) {
       const LoadedTensor* t = opened.find(sample.tensors[i].name);
       ASSERT_NE(t, nullptr);
       EXPECT_EQ(first_mismatch(to_host(t->data), sample.bytes[i]), -1) << t->name;
     }
-    EXPECT_THROW(load_checkpoint_files(path, {}, reuse), Error);
+    const std::vector<CheckpointFile> none;
+    EXPECT_THROW(load({.path = path, .files = &none, .options = reuse}), Error);
   }
   reuse.destination = mine.span().subspan(0, need - 1);
   try {
@@ -827,9 +831,12 @@ TEST(DistributedPlans, RunsCoverTheLayoutAndTheDigestNamesEverythingAgreedOn) {
   const Sample sample = make_sample({MemoryKind::host});
   save_checkpoint(path, sample.tensors);
   const std::vector<CheckpointFile> files = open_checkpoint(path);
+  const auto plan_of = [&](int world, Placement placement, std::map<std::string, int> shard_map = {}, LoadOptions options = {}) {
+    return plan_load({.path = path, .files = &files, .options = options, .placement = placement, .shard_map = std::move(shard_map)}, world);
+  };
   for (int world : {1, 2, 3, 7}) {
     SCOPED_TRACE(fmt::format("world {}", world));
-    const DistributedPlan plan = plan_distributed(path, files, {}, world, Placement::replicate);
+    const LoadPlan plan = plan_of(world, Placement::replicate);
     ASSERT_EQ(plan.reader.size(), plan.tensors.size());
     ASSERT_EQ(plan.range.size(), static_cast<std::size_t>(world));
     for (std::size_t i = 0; i < plan.tensors.size(); ++i) {
@@ -839,27 +846,27 @@ TEST(DistributedPlans, RunsCoverTheLayoutAndTheDigestNamesEverythingAgreedOn) {
       EXPECT_LE(begin, plan.tensors[i].memory_offset);
       EXPECT_GE(end, plan.tensors[i].memory_offset + plan.tensors[i].size);
     }
-    EXPECT_EQ(plan_distributed(path, files, {}, world, Placement::replicate).digest, plan.digest) << "not deterministic";
-    EXPECT_NE(plan_distributed(path, files, {}, world, Placement::shard).digest, plan.digest) << "placement not in the digest";
-    EXPECT_NE(plan_distributed(path, files, {.verify = true}, world, Placement::replicate).digest, plan.digest)
+    EXPECT_EQ(plan_of(world, Placement::replicate).digest, plan.digest) << "not deterministic";
+    EXPECT_NE(plan_of(world, Placement::shard).digest, plan.digest) << "placement not in the digest";
+    EXPECT_NE(plan_of(world, Placement::replicate, {}, {.verify = true}).digest, plan.digest)
         << "verify not in the digest";
   }
-  const DistributedPlan mapped = plan_distributed(path, files, {}, 2, Placement::shard, {{"norm", 1}, {"big", 0}});
+  const LoadPlan mapped = plan_of(2, Placement::shard, {{"norm", 1}, {"big", 0}});
   for (std::size_t i = 0; i < mapped.tensors.size(); ++i) {
     if (mapped.tensors[i].name == "norm") EXPECT_EQ(mapped.reader[i], 1);
     if (mapped.tensors[i].name == "big") EXPECT_EQ(mapped.reader[i], 0);
   }
   // A replicated load ignores shard maps (every rank gets everything).
-  EXPECT_EQ(plan_distributed(path, files, {}, 2, Placement::replicate, {{"norm", 1}}).digest,
-            plan_distributed(path, files, {}, 2, Placement::replicate).digest);
+  EXPECT_EQ(plan_of(2, Placement::replicate, {{"norm", 1}}).digest,
+            plan_of(2, Placement::replicate).digest);
   try {
-    plan_distributed(path, files, {}, 2, Placement::shard, {{"norm", 2}});
+    plan_of(2, Placement::shard, {{"norm", 2}});
     ADD_FAILURE() << "a rank out of range was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), errno_code(EINVAL)) << e.what();
   }
   try {
-    plan_distributed(path, files, {}, 2, Placement::shard, {{"nonexistent", 0}});
+    plan_of(2, Placement::shard, {{"nonexistent", 0}});
     ADD_FAILURE() << "an unknown name was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), errno_code(EINVAL)) << e.what();  // a wrong argument, not a missing file
@@ -1441,7 +1448,7 @@ TEST(ConcurrentLoads, SixteenThreadsLoadEightCheckpointsAtOnce) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// One checkpoint into several locations (load_checkpoint_multi)
+// One checkpoint into several locations (load() with LoadRequest::locations)
 // ---------------------------------------------------------------------------------------------
 
 namespace multi {
@@ -1463,9 +1470,9 @@ void check_shard(const std::vector<MemoryLocation>& into) {
   TempDir dir;
   const Sample sample = make_sample({MemoryKind::host});
   const std::string path = sharded_sample(dir, sample);
-  MultiLoadOptions options{.into = into, .placement = Placement::shard};
-  options.load.verify = true;
-  const MultiLoadResult r = load_checkpoint_multi(path, options);
+  LoadRequest request{.path = path, .locations = into, .placement = Placement::shard};
+  request.options.verify = true;
+  const LoadResult r = load(request);
   ASSERT_EQ(r.locations.size(), into.size());
   // Every tensor in exactly one location, byte for byte; every byte read once.
   std::map<std::string, int> seen;
@@ -1487,16 +1494,16 @@ void check_shard(const std::vector<MemoryLocation>& into) {
   EXPECT_EQ(seen.size(), sample.tensors.size());
   for (const auto& [name, count] : seen) EXPECT_EQ(count, 1) << name;
   EXPECT_EQ(r.bytes_from_storage, bytes_of(sample));
-  EXPECT_EQ(r.bytes_between_locations, 0u);
+  EXPECT_EQ(r.bytes_between, 0u);
 }
 
 void check_replicate(const std::vector<MemoryLocation>& into) {
   TempDir dir;
   const Sample sample = make_sample({MemoryKind::host});
   const std::string path = sharded_sample(dir, sample);
-  MultiLoadOptions options{.into = into, .placement = Placement::replicate};
-  options.load.verify = true;
-  const MultiLoadResult r = load_checkpoint_multi(path, options);
+  LoadRequest request{.path = path, .locations = into, .placement = Placement::replicate};
+  request.options.verify = true;
+  const LoadResult r = load(request);
   ASSERT_EQ(r.locations.size(), into.size());
   for (std::size_t k = 0; k < into.size(); ++k) {
     const LoadedCheckpoint& c = r.locations[k];
@@ -1512,7 +1519,7 @@ void check_replicate(const std::vector<MemoryLocation>& into) {
   }
   // Each byte read from storage once, over all locations; the rest copied between them.
   EXPECT_EQ(r.bytes_from_storage, bytes_of(sample));
-  EXPECT_GE(r.bytes_between_locations, (into.size() - 1) * bytes_of(sample));
+  EXPECT_GE(r.bytes_between, (into.size() - 1) * bytes_of(sample));
 }
 
 // `hbmio ckpt checksum` on a sharded checkpoint: every shard gains checksums, the index still
@@ -1586,17 +1593,17 @@ TEST(MultiLoad, ShardMapIsObeyedAndChecked) {
   TempDir dir;
   const Sample sample = make_sample({MemoryKind::host});
   const std::string path = multi::sharded_sample(dir, sample);
-  MultiLoadOptions options{.into = {{MemoryKind::host}, {MemoryKind::host}}, .placement = Placement::shard};
-  options.shard_map = {{"embed.weight", 1}, {"big", 1}, {"norm", 0}};
-  const MultiLoadResult r = load_checkpoint_multi(path, options);
+  LoadRequest request{.path = path, .locations = {{MemoryKind::host}, {MemoryKind::host}}, .placement = Placement::shard};
+  request.shard_map = {{"embed.weight", 1}, {"big", 1}, {"norm", 0}};
+  const LoadResult r = load(request);
   EXPECT_NE(r.locations[1].find("embed.weight"), nullptr);
   EXPECT_NE(r.locations[1].find("big"), nullptr);
   EXPECT_NE(r.locations[0].find("norm"), nullptr);
   EXPECT_EQ(r.locations[0].find("big"), nullptr);
-  options.shard_map = {{"big", 2}};
-  EXPECT_THROW(load_checkpoint_multi(path, options), Error);
-  options.shard_map = {{"no-such-tensor", 0}};
-  EXPECT_THROW(load_checkpoint_multi(path, options), Error);
+  request.shard_map = {{"big", 2}};
+  EXPECT_THROW(load(request), Error);
+  request.shard_map = {{"no-such-tensor", 0}};
+  EXPECT_THROW(load(request), Error);
 }
 
 // Engines the caller keeps serve one load after another (each location its own); a list of the
@@ -1607,10 +1614,10 @@ TEST(MultiLoad, CallerEnginesAreReusedAndChecked) {
   const std::string path = multi::sharded_sample(dir, sample);
   auto a = make_engine("uring", Options{}), b = make_engine("uring", Options{});
   for (Placement placement : {Placement::shard, Placement::replicate, Placement::shard}) {
-    MultiLoadOptions options{.into = {{MemoryKind::host}, {MemoryKind::pinned}}, .placement = placement};
-    options.engines = {a.get(), b.get()};
-    options.load.verify = true;
-    const MultiLoadResult r = load_checkpoint_multi(path, options);
+    LoadRequest request{.path = path, .locations = {{MemoryKind::host}, {MemoryKind::pinned}}, .engines = {a.get(), b.get()},
+                        .placement = placement};
+    request.options.verify = true;
+    const LoadResult r = load(request);
     EXPECT_EQ(r.bytes_from_storage, multi::bytes_of(sample));
     for (const auto& location : r.locations)
       for (const auto& t : location.tensors()) {
@@ -1619,13 +1626,13 @@ TEST(MultiLoad, CallerEnginesAreReusedAndChecked) {
         EXPECT_EQ(first_mismatch(to_host(t.data), sample.bytes[static_cast<std::size_t>(it - sample.tensors.begin())]), -1) << t.name;
       }
   }
-  MultiLoadOptions bad{.into = {{MemoryKind::host}, {MemoryKind::host}}};
+  LoadRequest bad{.path = path, .locations = {{MemoryKind::host}, {MemoryKind::host}}};
   bad.engines = {a.get()};
-  EXPECT_THROW(load_checkpoint_multi(path, bad), Error);
+  EXPECT_THROW(load(bad), Error);
   bad.engines = {a.get(), a.get()};
-  EXPECT_THROW(load_checkpoint_multi(path, bad), Error);
+  EXPECT_THROW(load(bad), Error);
   bad.engines = {a.get(), nullptr};
-  EXPECT_THROW(load_checkpoint_multi(path, bad), Error);
+  EXPECT_THROW(load(bad), Error);
 }
 
 TEST(Checkpoints, AnIndexWithoutShardsIsRefused) {
@@ -1681,7 +1688,7 @@ TEST(MultiLoad, MissingShardIsOneClearError) {
   }() + ".safetensors");
   for (Placement placement : {Placement::shard, Placement::replicate}) {
     try {
-      load_checkpoint_multi(path, {.into = {{MemoryKind::host}, {MemoryKind::host}}, .placement = placement});
+      load({.path = path, .locations = {{MemoryKind::host}, {MemoryKind::host}}, .placement = placement});
       ADD_FAILURE() << "a missing shard was not noticed";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("model-00002-of-"), std::string::npos) << e.what();
@@ -1701,10 +1708,13 @@ TEST(GpuMultiLoad, ShardAndReplicateAcrossDevices) {
   multi::check_replicate(into);
 }
 
-TEST(NcclLoad, NeedsACommunicatorAndAGpu) {
+// A request for several locations and an NCCL group at once is refused before the communicator is
+// touched (this one is no communicator at all).
+TEST(NcclLoad, SeveralLocationsAndAGroupAtOnceAreRefused) {
+  int not_a_communicator = 0;
   try {
-    load_checkpoint_nccl("model.safetensors", nullptr, {});
-    ADD_FAILURE() << "a load without a communicator was accepted";
+    load({.path = "model.safetensors", .locations = {{MemoryKind::host}, {MemoryKind::host}}, .nccl_comm = &not_a_communicator});
+    ADD_FAILURE() << "a load to several locations and a group was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), std::errc::invalid_argument) << e.what();
   }

@@ -1,5 +1,5 @@
 // One rank of the GpuNcclLoad test (tests/checkpoint_test.cpp): joins the communicator named by
-// a unique id, loads the checkpoint with load_checkpoint_nccl and prints one JSON line: the
+// a unique id, loads the checkpoint with load() over the communicator and prints one JSON line: the
 // outcome, the byte counts and each tensor's XXH3-64, which the test compares with the sample.
 // A process per rank, as programs use NCCL: one process driving several GPUs' collectives from
 // threads can deadlock in NCCL when one thread frees memory while another GPU's kernel waits.
@@ -36,18 +36,21 @@ int main(int argc, char** argv) {
     shim::ncclComm_t comm = nullptr;
     shim::nccl_check(nullptr, nccl.comm_init_rank(&comm, world, id, rank), "ncclCommInitRank");
     try {
-      NcclLoadOptions options{.placement = std::strcmp(argv[5], "shard") == 0 ? Placement::shard : Placement::replicate};
-      options.load.into = {MemoryKind::device, device};
-      options.load.verify = true;
-      const NcclLoadResult r = load_checkpoint_nccl(path, comm, options);
+      LoadRequest request{.path = path, .nccl_comm = comm,
+                          .placement = std::strcmp(argv[5], "shard") == 0 ? Placement::shard : Placement::replicate};
+      request.options.into = {MemoryKind::device, device};
+      request.options.verify = true;
+      const LoadResult r = load(request);
+      if (r.locations.size() != 1) throw std::runtime_error("a rank's load gave " + std::to_string(r.locations.size()) + " results");
+      const LoadedCheckpoint& mine = r.locations.front();
       nlohmann::json tensors = nlohmann::json::object();
-      for (const auto& t : r.checkpoint.tensors()) {
+      for (const auto& t : mine.tensors()) {
         std::vector<std::byte> host(t.data.size);
         copy_memory({host.data(), host.size(), {MemoryKind::host}}, t.data);
         tensors[t.name] = {{"xxh3", xxh3_hex(host.data(), host.size())}, {"device", t.data.location.device}};
       }
       out.update({{"ok", true}, {"rank_reported", r.rank}, {"world", r.world}, {"bytes_from_storage", r.bytes_from_storage},
-                  {"bytes_received", r.bytes_received}, {"verified", r.checkpoint.verified()}, {"tensors", tensors}});
+                  {"bytes_received", r.bytes_between}, {"verified", mine.verified()}, {"tensors", tensors}});
     } catch (const std::exception& e) {
       out["error"] = e.what();
     }

@@ -44,7 +44,7 @@ struct LoadOptions {
   bool require_checksums = false;
   std::optional<Options> engine_options;  // default: Options::from_env()
   // How a checkpoint at a URL is opened and read (connections, part size, retries, S3 endpoint,
-  // region and profile); default: RemoteOptions::from_env() (load_checkpoint_files: the options its
+  // region and profile); default: RemoteOptions::from_env() (LoadRequest::files: the options its
   // files were opened with). Ignored for local files.
   std::optional<RemoteOptions> remote;
   std::atomic<std::uint64_t>* progress = nullptr;  // bytes loaded so far, for a progress display
@@ -54,7 +54,7 @@ struct LoadOptions {
   Engine* engine = nullptr;
   // Memory of the caller's to load into, instead of a new allocation per load (single_allocation
   // layout only): repeated loads then reuse it, as PyTorch's caching allocator does for its
-  // loaders. It must lie in `into`'s location and hold at least load_size(path, options) bytes;
+  // loaders. It must lie in `into`'s location and hold at least plan_load(request).bytes;
   // the result's spans point into it, so it must outlive their use.
   MemorySpan destination{};
   // The node's resident cache (hbmio/cache.hpp): files it holds unchanged are read from its shared
@@ -130,6 +130,11 @@ struct CheckpointFile {
   // For a checkpoint at a URL: the object (its version fixed when the header was read); `file` is
   // then null, and reads go through read_remote.
   std::shared_ptr<const RemoteObject> remote;
+
+  // `file`, or where open_checkpoint did not keep it, the file opened again from its directory and
+  // checked to be the same file (Error ESTALE, naming it, when another file has taken its name:
+  // the checkpoint was replaced while being read). Error ENOTSUP for an object at a URL.
+  std::shared_ptr<const File> open() const;
 };
 
 // Resolves PATH (a .safetensors file, a *.index.json, or a directory holding either) to its files,
@@ -139,11 +144,6 @@ struct CheckpointFile {
 // the process's descriptors. A URL's objects are opened with `remote` (default:
 // RemoteOptions::from_env()), which their reads then use.
 std::vector<CheckpointFile> open_checkpoint(const std::string& path, const std::optional<RemoteOptions>& remote = std::nullopt);
-
-// The open file of `file`: its own descriptor, or, where open_checkpoint did not keep one, the
-// file opened again from its directory, checked to be the same file (Error ESTALE, naming it,
-// when another file has taken its name: the checkpoint was replaced while being read).
-std::shared_ptr<const File> reopen(const CheckpointFile& file);
 
 // A checkpoint opened for access a tensor (or part of one) at a time, in any order: what
 // frameworks' safe_open-style loaders do (Hugging Face transformers, vLLM). The headers are parsed
@@ -245,86 +245,73 @@ class ReadQueue {
   std::shared_ptr<State> state_;
 };
 
-// Loads tensors into memory of one kind. Reads are planned: tensors adjacent in the file and in
-// memory become one request, so a file of many small tensors loads like one of few big ones.
-// Throws Error naming the file (and tensor) on any failure; nothing is leaked.
-LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
-// The same for a checkpoint already opened (files = open_checkpoint(path); path names it in
-// errors): a caller that plans, allocates and then loads reads and validates the headers once
-// (a header of thousands of tensors takes milliseconds to parse).
-LoadedCheckpoint load_checkpoint_files(const std::string& path, const std::vector<CheckpointFile>& files,
-                                       const LoadOptions& options = {});
-
-// One checkpoint into several memory locations at once (several GPUs; any kinds), each location
-// with its own engine and pipeline, all running in parallel.
-//   shard      every tensor goes to one location: those named in `shard_map` where it says, the
+// How a load to several destinations (LoadRequest::locations, or the ranks of an NCCL group)
+// divides the tensors:
+//   shard      every tensor goes to one destination: those named in `shard_map` where it says, the
 //              others split in file order into runs of about equal bytes (contiguous runs keep the
 //              reads large).
-//   replicate  every location gets every tensor, in the same layout. Each byte is read from
-//              storage once: location k reads the k-th run, then every location copies the runs it
-//              did not read from the location that did (cudaMemcpy between GPUs; hbmio does not
-//              enable peer access, see bench/RESULTS.md, "Two GPUs").
+//   replicate  every destination gets every tensor, in the same layout. Each byte is read from
+//              storage once: destination k reads the k-th run, then every destination gets the
+//              runs it did not read from the one that did (several locations: cudaMemcpy between
+//              GPUs, hbmio does not enable peer access, see bench/RESULTS.md, "Two GPUs"; an NCCL
+//              group: ncclBroadcast from each run's reader, NVLink within a node).
 enum class Placement { shard, replicate };
 
-struct MultiLoadOptions {
-  std::vector<MemoryLocation> into;  // at least one; a location may repeat (tests, host memory)
-  Placement placement = Placement::shard;
-  std::map<std::string, std::size_t> shard_map;  // shard: tensor name -> index into `into`
-  LoadOptions load;  // backend, names, alignment, verify, engine_options, progress (`into`,
-                     // `destination` and `engine` are ignored; the layout is single_allocation)
-  // Optional: one engine per location (same order as `into`, each used by one pipeline), kept
-  // by the caller across loads so rings and pinned buffers are set up once. Empty: each location
-  // makes its own engine for this load. Engines serve one request at a time: no two may be the same.
+// A load: what to read and where to put it. The destination is one memory location
+// (options.into) unless one of these says otherwise:
+//   locations  several memory locations of this process (several GPUs; any kinds; a location may
+//              repeat), each with its own engine and pipeline, all running in parallel;
+//   nccl_comm  every rank of the caller's NCCL communicator (an ncclComm_t; every rank calls
+//              load() with the same request), one GPU each: options.into must be this rank's GPU.
+//              The ranks divide the reading, so each byte is read from storage once. Before any
+//              data moves, the ranks agree that every one read its part and planned the same
+//              layout with the same options: a failure on one rank (a missing shard, a bad file,
+//              options that differ) makes every rank throw, with the failing rank named, instead
+//              of leaving the others waiting in a collective. Only a failure of the CUDA set-up on
+//              the communicator's GPU (a stream and 24 bytes of device memory, made first) stays
+//              local. NCCL is the caller's: found at run time (src/shim/nccl_api.hpp), never linked.
+// Several destinations load in the single_allocation layout (options.destination and
+// options.engine are not used: `engines` gives one per location, or an NCCL rank leases its own).
+struct LoadRequest {
+  std::string path;  // a .safetensors file, a *.index.json, a directory holding either, or a URL
+  // The checkpoint's files when the caller opened them already (open_checkpoint(path); must
+  // outlive the call): their headers are not read and validated again (a header of thousands of
+  // tensors takes milliseconds to parse). Null: opened here.
+  const std::vector<CheckpointFile>* files = nullptr;
+  LoadOptions options;
+  std::vector<MemoryLocation> locations;
+  // Optional, with `locations`: one engine per location, in its order, kept by the caller across
+  // loads so rings and pinned buffers are set up once; no two may be the same (an engine serves
+  // one request at a time). Empty: each location leases or makes its own.
   std::vector<Engine*> engines;
+  void* nccl_comm = nullptr;
+  Placement placement = Placement::replicate;  // with `locations` or `nccl_comm`
+  // shard: tensor name -> index into `locations`, or rank.
+  std::map<std::string, int> shard_map;
 };
 
-struct MultiLoadResult {
-  // One per MultiLoadOptions::into, in its order. A location that a shard placement gives no
-  // tensor is an empty LoadedCheckpoint (no tensors, no metadata).
+struct LoadResult {
+  // One per destination: the one location, each of `locations` in its order (one a shard
+  // placement gives no tensor is empty: no tensors, no metadata), or this rank's tensors.
   std::vector<LoadedCheckpoint> locations;
-  std::uint64_t bytes_from_storage = 0;      // summed over the locations' reads
-  std::uint64_t bytes_between_locations = 0; // replicate: copied from one location to another
+  int rank = 0, world = 1;                   // with nccl_comm: this rank and the group's size
+  std::uint64_t bytes_from_storage = 0;      // read by this process
+  std::uint64_t bytes_between = 0;           // replicate: copied between locations, or received from other ranks
   double seconds = 0;
 };
-MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOptions& options);
 
-// Many processes, one GPU each, joined by the caller's NCCL communicator (`comm` is an
-// ncclComm_t; every rank of it calls this with the same path and options). The ranks divide the
-// reading into contiguous runs of about equal bytes, so each byte is read from storage once:
-//   shard      a rank keeps the tensors of its run (or those `shard_map` gives its rank);
-//   replicate  every rank gets every tensor: each rank reads its run, then each run is broadcast
-//              from its reader to all (ncclBroadcast over the communicator: NVLink within a node).
-// Before any data moves, the ranks agree that every one read its part and planned the same
-// layout with the same options: a failure on one rank (a missing shard, a bad file, options that
-// differ) makes every rank throw, with the failing rank named, instead of leaving the others
-// waiting in a collective. Only a failure of the CUDA set-up on the communicator's GPU (a stream
-// and 24 bytes of device memory, made first) stays local.
-// NCCL is the caller's: it is found at run time (see src/shim/nccl_api.hpp), never linked.
-struct NcclLoadOptions {
-  Placement placement = Placement::replicate;
-  std::map<std::string, int> shard_map;  // shard: tensor name -> rank
-  LoadOptions load;  // `into` must be the communicator's GPU (cuda:N); names, backend, verify,
-                     // engine_options, engine, progress apply; the layout is single_allocation.
-                     // The collectives run on a stream of hbmio's own; the load returns when
-                     // every tensor is in place.
-};
+// Loads tensors per `request`. Reads are planned: tensors adjacent in the file and in memory
+// become one request, so a file of many small tensors loads like one of few big ones. Throws
+// Error naming the file (and tensor) on any failure; nothing is leaked.
+LoadResult load(const LoadRequest& request);
 
-struct NcclLoadResult {
-  LoadedCheckpoint checkpoint;            // this rank's tensors
-  int rank = 0, world = 1;
-  std::uint64_t bytes_from_storage = 0;   // read by this rank
-  std::uint64_t bytes_received = 0;       // replicate: received from other ranks
-  double seconds = 0;
-};
-NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm, const NcclLoadOptions& options);
+// load({.path = path, .options = options}) into its one location: the common case.
+LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
 
-// Bytes of the single allocation that load_checkpoint(path, options) makes (or needs in
-// LoadOptions::destination): the chosen tensors, each aligned to options.alignment.
-std::uint64_t load_size(const std::string& path, const LoadOptions& options = {});
-
-// Where load_checkpoint(path, options) puts each chosen tensor in its single allocation, in the
-// order it reads them (file order): for callers that divide a load among processes and must
-// agree on the layout (the Python package's distributed loads).
+// Where a load puts each chosen tensor in its single allocation, in the order it reads them (file
+// order), and, planned for `world` ranks, who reads what: for callers that allocate first
+// (LoadOptions::destination) or divide a load among processes and must agree on the layout (the
+// Python package's torch.distributed loads, which keep only the collectives).
 struct PlannedTensor {
   std::string name;
   safetensors::Dtype dtype = safetensors::Dtype::U8;
@@ -332,26 +319,21 @@ struct PlannedTensor {
   std::uint64_t size = 0;           // bytes
   std::uint64_t memory_offset = 0;  // in the allocation
 };
-std::vector<PlannedTensor> plan_load(const std::string& path, const LoadOptions& options = {});
-// The same for a checkpoint already opened (see load_checkpoint_files).
-std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::vector<CheckpointFile>& files,
-                                           const LoadOptions& options = {});
-
-// Who reads what in a load spread over `world` ranks, computed once here for load_checkpoint_nccl
-// and for the Python package's torch.distributed loads (which keep only the collectives):
-// the layout (plan_load_files of `options`), the rank that reads each tensor (contiguous runs of
-// about equal bytes in layout order; with Placement::shard, the tensors `shard_map` names go to
-// the rank it gives), each rank's byte range of the layout, and a digest of all of it with the
-// placement and options.verify, which the ranks compare before any data moves. Throws Error:
-// EINVAL for a rank out of range in `shard_map`, ENOENT for a name the load does not hold.
-struct DistributedPlan {
+struct LoadPlan {
   std::vector<PlannedTensor> tensors;
-  std::vector<int> reader;                                     // per tensor
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> range;  // per rank: [first, second); none when first >= second
+  std::uint64_t bytes = 0;  // the single allocation's size (what LoadOptions::destination must hold)
+  // The rank that reads each tensor (contiguous runs of about equal bytes in layout order; with
+  // Placement::shard, the tensors `shard_map` names go to the rank it gives), each rank's byte
+  // range of the layout ([first, second); none when first >= second), and a digest of all of it
+  // with the placement and options.verify, which the ranks compare before any data moves.
+  std::vector<int> reader;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> range;
   std::uint64_t digest = 0;
 };
-DistributedPlan plan_distributed(const std::string& path, const std::vector<CheckpointFile>& files, const LoadOptions& options,
-                                 int world, Placement placement, const std::map<std::string, int>& shard_map = {});
+// The plan of load(request) over `world` ranks (1: one process). Uses path, files, options
+// (names, alignment, verify), placement and shard_map. Throws Error: EINVAL for a rank out of
+// range in `shard_map` or a name the checkpoint lacks.
+LoadPlan plan_load(const LoadRequest& request, int world = 1);
 
 struct TensorToSave {
   std::string name;

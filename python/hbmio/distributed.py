@@ -9,7 +9,7 @@ of the whole layout, then each run is broadcast from its reader to the others ov
 `shard_map` assigns it) and nothing moves between ranks.
 
 Who reads what, the shard_map checks and the digest the ranks compare come from the library
-(hbmio::plan_distributed, the plan its own NCCL load uses); this module keeps only the collectives.
+(hbmio::plan_load over the ranks, the plan its own NCCL load uses); this module keeps only the collectives.
 
 Failures: every rank reports to the others whether its read worked before any data moves, so a
 rank that cannot read (a missing shard on its node) makes every rank raise hbmio.Error naming
@@ -45,8 +45,9 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
         # 1. Plan (every rank, from its own view of the files) and read this rank's run; the
         # headers are parsed once (SafeOpen) for the plan, the size and the read.
         opened = _hbmio.SafeOpen(path, cache="off")
-        plan, run, ranges, digest = _hbmio._plan_distributed(
+        planned = _hbmio._plan_distributed(
             opened, names, world, placement, {k: int(v) for k, v in (shard_map or {}).items()}, bool(verify))
+        plan, run, ranges, digest = planned.tensors, planned.reader, planned.ranges, planned.digest
         for t in plan:
             if not isinstance(getattr(torch, _TORCH_DTYPES.get(t.dtype, ""), None), torch.dtype):
                 raise TypeError(f"tensor {t.name}: dtype {t.dtype} has no torch equivalent here")
@@ -65,7 +66,7 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
         else:
             # The whole layout on every rank (the library's, from _plan); this rank's run read
             # into its place in it.
-            end = plan[-1].offset + plan[-1].size if plan else 0
+            end = planned.bytes
             dest = torch.empty(max(end, 1), dtype=torch.uint8, device=dev)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()

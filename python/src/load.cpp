@@ -169,15 +169,14 @@ nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& 
   options.into = to.span.location;
   options.destination = to.span;
   // A null destination means "allocate your own" to load_checkpoint, and an empty array may have
-  // a null pointer: callers allocate at least one byte (max(load_size, 1)).
+  // a null pointer: callers allocate at least one byte (max(plan bytes, 1)).
   if (to.span.data == nullptr || to.span.size == 0) throw nb::value_error("_load_into: the destination must hold at least 1 byte");
   hbmio::LoadedCheckpoint loaded;
   {
     nb::gil_scoped_release release;
     EngineLease engine(backend);
     options.engine = engine.get();
-    loaded = target.files ? hbmio::load_checkpoint_files(target.path, *target.files, options)
-                          : hbmio::load_checkpoint(target.path, options);
+    loaded = std::move(hbmio::load({.path = target.path, .files = target.files, .options = options}).locations.front());
   }
   warn_unverified(loaded);
   report_into(report, loaded.stats());
@@ -282,40 +281,43 @@ void bind_load(nb::module_& m) {
     {
       nb::gil_scoped_release release;
       // ENOENT for a name it does not hold
-      plan = target.files ? hbmio::plan_load_files(target.path, *target.files, options) : hbmio::plan_load(target.path, options);
+      plan = hbmio::plan_load({.path = target.path, .files = target.files, .options = options}).tensors;
     }
     return plan;
   }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
      "A PlannedTensor (name, dtype, shape, size, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
 
+  // A load's plan over several ranks (hbmio::LoadPlan), by name.
+  nb::class_<hbmio::LoadPlan>(m, "_LoadPlan")
+      .def_ro("tensors", &hbmio::LoadPlan::tensors, "a _PlannedTensor per tensor, in layout order")
+      .def_ro("bytes", &hbmio::LoadPlan::bytes, "the single allocation's size")
+      .def_ro("reader", &hbmio::LoadPlan::reader, "the rank that reads each tensor")
+      .def_ro("ranges", &hbmio::LoadPlan::range, "(begin, end) of the layout per rank; none where begin >= end")
+      .def_prop_ro("digest", [](const hbmio::LoadPlan& p) {
+        char digest[17];
+        std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(p.digest));
+        return std::string(digest);
+      }, "what the ranks compare before any data moves (hex)");
+
   m.def("_plan_distributed", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names, int world,
                                  const std::string& placement, std::map<std::string, int> shard_map, nb::handle verify) {
-    // hbmio::plan_distributed: the plan the C++ NCCL load uses, so torch.distributed loads split,
-    // check shard maps and agree exactly as it does. Returns (plan as _plan gives it, the rank that
-    // reads each tensor, each rank's (begin, end) of the layout, the digest the ranks compare).
+    // hbmio::plan_load over `world` ranks: the plan the C++ NCCL load uses, so torch.distributed
+    // loads split, check shard maps and agree exactly as it does.
     const Target target = target_of(checkpoint);
     if (placement != "shard" && placement != "replicate")
       throw hbmio::Error(hbmio::errno_code(EINVAL), {.op = "plan a distributed load", .path = target.path},
                          "placement must be 'replicate' or 'shard', not '" + placement + "'");
-    hbmio::LoadOptions options;
-    if (names) options.names = std::move(*names);
+    hbmio::LoadRequest request{.path = target.path, .files = target.files,
+                               .placement = placement == "shard" ? hbmio::Placement::shard : hbmio::Placement::replicate,
+                               .shard_map = std::move(shard_map)};
+    if (names) request.options.names = std::move(*names);
     const VerifyMode mode = verify_mode(verify);
-    options.verify = mode.verify;
-    options.require_checksums = mode.strict;
-    hbmio::DistributedPlan plan;
-    {
-      nb::gil_scoped_release release;
-      const std::vector<hbmio::CheckpointFile> opened = target.files ? std::vector<hbmio::CheckpointFile>{} : hbmio::open_checkpoint(target.path);
-      plan = hbmio::plan_distributed(target.path, target.files ? *target.files : opened, options, world,
-                                     placement == "shard" ? hbmio::Placement::shard : hbmio::Placement::replicate, shard_map);
-    }
-    nb::list ranges;
-    for (const auto& [begin, end] : plan.range) ranges.append(nb::make_tuple(begin, end));
-    char digest[17];
-    std::snprintf(digest, sizeof digest, "%016llx", static_cast<unsigned long long>(plan.digest));
-    return nb::make_tuple(plan.tensors, plan.reader, ranges, std::string(digest));
+    request.options.verify = mode.verify;
+    request.options.require_checksums = mode.strict;
+    nb::gil_scoped_release release;
+    return hbmio::plan_load(request, world);
   }, nb::arg("checkpoint"), nb::arg("names").none(), nb::arg("world"), nb::arg("placement"), nb::arg("shard_map"), nb::arg("verify").none(),
-     "hbmio::plan_distributed: (plan, reader per tensor, (begin, end) per rank, digest).");
+     "hbmio::plan_load over `world` ranks: a _LoadPlan (tensors, bytes, reader, ranges, digest).");
 
   m.def("_read_into", &read_into, nb::arg("path"), nb::arg("array"), nb::arg("offset") = 0, nb::kw_only(),
         nb::arg("backend") = "auto", nb::arg("progress").none() = nb::none());
@@ -423,7 +425,7 @@ void bind_load(nb::module_& m) {
         const auto& files = h.files();
         if (file >= files.size()) throw nb::index_error("_map_fd: no such file");
         if (files[file].remote) return nb::none();
-        const std::shared_ptr<const hbmio::File> opened = hbmio::reopen(files[file]);
+        const std::shared_ptr<const hbmio::File> opened = files[file].open();
         const int fd = ::fcntl(opened->fd(), F_DUPFD_CLOEXEC, 0);
         if (fd < 0) throw hbmio::Error(hbmio::errno_code(errno), {.op = "duplicate the descriptor of", .path = files[file].path});
         return nb::int_(fd);

@@ -184,15 +184,15 @@ std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path) {
 }
 }  // namespace
 
-std::shared_ptr<const File> reopen(const CheckpointFile& file) {
-  if (file.remote)
-    throw Error(errno_code(ENOTSUP), {.op = "open", .path = file.path}, "an object at a URL is read with read_remote, not opened as a file");
-  if (file.file) return file.file;
-  const int dir_fd = file.directory ? file.directory->fd() : AT_FDCWD;
-  const std::string name = file.directory ? fs::path(file.path).filename().string() : file.path;
-  auto opened = std::make_shared<const File>(File::open_at(dir_fd, name, file.path, OpenMode::read));
-  if (opened->identity() != file.identity)
-    throw Error(errno_code(ESTALE), {.op = "open", .path = file.path},
+std::shared_ptr<const File> CheckpointFile::open() const {
+  if (remote)
+    throw Error(errno_code(ENOTSUP), {.op = "open", .path = path}, "an object at a URL is read with read_remote, not opened as a file");
+  if (file) return file;
+  const int dir_fd = directory ? directory->fd() : AT_FDCWD;
+  const std::string name = directory ? fs::path(path).filename().string() : path;
+  auto opened = std::make_shared<const File>(File::open_at(dir_fd, name, path, OpenMode::read));
+  if (opened->identity() != identity)
+    throw Error(errno_code(ESTALE), {.op = "open", .path = path},
                 "another file has taken this name since the checkpoint's headers were read (the checkpoint was "
                 "replaced while being read): open it again");
   return opened;
@@ -243,12 +243,17 @@ std::vector<Pick> pick_tensors(const std::string& path, const std::vector<Checkp
 
 }  // namespace
 
-std::vector<PlannedTensor> plan_load(const std::string& path, const LoadOptions& options) {
-  return plan_load_files(path, open_checkpoint(path, options.remote), options);
+const std::vector<CheckpointFile>& detail::files_of(const LoadRequest& request, std::vector<CheckpointFile>& opened) {
+  if (request.files == nullptr) {
+    opened = open_checkpoint(request.path, request.options.remote);
+    return opened;
+  }
+  if (request.files->empty()) throw checkpoint_error(EINVAL, request.path, "no file to load (open it with open_checkpoint)");
+  return *request.files;
 }
 
-std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::vector<CheckpointFile>& files,
-                                           const LoadOptions& options) {
+std::vector<PlannedTensor> detail::plan_tensors(const std::string& path, const std::vector<CheckpointFile>& files,
+                                                const LoadOptions& options) {
   std::uint64_t size = 0;
   std::vector<PlannedTensor> out;
   for (const Pick& p : pick_tensors(path, files, options, size))
@@ -256,32 +261,34 @@ std::vector<PlannedTensor> plan_load_files(const std::string& path, const std::v
   return out;
 }
 
-std::uint64_t load_size(const std::string& path, const LoadOptions& options) {
-  return detail::errors_as_hbmio({.op = "load", .path = path}, [&] {
-    std::uint64_t size = 0;
-    pick_tensors(path, open_checkpoint(path, options.remote), options, size);
-    return size;
+LoadPlan plan_load(const LoadRequest& request, int world) {
+  return detail::errors_as_hbmio({.op = "plan a load", .path = request.path}, [&] {
+    std::vector<CheckpointFile> opened;
+    return detail::plan_ranks(request.path, detail::files_of(request, opened), request.options, world, request.placement,
+                              request.shard_map);
+  });
+}
+
+LoadResult load(const LoadRequest& request) {
+  if (!request.locations.empty() && request.nccl_comm != nullptr)
+    throw checkpoint_error(EINVAL, request.path, "a load goes to several locations or to the ranks of an NCCL group, not both");
+  if (request.nccl_comm != nullptr) return detail::load_nccl(request);
+  if (!request.locations.empty()) return detail::load_locations(request);
+  return detail::errors_as_hbmio({.op = "load", .path = request.path}, [&] {
+    detail::TransferTimer timer;
+    std::vector<CheckpointFile> opened;
+    LoadResult result;
+    result.locations.push_back(detail::LoadAccess::load(request.path, request.options, detail::files_of(request, opened), nullptr));
+    Stats& stats = detail::LoadAccess::stats(result.locations.front());
+    timer.finish(stats);
+    result.bytes_from_storage = stats.bytes;
+    result.seconds = stats.seconds;
+    return result;
   });
 }
 
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
-  return detail::errors_as_hbmio({.op = "load", .path = path}, [&] {
-    detail::TransferTimer timer;
-    LoadedCheckpoint result = detail::LoadAccess::load(path, options, open_checkpoint(path, options.remote), nullptr);
-    timer.finish(detail::LoadAccess::stats(result));
-    return result;
-  });
-}
-
-LoadedCheckpoint load_checkpoint_files(const std::string& path, const std::vector<CheckpointFile>& files,
-                                       const LoadOptions& options) {
-  if (files.empty()) throw checkpoint_error(EINVAL, path, "no file to load (open it with open_checkpoint)");
-  return detail::errors_as_hbmio({.op = "load", .path = path}, [&] {
-    detail::TransferTimer timer;
-    LoadedCheckpoint result = detail::LoadAccess::load(path, options, files, nullptr);
-    timer.finish(detail::LoadAccess::stats(result));
-    return result;
-  });
+  return std::move(load({.path = path, .options = options}).locations.front());
 }
 
 LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOptions& options,
@@ -454,37 +461,39 @@ void detail::LoadAccess::verify(LoadedCheckpoint& result, const std::vector<Chec
   result.verified_ = result.unverified_files_.empty();
 }
 
-MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOptions& options) {
+LoadResult detail::load_locations(const LoadRequest& request) {
   detail::TransferTimer timer;
-  const std::size_t n = options.into.size();
+  const std::string& path = request.path;
+  const std::size_t n = request.locations.size();
   if (n == 0) throw checkpoint_error(EINVAL, path, "no memory location to load into");
-  if (!options.engines.empty()) {
-    if (options.engines.size() != n)
-      throw checkpoint_error(EINVAL, path, fmt::format("{} engines given for {} locations", options.engines.size(), n));
-    std::set<Engine*> distinct(options.engines.begin(), options.engines.end());
+  if (!request.engines.empty()) {
+    if (request.engines.size() != n)
+      throw checkpoint_error(EINVAL, path, fmt::format("{} engines given for {} locations", request.engines.size(), n));
+    std::set<Engine*> distinct(request.engines.begin(), request.engines.end());
     if (distinct.size() != n || distinct.contains(nullptr))
       throw checkpoint_error(EINVAL, path, "each location needs an engine of its own (an engine serves one request at a time)");
   }
-  auto engine_of = [&](std::size_t k) { return options.engines.empty() ? nullptr : options.engines[k]; };
-  const std::vector<CheckpointFile> files = open_checkpoint(path, options.load.remote);
-  LoadOptions base = options.load;
+  auto engine_of = [&](std::size_t k) { return request.engines.empty() ? nullptr : request.engines[k]; };
+  std::vector<CheckpointFile> opened;
+  const std::vector<CheckpointFile>& files = detail::files_of(request, opened);
+  LoadOptions base = request.options;
   base.layout = TensorLayout::single_allocation;
   base.destination = {};
-  const std::vector<PlannedTensor> plan = plan_load_files(path, files, base);
+  const std::vector<PlannedTensor> plan = detail::plan_tensors(path, files, base);
   const std::uint64_t allocation_size = plan.empty() ? 0 : plan.back().memory_offset + plan.back().size;
-  const std::map<std::string, std::size_t> no_map;
-  const detail::RunSplit split = detail::split_runs(plan, n, options.placement == Placement::shard ? options.shard_map : no_map,
+  const std::map<std::string, int> no_map;
+  const detail::RunSplit split = detail::split_runs(plan, n, request.placement == Placement::shard ? request.shard_map : no_map,
                                                     {.op = "load", .path = path}, "location");
   std::vector<std::set<std::string>> names(n);
   for (std::size_t i = 0; i < plan.size(); ++i) names[split.reader[i]].insert(plan[i].name);
 
-  MultiLoadResult result;
+  LoadResult result;
   result.locations.resize(n);
-  if (options.placement == Placement::shard) {
+  if (request.placement == Placement::shard) {
     // One ordinary load per location, with its own engine, all at once.
     detail::Executor::shared().run(n, 0, [&](std::size_t k) {
       LoadOptions mine = base;
-      mine.into = options.into[k];
+      mine.into = request.locations[k];
       mine.names.assign(names[k].begin(), names[k].end());
       mine.engine = engine_of(k);  // an engine serves one request at a time: each pipeline has its own
       if (!mine.names.empty()) result.locations[k] = detail::LoadAccess::load(path, mine, files, nullptr);
@@ -494,9 +503,9 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
     std::vector<std::byte*> base_of(n, nullptr);  // each location's copy of the layout
     detail::Executor::shared().run(n, 0, [&](std::size_t k) {
       LoadOptions mine = base;
-      mine.into = options.into[k];
+      mine.into = request.locations[k];
       mine.engine = engine_of(k);
-      Buffer buffer = Buffer::allocate(options.into[k], allocation_size);
+      Buffer buffer = Buffer::allocate(request.locations[k], allocation_size);
       mine.destination = buffer.span();
       base_of[k] = buffer.data();
       result.locations[k] = detail::LoadAccess::load(path, mine, files, &names[k]);
@@ -510,13 +519,13 @@ MultiLoadResult load_checkpoint_multi(const std::string& path, const MultiLoadOp
       for (std::size_t j = 0; j < n; ++j) {
         const auto [begin, end] = range[j];
         if (j == k || begin >= end) continue;
-        const MemorySpan to{base_of[k] + begin, end - begin, options.into[k]};
-        const MemorySpan from{base_of[j] + begin, end - begin, options.into[j]};
+        const MemorySpan to{base_of[k] + begin, end - begin, request.locations[k]};
+        const MemorySpan from{base_of[j] + begin, end - begin, request.locations[j]};
         copy_memory(to, from);
         copied += end - begin;
       }
     });
-    result.bytes_between_locations = copied;
+    result.bytes_between = copied;
     if (base.verify)
       detail::Executor::shared().run(n, 0, [&](std::size_t k) { detail::LoadAccess::verify(result.locations[k], files, base.require_checksums); });
   }

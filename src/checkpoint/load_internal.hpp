@@ -1,5 +1,5 @@
-// What the loads of one location (load.cpp), of several (load_checkpoint_multi) and of many
-// processes (nccl_load.cpp) share.
+// What the loads of one location (load.cpp), of several (load_locations) and of many processes
+// (nccl_load.cpp) share.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +26,19 @@ std::vector<CheckpointFile> open_remote_checkpoint(const std::string& url, const
 // order. Keeps in each shard only the tensors the index assigns to it, then checks that every
 // tensor the index names is in its shard (Error EINVAL, in `context`, naming the first missing).
 void keep_indexed_tensors(std::vector<CheckpointFile>& files, const safetensors::ShardIndex& index, const ErrorContext& context);
+
+// The request's files: LoadRequest::files where given (Error EINVAL when empty), else `opened`,
+// filled by open_checkpoint.
+const std::vector<CheckpointFile>& files_of(const LoadRequest& request, std::vector<CheckpointFile>& opened);
+// The tensors a load of `files` takes per `options`, in the order it reads them, and where each
+// lands in the single allocation.
+std::vector<PlannedTensor> plan_tensors(const std::string& path, const std::vector<CheckpointFile>& files, const LoadOptions& options);
+// plan_load over `world` ranks (nccl_load.cpp).
+LoadPlan plan_ranks(const std::string& path, const std::vector<CheckpointFile>& files, const LoadOptions& options, int world,
+                    Placement placement, const std::map<std::string, int>& shard_map);
+// load() with LoadRequest::locations (load.cpp) and with LoadRequest::nccl_comm (nccl_load.cpp).
+LoadResult load_locations(const LoadRequest& request);
+LoadResult load_nccl(const LoadRequest& request);
 
 // A friend of LoadedCheckpoint.
 struct LoadAccess {
@@ -54,7 +67,7 @@ void check_headers(const std::vector<CheckpointFile>& files);
 // returns each tensor's run. Contiguous runs keep every reader's reads large.
 std::vector<std::size_t> contiguous_runs(const std::vector<std::uint64_t>& sizes, std::size_t n);
 
-// How a load divides a plan (plan_load_files) among n readers (locations or ranks).
+// How a load divides a plan (plan_tensors) among n readers (locations or ranks).
 struct RunSplit {
   std::vector<std::size_t> reader;  // per tensor of the plan
   // Per reader, the byte range [first, second) of the layout its tensors occupy; first >= second

@@ -1,4 +1,4 @@
-// Distributed loads over the caller's NCCL communicator (load_checkpoint_nccl): each rank reads
+// Distributed loads over the caller's NCCL communicator (load() with LoadRequest::nccl_comm): each rank reads
 // one contiguous run of the checkpoint; for replicate, every run is then broadcast from its reader.
 //
 // The order of events is what keeps a failure from hanging the other ranks: every rank reaches
@@ -23,16 +23,17 @@
 
 namespace hbmio {
 
-DistributedPlan plan_distributed(const std::string& path, const std::vector<CheckpointFile>& files, const LoadOptions& options,
-                                 int world, Placement placement, const std::map<std::string, int>& shard_map) {
+LoadPlan detail::plan_ranks(const std::string& path, const std::vector<CheckpointFile>& files, const LoadOptions& options, int world,
+                            Placement placement, const std::map<std::string, int>& shard_map) {
   const bool replicate = placement == Placement::replicate;
   const ErrorContext context{.op = fmt::format("plan a distributed load over {} ranks", world), .path = path};
   if (world < 1) throw Error(errno_code(EINVAL), context, "a group has at least one rank");
-  DistributedPlan out;
+  LoadPlan out;
   LoadOptions layout = options;
   layout.layout = TensorLayout::single_allocation;
   layout.destination = {};
-  out.tensors = plan_load_files(path, files, layout);
+  out.tensors = detail::plan_tensors(path, files, layout);
+  out.bytes = out.tensors.empty() ? 0 : out.tensors.back().memory_offset + out.tensors.back().size;
   const std::map<std::string, int> no_map;
   const detail::RunSplit split =
       detail::split_runs(out.tensors, static_cast<std::size_t>(world), replicate ? no_map : shard_map, context, "rank");
@@ -51,20 +52,22 @@ DistributedPlan plan_distributed(const std::string& path, const std::vector<Chec
   return out;
 }
 
-NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, const NcclLoadOptions& options) {
+LoadResult detail::load_nccl(const LoadRequest& request) {
   detail::TransferTimer timer;
-  if (comm_handle == nullptr)
-    throw Error(errno_code(EINVAL), {.op = "distributed load", .path = path}, "no NCCL communicator given");
+  const std::string& path = request.path;
+  const LoadOptions& load = request.options;
   const shim::NcclApi& nccl = shim::nccl_api();
-  const auto comm = static_cast<shim::ncclComm_t>(comm_handle);
-  NcclLoadResult result;
+  const auto comm = static_cast<shim::ncclComm_t>(request.nccl_comm);
+  LoadResult result;
+  result.locations.resize(1);
+  LoadedCheckpoint& mine_loaded = result.locations.front();
   int device = -1;
   shim::nccl_check(comm, nccl.comm_user_rank(comm, &result.rank), "ncclCommUserRank");
   shim::nccl_check(comm, nccl.comm_count(comm, &result.world), "ncclCommCount");
   shim::nccl_check(comm, nccl.comm_cu_device(comm, &device), "ncclCommCuDevice");
   const int rank = result.rank, world = result.world;
   const ErrorContext context{.op = fmt::format("distributed load (rank {} of {})", rank, world), .path = path};
-  const bool replicate = options.placement == Placement::replicate;
+  const bool replicate = request.placement == Placement::replicate;
 
   // CUDA set-up on the communicator's GPU. This is the one part whose failure stays local (and
   // leaves the other ranks waiting in step 2): without a stream and the agreement buffer a rank
@@ -75,23 +78,24 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
 
   // 1. Plan and read this rank's part. Any failure is kept for step 2.
   std::exception_ptr failure;
-  std::vector<CheckpointFile> files;
+  std::vector<CheckpointFile> opened;
+  const std::vector<CheckpointFile>* files = nullptr;
   std::vector<PlannedTensor> plan;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  // per rank, of the layout
   std::byte* base = nullptr;  // replicate: this rank's copy of the whole layout
   std::uint64_t digest = 0;
   try {
-    const MemoryLocation into = options.load.into;
+    const MemoryLocation into = load.into;
     if (into.kind != MemoryKind::device || into.device != device)
       throw Error(errno_code(EINVAL), context,
                   fmt::format("LoadOptions::into is {}, but this rank's communicator is on cuda:{}", into.to_string(), device));
-    files = open_checkpoint(path, options.load.remote);
+    files = &detail::files_of(request, opened);
     // Found here, before any read, so every rank stops alike.
-    if (replicate && options.load.verify && options.load.require_checksums) detail::require_checksums(files);
-    LoadOptions layout = options.load;
+    if (replicate && load.verify && load.require_checksums) detail::require_checksums(*files);
+    LoadOptions layout = load;
     layout.layout = TensorLayout::single_allocation;
     layout.destination = {};
-    DistributedPlan distributed = plan_distributed(path, files, layout, world, options.placement, options.shard_map);
+    LoadPlan distributed = detail::plan_ranks(path, *files, layout, world, request.placement, request.shard_map);
     plan = std::move(distributed.tensors);
     ranges = std::move(distributed.range);
     digest = distributed.digest;
@@ -104,13 +108,13 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
       Buffer whole = Buffer::allocate(into, std::max<std::uint64_t>(size, 1));
       base = whole.data();
       layout.destination = whole.span();
-      result.checkpoint = detail::LoadAccess::load(path, layout, files, &mine);
-      detail::LoadAccess::adopt(result.checkpoint, std::move(whole));  // the memory stays where it is
+      mine_loaded = detail::LoadAccess::load(path, layout, *files, &mine);
+      detail::LoadAccess::adopt(mine_loaded, std::move(whole));  // the memory stays where it is
     } else if (!mine.empty()) {
       layout.names.assign(mine.begin(), mine.end());
-      result.checkpoint = detail::LoadAccess::load(path, layout, files, nullptr);
+      mine_loaded = detail::LoadAccess::load(path, layout, *files, nullptr);
     }
-    result.bytes_from_storage = result.checkpoint.stats().bytes;
+    result.bytes_from_storage = mine_loaded.stats().bytes;
   } catch (...) {
     failure = std::current_exception();
   }
@@ -144,11 +148,11 @@ NcclLoadResult load_checkpoint_nccl(const std::string& path, void* comm_handle, 
         (void)nccl.group_end();
         shim::nccl_check(comm, r, "ncclBroadcast");
       }
-      if (src != rank) result.bytes_received += end - begin;
+      if (src != rank) result.bytes_between += end - begin;
     }
     shim::nccl_check(comm, nccl.group_end(), "ncclGroupEnd");
     stream.synchronize(context);
-    if (options.load.verify) detail::LoadAccess::verify(result.checkpoint, files, options.load.require_checksums);
+    if (load.verify) detail::LoadAccess::verify(mine_loaded, *files, load.require_checksums);
   }
   Stats total;
   timer.finish(total);

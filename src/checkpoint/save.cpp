@@ -164,7 +164,7 @@ AddChecksumsResult add_checksums_unguarded(const std::string& path, bool force, 
     // One rewrite of a file at a time, across processes: the lock of the file as opened. Another
     // rewrite may have replaced it while this one waited: then the file now there is the one to
     // judge (it most likely has its checksums already).
-    std::shared_ptr<const File> handle = reopen(file);
+    std::shared_ptr<const File> handle = file.open();
     FileLock lock = FileLock::wait_for(handle->fd());
     for (int tries = 0;; ++tries) {
       struct stat now {};

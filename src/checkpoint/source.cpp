@@ -211,7 +211,7 @@ Stats read_local(const std::vector<CheckpointFile>& files, std::span<const Range
           handle = files[read.file].file.get();
         } else {
           if (reopened.size() == bound) flush();
-          reopened.push_back(reopen(files[read.file]));
+          reopened.push_back(files[read.file].open());
           handle = reopened.back().get();
         }
       }
@@ -386,13 +386,13 @@ std::size_t read_host_bytes(const CheckpointFile& file, std::uint64_t offset, st
     if (n > 0) file.remote->read(offset, {into.data(), n, {}});
     return n;
   }
-  const std::shared_ptr<const File> handle = reopen(file);
+  const std::shared_ptr<const File> handle = file.open();
   return read_fully(handle->fd(), into, offset, context);
 }
 
 CheckpointFile held_open(const CheckpointFile& file) {
   CheckpointFile held = file;
-  if (!held.remote && !held.file) held.file = reopen(file);
+  if (!held.remote && !held.file) held.file = file.open();
   return held;
 }
 

@@ -140,7 +140,7 @@ void report_verification(const CkptFlags& f, const LoadedCheckpoint& loaded) {
   }
 }
 
-// Several locations: one pipeline each, all at once (load_checkpoint_multi).
+// Several locations: one pipeline each, all at once (load() with LoadRequest::locations).
 int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) {
   if (f.placement != "shard" && f.placement != "replicate")
     throw Error(errno_code(EINVAL), {.op = "ckpt load"}, fmt::format("--placement must be shard or replicate, not '{}'", f.placement));
@@ -148,30 +148,30 @@ int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) 
     throw Error(errno_code(EINVAL), {.op = "ckpt load"}, "--reuse-memory and --layout take one location in --into");
   for (const auto& where : into)
     if (where.kind == MemoryKind::device) Buffer::allocate(where, 1);  // contexts made before timing
-  MultiLoadOptions options{.into = into, .placement = f.placement == "shard" ? Placement::shard : Placement::replicate};
-  options.load.names = split_list(f.names, "--names");
-  options.load.verify = f.verify == "checksums" || f.verify == "strict";
-  options.load.require_checksums = f.verify == "strict";
-  options.load.backend = f.backend;
-  options.load.engine_options = f.tuning.resolve();
+  LoadRequest request{.path = f.path, .locations = into, .placement = f.placement == "shard" ? Placement::shard : Placement::replicate};
+  request.options.names = split_list(f.names, "--names");
+  request.options.verify = f.verify == "checksums" || f.verify == "strict";
+  request.options.require_checksums = f.verify == "strict";
+  request.options.backend = f.backend;
+  request.options.engine_options = f.tuning.resolve();
   // One engine per location for every run: rings and pinned buffers are set up once.
   std::vector<std::unique_ptr<Engine>> engines;
   for (std::size_t k = 0; k < into.size(); ++k) {
-    engines.push_back(make_engine(f.backend, *options.load.engine_options));
-    options.engines.push_back(engines.back().get());
+    engines.push_back(make_engine(f.backend, *request.options.engine_options));
+    request.engines.push_back(engines.back().get());
   }
   std::vector<double> seconds;
-  std::optional<MultiLoadResult> loaded;
+  std::optional<LoadResult> loaded;
   for (unsigned run = 1; run <= f.runs; ++run) {
     loaded.reset();  // frees the previous run's memory first
     if (f.drop_cache)
       for (const auto& file : open_checkpoint(f.path)) drop_page_cache(file.path);
-    loaded = load_checkpoint_multi(f.path, options);
+    loaded = load(request);
     seconds.push_back(loaded->seconds);
     if (f.runs > 1 && f.json != "-") fmt::print("run {}/{}: {:.3f} s\n", run, f.runs, loaded->seconds);
   }
   const double median = median_of(seconds);
-  const MultiLoadResult& r = *loaded;
+  const LoadResult& r = *loaded;
   nlohmann::json locations = nlohmann::json::array();
   for (std::size_t k = 0; k < into.size(); ++k) {
     const LoadedCheckpoint& c = r.locations[k];
@@ -184,7 +184,7 @@ int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) 
   const double gib = static_cast<double>(f.placement == "shard" ? r.bytes_from_storage : r.bytes_from_storage * into.size()) / (1 << 30);
   if (!f.json.empty()) {
     write_json({{"path", f.path}, {"placement", f.placement}, {"seconds", r.seconds}, {"bytes_from_storage", r.bytes_from_storage},
-                {"bytes_between_locations", r.bytes_between_locations}, {"gib_per_second_delivered", gib / r.seconds},
+                {"bytes_between_locations", r.bytes_between}, {"gib_per_second_delivered", gib / r.seconds},
                 {"verify", f.verify.empty() ? "off" : f.verify}, {"unverified_files", r.locations[0].unverified_files()},
                 {"run_seconds", seconds}, {"median_seconds", median}, {"median_gib_per_second_delivered", gib / median},
                 {"locations", locations}},
@@ -196,7 +196,7 @@ int run_load_multi(const CkptFlags& f, const std::vector<MemoryLocation>& into) 
                l["tensors"].get<std::size_t>(), format_size(l["tensor_bytes"].get<std::uint64_t>()),
                format_size(l["bytes_from_storage"].get<std::uint64_t>()), l["verified"].get<bool>() ? ", verified" : "");
   fmt::print("{} into {} location(s): {:.3f} s, {} from storage (each byte once), {} between locations, {:.2f} GiB/s delivered\n",
-             f.placement, into.size(), r.seconds, format_size(r.bytes_from_storage), format_size(r.bytes_between_locations),
+             f.placement, into.size(), r.seconds, format_size(r.bytes_from_storage), format_size(r.bytes_between),
              gib / r.seconds);
   if (f.runs > 1) fmt::print("median of {} runs: {:.3f} s, {:.2f} GiB/s delivered\n", f.runs, median, gib / median);
   report_verification(f, r.locations[0]);
@@ -226,7 +226,7 @@ int run_load(const CkptFlags& f) {
   // framework's caching allocator gives its loaders after the first load).
   Buffer reused;
   if (f.reuse_memory) {
-    reused = Buffer::allocate(into, load_size(f.path, options));
+    reused = Buffer::allocate(into, plan_load({.path = f.path, .options = options}).bytes);
     options.destination = reused.span();
   }
   std::vector<double> seconds;
