@@ -99,10 +99,15 @@ Lookup lookup(const std::string& socket_path, std::span<const int> fds, std::spa
   return out;
 }
 
-std::string copy_to_device(const std::string& socket_path, std::span<const int> fds, std::span<const DeviceCopy> copies) {
+CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> fds, std::span<const DeviceCopy> copies) {
   const ErrorContext context{.op = "cache copy", .path = socket_path};
+  CopyOutcome out;
+  const auto failed = [&out](std::string why) {
+    out.failed = std::move(why);
+    return out;
+  };
   try {
-    if (fds.size() > kMaxDescriptors) return fmt::format("{} files in one load (a copy request takes at most {})", fds.size(), kMaxDescriptors);
+    if (fds.size() > kMaxDescriptors) return failed(fmt::format("{} files in one load (a copy request takes at most {})", fds.size(), kMaxDescriptors));
     // The allocations the destinations lie in, and per GPU (by PCI bus id) one request.
     std::vector<cuda::IpcAllocation> allocations;
     struct Request {
@@ -145,13 +150,15 @@ std::string copy_to_device(const std::string& socket_path, std::span<const int> 
                    {{"op", "copy"}, {"device", device}, {"allocations", handles}, {"copies", r.copies}, {"not_after_ns", not_after}}, fds,
                    socket_path);
       std::optional<Message> reply = receive_message(socket.get(), socket_path);
-      if (!reply) return "the server closed the connection";
-      if (reply->body.contains("error")) return reply->body["error"].get<std::string>();
-      if (reply->body.value("bytes", std::uint64_t{0}) != r.bytes) return "the server copied another number of bytes";
+      if (!reply) return failed("the server closed the connection");
+      if (reply->body.contains("error")) return failed(reply->body["error"].get<std::string>());
+      if (reply->body.value("bytes", std::uint64_t{0}) != r.bytes) return failed("the server copied another number of bytes");
+      out.open_seconds += reply->body.value("open_seconds", 0.0);
+      out.copy_seconds += reply->body.value("copy_seconds", 0.0);
     }
-    return {};
+    return out;
   } catch (const std::exception& e) {
-    return e.what();
+    return failed(e.what());
   }
 }
 

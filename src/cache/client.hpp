@@ -33,10 +33,18 @@ struct DeviceCopy {
   std::uint64_t length = 0;
 };
 
+// What a copy request came to: `failed` empty once every byte is in place; else why not (no GPU
+// on the server's side, memory CUDA IPC cannot share, a file no longer held, ...), and the caller
+// reads those ranges another way. The server's own time, summed over the requests: opening the
+// destinations' IPC handles, and the copies.
+struct CopyOutcome {
+  std::string failed;
+  double open_seconds = 0;
+  double copy_seconds = 0;
+};
+
 // Has the server at `socket` copy each range from its pinned copy of the file open as
-// fds[copy.file] into device memory, by DMA, one request per GPU. "" once every byte is in place;
-// else why not (no GPU on the server's side, memory CUDA IPC cannot share, a file no longer held,
-// ...), and the caller reads those ranges another way. Never throws.
-std::string copy_to_device(const std::string& socket, std::span<const int> fds, std::span<const DeviceCopy> copies);
+// fds[copy.file] into device memory, by DMA, one request per GPU. Never throws.
+CopyOutcome copy_to_device(const std::string& socket, std::span<const int> fds, std::span<const DeviceCopy> copies);
 
 }  // namespace hbmio::cache_detail

@@ -435,12 +435,14 @@ struct CacheServer::State {
       ~Opened() { cuda::ipc_close(base); }
     };
     std::vector<std::unique_ptr<Opened>> allocations;
+    const auto opening = std::chrono::steady_clock::now();
     for (const nlohmann::json& a : request.at("allocations")) {
       auto opened = std::make_unique<Opened>();
       opened->base = cuda::ipc_open(from_hex(a.at("handle").get<std::string>()), device, context);
       opened->size = cuda::device_allocation_size(opened->base, context);
       allocations.push_back(std::move(opened));
     }
+    const double open_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - opening).count();
     // A client's numbers are checked, never trusted, all of them before the first copy: a copy
     // past either end refuses the request whole, and so does one that asks for more than twice
     // the bytes of its files (a load reads each byte once).
@@ -464,6 +466,7 @@ struct CacheServer::State {
     cuda::DeviceGuard guard(device, context);
     auto stream = streams.find(device);
     if (stream == streams.end()) stream = streams.emplace(device, cuda::Stream(device, context)).first;
+    const auto copying = std::chrono::steady_clock::now();
     try {
       for (const Copy& c : copies) stream->second.copy_to_device_async(c.to, c.from, c.length, context);
       stream->second.synchronize(context);
@@ -471,7 +474,8 @@ struct CacheServer::State {
       stream->second.synchronize_noexcept();  // nothing in flight when the handles close
       throw;
     }
-    return {{"ok", true}, {"bytes", asked}};
+    const double copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copying).count();
+    return {{"ok", true}, {"bytes", asked}, {"open_seconds", open_seconds}, {"copy_seconds", copy_seconds}};
   }
 
   // Forgets fills that are done (their results are in their entries).

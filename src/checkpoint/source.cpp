@@ -259,8 +259,9 @@ std::vector<std::size_t> dma_from_cache(const std::vector<CheckpointFile>& files
   }
   if (copies.empty()) return local;
   const auto start = std::chrono::steady_clock::now();
-  if (std::string why = cache_detail::copy_to_device(resident.socket, fds, copies); !why.empty()) {
-    note = fmt::format("the resident cache's server could not DMA into GPU memory ({}): read from its copy instead", why);
+  const cache_detail::CopyOutcome outcome = cache_detail::copy_to_device(resident.socket, fds, copies);
+  if (!outcome.failed.empty()) {
+    note = fmt::format("the resident cache's server could not DMA into GPU memory ({}): read from its copy instead", outcome.failed);
     return local;
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -279,7 +280,10 @@ std::vector<std::size_t> dma_from_cache(const std::vector<CheckpointFile>& files
   stats.bytes_direct += bytes;
   if (stats.backend.empty()) stats.backend = "cache";
   if (options.progress) *options.progress += bytes;
-  note = fmt::format("{} of GPU memory DMA'd by the resident cache's server in {:.3f} s", format_size(bytes), seconds);
+  // The server's share of the time, so that a slow hit says where it went.
+  note = fmt::format("{} of GPU memory DMA'd by the resident cache's server in {:.3f} s (the server: {:.3f} s opening the "
+                     "destination's IPC handles, {:.3f} s copying)",
+                     format_size(bytes), seconds, outcome.open_seconds, outcome.copy_seconds);
   if (options.landed)
     Executor::shared().run(taken.size(), landed_width(taken.size()), [&](std::size_t k) {
       options.landed(taken[k], 0, reads[taken[k]].into.size);
