@@ -406,6 +406,36 @@ TEST(ResidentCache, AClientThatStallsMidRequestOrSpeaksNonsenseLosesOnlyItsConne
   EXPECT_LE(status.clients, 2u);  // this request and `unknown`: the stalled and the garbled ones were dropped
 }
 
+// A copy request is served off the serving thread and answers on its own connection, which serves
+// the next request after it: one for a file not held, one missing its fields, and one naming no
+// GPU this server has all get an error (the client then reads the file), never a lost connection.
+TEST(ResidentCache, CopyRequestsAnswerOnTheirConnectionWhichThenServesTheNext) {
+  TempDir dir, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 4, 4, 4096);
+  ServerProcess server(socket, "1MiB");
+  cache_detail::OwnedFd connection = cache_detail::connect_to(socket, 10000);
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const std::vector<int> fds{fd};
+  const nlohmann::json requests[] = {
+      {{"op", "copy"}, {"device", "0000:00:00.0"}, {"allocations", nlohmann::json::array()}, {"copies", nlohmann::json::array()}},
+      {{"op", "copy"}},
+  };
+  for (const nlohmann::json& request : requests) {
+    cache_detail::send_message(connection.get(), request, fds, socket);
+    const std::optional<cache_detail::Message> reply = cache_detail::receive_message(connection.get(), socket);
+    ASSERT_TRUE(reply.has_value()) << request.dump();
+    EXPECT_TRUE(reply->body.contains("error")) << reply->body.dump();
+  }
+  ::close(fd);
+  cache_detail::send_message(connection.get(), {{"op", "status"}}, {}, socket);
+  const std::optional<cache_detail::Message> status = cache_detail::receive_message(connection.get(), socket);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_EQ(status->body.value("socket", ""), socket) << status->body.dump();
+  EXPECT_EQ(cache_status(socket).clients, 2u);  // this connection and the status request's
+}
+
 // `hbmio doctor` says whether loads here ask a cache and whether it answers.
 TEST(ResidentCache, TheDoctorSaysWhetherTheConfiguredCacheAnswers) {
   TempDir sockets("/tmp");
