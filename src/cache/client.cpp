@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "cache/protocol.hpp"
+#include "core/executor.hpp"
 #include "memory/cuda_runtime.hpp"
 #include "hbmio/cache.hpp"
 #include "hbmio/error.hpp"
@@ -130,31 +131,48 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
       r.copies.push_back({c.file, c.offset, c.length, local - r.allocations.begin(), at - found->base});
       r.bytes += c.length;
     }
-    for (auto& [device, r] : by_device) {
-      nlohmann::json handles = nlohmann::json::array();
-      for (const std::size_t a : r.allocations) {
-        std::string hex;
-        for (const char ch : allocations[a].handle) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
-        handles.push_back({{"handle", hex}});
+    // One request per GPU, all at once: the server feeds each GPU by its own DMA.
+    std::vector<std::pair<const std::string*, const Request*>> requests;
+    for (const auto& [device, r] : by_device) requests.push_back({&device, &r});
+    std::vector<CopyOutcome> outcomes(requests.size());
+    detail::Executor::shared().run(requests.size(), 0, [&](std::size_t k) {
+      const auto& [device, r] = requests[k];
+      CopyOutcome& mine = outcomes[k];
+      try {
+        nlohmann::json handles = nlohmann::json::array();
+        for (const std::size_t a : r->allocations) {
+          std::string hex;
+          for (const char ch : allocations[a].handle) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
+          handles.push_back({{"handle", hex}});
+        }
+        // The reply comes when the DMA is done: at least 1 GiB/s, plus time to open the handles.
+        const int timeout_ms = static_cast<int>(std::min<std::uint64_t>(5000 + r->bytes / (1 << 20), 600'000));
+        const OwnedFd socket = connect_to(socket_path, timeout_ms);
+        check_server(socket.get(), socket_path);
+        // The server starts the copy by half the time this side waits, or not at all: once this side
+        // gives up, its memory may be reused, and a late DMA would land in it.
+        timespec now{};
+        ::clock_gettime(CLOCK_MONOTONIC, &now);
+        const std::int64_t not_after = now.tv_sec * 1'000'000'000LL + now.tv_nsec + std::int64_t{timeout_ms} * 1'000'000 / 2;
+        send_message(socket.get(),
+                     {{"op", "copy"}, {"device", *device}, {"allocations", handles}, {"copies", r->copies}, {"not_after_ns", not_after}},
+                     fds, socket_path);
+        std::optional<Message> reply = receive_message(socket.get(), socket_path);
+        if (!reply) mine.failed = "the server closed the connection";
+        else if (reply->body.contains("error")) mine.failed = reply->body["error"].get<std::string>();
+        else if (reply->body.value("bytes", std::uint64_t{0}) != r->bytes) mine.failed = "the server copied another number of bytes";
+        else {
+          mine.open_seconds = reply->body.value("open_seconds", 0.0);
+          mine.copy_seconds = reply->body.value("copy_seconds", 0.0);
+        }
+      } catch (const std::exception& e) {
+        mine.failed = e.what();
       }
-      // The reply comes when the DMA is done: at least 1 GiB/s, plus time to open the handles.
-      const int timeout_ms = static_cast<int>(std::min<std::uint64_t>(5000 + r.bytes / (1 << 20), 600'000));
-      const OwnedFd socket = connect_to(socket_path, timeout_ms);
-      check_server(socket.get(), socket_path);
-      // The server starts the copy by half the time this side waits, or not at all: once this side
-      // gives up, its memory may be reused, and a late DMA would land in it.
-      timespec now{};
-      ::clock_gettime(CLOCK_MONOTONIC, &now);
-      const std::int64_t not_after = now.tv_sec * 1'000'000'000LL + now.tv_nsec + std::int64_t{timeout_ms} * 1'000'000 / 2;
-      send_message(socket.get(),
-                   {{"op", "copy"}, {"device", device}, {"allocations", handles}, {"copies", r.copies}, {"not_after_ns", not_after}}, fds,
-                   socket_path);
-      std::optional<Message> reply = receive_message(socket.get(), socket_path);
-      if (!reply) return failed("the server closed the connection");
-      if (reply->body.contains("error")) return failed(reply->body["error"].get<std::string>());
-      if (reply->body.value("bytes", std::uint64_t{0}) != r.bytes) return failed("the server copied another number of bytes");
-      out.open_seconds += reply->body.value("open_seconds", 0.0);
-      out.copy_seconds += reply->body.value("copy_seconds", 0.0);
+    });
+    for (const CopyOutcome& o : outcomes) {
+      if (!o.failed.empty()) return failed(o.failed);
+      out.open_seconds = std::max(out.open_seconds, o.open_seconds);  // the requests ran at once
+      out.copy_seconds = std::max(out.copy_seconds, o.copy_seconds);
     }
     return out;
   } catch (const std::exception& e) {

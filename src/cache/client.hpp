@@ -35,8 +35,8 @@ struct DeviceCopy {
 
 // What a copy request came to: `failed` empty once every byte is in place; else why not (no GPU
 // on the server's side, memory CUDA IPC cannot share, a file no longer held, ...), and the caller
-// reads those ranges another way. The server's own time, summed over the requests: opening the
-// destinations' IPC handles, and the copies.
+// reads those ranges another way. The server's own time (of the longest request, where several
+// GPUs were fed at once): opening the destinations' IPC handles, and the copies.
 struct CopyOutcome {
   std::string failed;
   double open_seconds = 0;
