@@ -510,4 +510,59 @@ TEST(GpuResidentCache, AHitIntoGpuMemoryIsTheServersDmaAndEqualsTheFile) {
 }
 
 }  // namespace
+
+// The device tier: a file added with a GPU is kept in that GPU's memory too, and a load into that
+// GPU gets it device to device (path cache-device), equal to the file; a second file that does
+// not fit beside it evicts the first one's GPU copy (the host copy stays and serves by DMA).
+TEST(GpuResidentCache, TheDeviceTierServesDeviceToDeviceAndEvictsLeastRecentlyUsed) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  TempDir dir, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock"), a = dir.file("a.safetensors"), b = dir.file("b.safetensors");
+  save_sample(a, 21, 8, 1 << 20);
+  save_sample(b, 22, 8, 1 << 20);
+  ServerProcess server(socket, "64MiB", {"--gpu-memory", "12MiB"});  // room for one 8 MiB file per GPU
+  const std::vector<std::string> said = cache_add(socket, {a}, true, {0});
+  ASSERT_EQ(said.size(), 1u);
+  EXPECT_TRUE(said[0].starts_with("held; on ")) << said[0];
+  CacheStatus status = cache_status(socket);
+  ASSERT_EQ(status.entries.size(), 1u);
+  EXPECT_EQ(status.entries[0].gpus.size(), 1u);
+  EXPECT_EQ(status.gpu_bytes, status.entries[0].bytes);
+  const auto load_and_check = [&](const std::string& file, DataPath expected) {
+    const LoadedCheckpoint loaded = load_checkpoint(file, {.into = MemoryLocation::parse("cuda:0"), .cache = CacheUse::use, .cache_socket = socket});
+    ASSERT_EQ(loaded.stats().paths.size(), 1u) << loaded.stats().note;
+    EXPECT_EQ(loaded.stats().paths[0].path, expected) << loaded.stats().paths[0].reason;
+    for (const LoadedTensor& t : loaded.tensors()) {
+      std::vector<std::byte> back(t.data.size);
+      copy_memory({back.data(), back.size(), {}}, t.data);
+      EXPECT_EQ(back, test::pread_range(file, t.file_offset, t.data.size)) << t.name;
+    }
+  };
+  load_and_check(a, DataPath::cache_device);
+  const std::vector<std::string> second = cache_add(socket, {b}, true, {0});
+  EXPECT_TRUE(second[0].starts_with("held; on ")) << second[0];
+  status = cache_status(socket);
+  for (const CacheEntryStatus& e : status.entries) EXPECT_EQ(e.gpus.size(), e.path == b ? 1u : 0u) << e.path;
+  load_and_check(b, DataPath::cache_device);
+  load_and_check(a, DataPath::cache_host);  // its GPU copy was evicted: DMA'd from the pinned one
+}
+
+// A server asked for a device tier on a machine without a GPU refuses to start, saying why; a
+// client asking for a GPU copy it has no GPU for is refused before it asks.
+TEST(ResidentCache, ADeviceTierNeedsAGpuOnBothSides) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "this machine has a GPU: the refusals are for machines without one";
+  TempDir dir, sockets("/tmp");
+  try {
+    CacheServer server({.socket = sockets.file("cache.sock"), .host_bytes = 1 << 20, .gpu_bytes = 1 << 20});
+    ADD_FAILURE() << "a device tier without a GPU was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(ENODEV)) << e.what();
+  }
+  const std::string socket = sockets.file("cache2.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 3);
+  ServerProcess server(socket, "4MiB");
+  EXPECT_THROW(cache_add(socket, {file}, true, {0}), Error);
+  EXPECT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+}
+
 }  // namespace hbmio

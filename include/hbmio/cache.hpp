@@ -39,6 +39,10 @@ struct CacheServerOptions {
   // kernel from the client's descriptor); empty: any file a client could open.
   std::vector<std::string> allow;
   unsigned socket_mode = 0600;     // who may connect: 0600 the server's user, 0666 everyone
+  // The device tier: GPU memory the cache may hold on each GPU of the server's machine, in bytes;
+  // 0: none. Files are copied there when a client asks (cache_add's `gpus`), least recently used
+  // copies evicted first; a load into that GPU then gets a device-to-device copy. Needs a GPU.
+  std::uint64_t gpu_bytes = 0;
 };
 
 // One cached file, as status reports it.
@@ -51,12 +55,15 @@ struct CacheEntryStatus {
   std::uint32_t owner = 0;    // the uid of the client that added it
   std::uint64_t hits = 0;
   double idle_seconds = 0;    // since it was last served (or added)
+  std::vector<std::string> gpus;  // PCI bus ids of the GPUs holding a copy (the device tier)
 };
 
 struct CacheStatus {
   std::string socket;
   std::uint64_t host_bytes_limit = 0, user_bytes_limit = 0;
   std::uint64_t host_bytes = 0;  // held by the entries now (those being added included)
+  std::uint64_t gpu_bytes_limit = 0;  // per GPU (CacheServerOptions::gpu_bytes)
+  std::uint64_t gpu_bytes = 0;        // held in GPU memory now, all GPUs together
   std::uint64_t hits = 0, misses = 0, adds = 0, evictions = 0, stale = 0, refused = 0;
   std::uint64_t clients = 0;     // connected now
   std::uint64_t served_clients = 0;  // connections since start
@@ -96,9 +103,13 @@ CacheStatus cache_status(const std::string& socket);
 std::string status_json(const CacheStatus& status);
 
 // Asks the server at `socket` to take in `paths` (opened here; Error naming a file that cannot be
-// opened). With `wait`, returns once each is held or refused. Returns, per path, what the server
-// said ("held", "adding", or its reason for refusing).
-std::vector<std::string> cache_add(const std::string& socket, const std::vector<std::string>& paths, bool wait);
+// opened), and to keep a copy of each in the memory of `gpus` (this process's CUDA devices; Error
+// ENODEV for one it lacks), where the server has a device tier. With `wait`, returns once each is
+// held or refused, and on the GPUs or refused there. Returns, per path, what the server said
+// ("held", "adding", or its reason for refusing), and per GPU asked for, "; on 0000:3b:00.0" or
+// "; not on 0000:3b:00.0: " and why.
+std::vector<std::string> cache_add(const std::string& socket, const std::vector<std::string>& paths, bool wait,
+                                   const std::vector<int>& gpus = {});
 
 
 }  // namespace hbmio

@@ -96,8 +96,10 @@ enum class DataPath {
   posix,          // pread/pwrite through the page cache (and a pageable copy for GPU memory)
   remote,         // ranged GETs or uploads of an object at a URL
   cache_host,     // the node's resident cache: its copy of the file in shared host memory (hbmio/cache.hpp)
+  cache_device,   // the node's resident cache: its copy of the file in the destination GPU's memory
 };
-// "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote", "cache-host".
+// "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote", "cache-host",
+// "cache-device".
 std::string_view to_string(DataPath path) noexcept;
 
 // The way one file's bytes took in a transfer, and why that one. A transfer reports one per file

@@ -29,9 +29,12 @@ namespace {
 constexpr int kLookupTimeoutMs = 2000;
 
 // One "get" for up to kMaxDescriptors files over `socket`; appends each result and its copy.
+// `gpus`: PCI bus ids of GPUs to keep copies on (the device tier), `place` false to only ask how
+// those copies are doing.
 void get_some(int socket, const std::string& socket_path, std::span<const int> fds, bool add, std::vector<nlohmann::json>& results,
-              std::vector<OwnedFd>& copies, bool counted = true) {
-  send_message(socket, {{"op", "get"}, {"add", add}, {"count", counted}}, fds, socket_path);
+              std::vector<OwnedFd>& copies, bool counted = true, const nlohmann::json& gpus = nlohmann::json::array(),
+              bool place = true) {
+  send_message(socket, {{"op", "get"}, {"add", add}, {"count", counted}, {"gpus", gpus}, {"place", place}}, fds, socket_path);
   std::optional<Message> reply = receive_message(socket, socket_path);
   if (!reply) throw Error(errno_code(ECONNRESET), {.op = "cache", .path = socket_path}, "the server closed the connection");
   if (reply->body.contains("error"))
@@ -164,6 +167,8 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
         else {
           mine.open_seconds = reply->body.value("open_seconds", 0.0);
           mine.copy_seconds = reply->body.value("copy_seconds", 0.0);
+          mine.gpu_bytes = reply->body.value("gpu_bytes", std::uint64_t{0});
+          for (const nlohmann::json& f : reply->body.value("files_on_gpu", nlohmann::json::array())) mine.files_on_gpu.insert(f.get<std::size_t>());
         }
       } catch (const std::exception& e) {
         mine.failed = e.what();
@@ -173,6 +178,8 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
       if (!o.failed.empty()) return failed(o.failed);
       out.open_seconds = std::max(out.open_seconds, o.open_seconds);  // the requests ran at once
       out.copy_seconds = std::max(out.copy_seconds, o.copy_seconds);
+      out.gpu_bytes += o.gpu_bytes;
+      out.files_on_gpu.insert(o.files_on_gpu.begin(), o.files_on_gpu.end());
     }
     return out;
   } catch (const std::exception& e) {
@@ -184,8 +191,9 @@ nlohmann::json to_json(const CacheStatus& s) {
   nlohmann::json entries = nlohmann::json::array();
   for (const CacheEntryStatus& e : s.entries)
     entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"pinned", e.pinned}, {"owner", e.owner},
-                       {"hits", e.hits}, {"idle_seconds", e.idle_seconds}});
+                       {"hits", e.hits}, {"idle_seconds", e.idle_seconds}, {"gpus", e.gpus}});
   return {{"socket", s.socket},       {"host_bytes_limit", s.host_bytes_limit}, {"user_bytes_limit", s.user_bytes_limit},
+          {"gpu_bytes_limit", s.gpu_bytes_limit}, {"gpu_bytes", s.gpu_bytes},
           {"host_bytes", s.host_bytes}, {"hits", s.hits},                       {"misses", s.misses},
           {"adds", s.adds},           {"evictions", s.evictions},             {"stale", s.stale},
           {"refused", s.refused},     {"clients", s.clients},                 {"served_clients", s.served_clients},
@@ -196,7 +204,7 @@ CacheStatus status_from_json(const nlohmann::json& j) {
   CacheStatus s;
   s.socket = j.at("socket").get<std::string>();
   for (auto [field, name] : {std::pair{&s.host_bytes_limit, "host_bytes_limit"}, {&s.user_bytes_limit, "user_bytes_limit"},
-                             {&s.host_bytes, "host_bytes"}, {&s.hits, "hits"}, {&s.misses, "misses"}, {&s.adds, "adds"},
+                             {&s.host_bytes, "host_bytes"}, {&s.gpu_bytes_limit, "gpu_bytes_limit"}, {&s.gpu_bytes, "gpu_bytes"}, {&s.hits, "hits"}, {&s.misses, "misses"}, {&s.adds, "adds"},
                              {&s.evictions, "evictions"}, {&s.stale, "stale"}, {&s.refused, "refused"}, {&s.clients, "clients"},
                              {&s.served_clients, "served_clients"}})
     *field = j.at(name).get<std::uint64_t>();
@@ -209,7 +217,8 @@ CacheStatus status_from_json(const nlohmann::json& j) {
                          .pinned = e.at("pinned").get<bool>(),
                          .owner = e.at("owner").get<std::uint32_t>(),
                          .hits = e.at("hits").get<std::uint64_t>(),
-                         .idle_seconds = e.at("idle_seconds").get<double>()});
+                         .idle_seconds = e.at("idle_seconds").get<double>(),
+                         .gpus = e.value("gpus", std::vector<std::string>{})});
   return s;
 }
 
@@ -229,7 +238,10 @@ CacheStatus cache_status(const std::string& socket_path) {
   }
 }
 
-std::vector<std::string> cache_add(const std::string& socket_path, const std::vector<std::string>& paths, bool wait) {
+std::vector<std::string> cache_add(const std::string& socket_path, const std::vector<std::string>& paths, bool wait,
+                                   const std::vector<int>& gpus) {
+  nlohmann::json bus_ids = nlohmann::json::array();
+  for (const int gpu : gpus) bus_ids.push_back(cuda::pci_bus_id_of(gpu, {.op = "cache add", .path = fmt::format("cuda:{}", gpu)}));
   std::vector<cache_detail::OwnedFd> files;
   std::vector<int> fds;
   for (const std::string& path : paths) {
@@ -250,22 +262,32 @@ std::vector<std::string> cache_add(const std::string& socket_path, const std::ve
       for (std::size_t k = at; k < at + n; ++k) some.push_back(fds[open[k]]);
       std::vector<nlohmann::json> results;
       std::vector<cache_detail::OwnedFd> copies;
-      cache_detail::get_some(socket.get(), socket_path, some, first, results, copies, /*counted=*/first);
+      cache_detail::get_some(socket.get(), socket_path, some, first, results, copies, /*counted=*/first, bus_ids, /*place=*/first);
       for (std::size_t k = 0; k < n; ++k) {
         const std::size_t which = open[at + k];
         const std::string reason = results[k].value("reason", "");
         said[which] = results[k].at("hit").get<bool>() ? "held"
                       : (!first && reason == "not held") ? "refused while being read in (the server's log says why)"
                                                          : reason;
-        // Still being read in: asked again (without adding) until it is held or dropped.
-        if (wait && !results[k].at("hit").get<bool>() && (reason == "being taken in" || reason == "not held; taking it in")) still.push_back(which);
+        bool gpus_pending = false;
+        for (const auto& [id, state] : results[k].value("gpus", nlohmann::json::object()).items()) {
+          const std::string text = state.get<std::string>();
+          said[which] += text == "held" ? fmt::format("; on {}", id) : text == "adding" ? fmt::format("; adding on {}", id)
+                                                                                        : fmt::format("; not on {}: {}", id, text);
+          gpus_pending = gpus_pending || text == "adding";
+        }
+        // Still being read in (or copied to a GPU): asked again (without adding) until it is held or dropped.
+        if (wait && ((!results[k].at("hit").get<bool>() && (reason == "being taken in" || reason == "not held; taking it in")) ||
+                     (results[k].at("hit").get<bool>() && gpus_pending)))
+          still.push_back(which);
       }
     }
     open = std::move(still);
     if (open.empty()) break;
   }
   for (std::string& s : said)
-    if (s == "not held; taking it in" || s == "being taken in") s = "adding";
+    for (const char* adding : {"not held; taking it in", "being taken in"})
+      if (s.starts_with(adding)) s = "adding" + s.substr(std::string_view(adding).size());
   return said;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -39,6 +40,10 @@ struct DeviceCopy {
 // GPUs were fed at once): opening the destinations' IPC handles, and the copies.
 struct CopyOutcome {
   std::string failed;
+  // The files (indices into the descriptors) whose ranges came from the server's copy in the
+  // destination GPU's memory (the device tier: device-to-device), and their bytes.
+  std::set<std::size_t> files_on_gpu;
+  std::uint64_t gpu_bytes = 0;
   double open_seconds = 0;
   double copy_seconds = 0;
 };

@@ -27,6 +27,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -35,6 +36,8 @@
 #include "core/executor.hpp"
 #include "memory/cuda_runtime.hpp"
 #include "hbmio/error.hpp"
+#include "hbmio/memory.hpp"
+#include "hbmio/options.hpp"
 
 namespace hbmio {
 
@@ -143,6 +146,12 @@ struct CacheServer::State {
     Clock::time_point last_use;
     PinnedMapping pinned;  // for the GPU's DMA, where there is a GPU
     std::string unpinned;  // why not, where it is not
+    // The device tier: a copy of the file in a GPU's memory, per device of this process (shared:
+    // a copy running from it keeps it while it is evicted). `gpus_wanted`: asked for while the
+    // file was still being taken in; `gpus_placing`: being copied there; `gpus_refused`: why not.
+    std::map<int, std::shared_ptr<Buffer>> on_gpu;
+    std::set<int> gpus_wanted, gpus_placing;
+    std::map<int, std::string> gpus_refused;
   };
   using Key = std::pair<std::uint64_t, std::uint64_t>;  // device, inode
 
@@ -153,14 +162,82 @@ struct CacheServer::State {
   std::map<Key, std::shared_ptr<Entry>> entries;
   std::list<Pending<void>> fills;
   std::uint64_t bytes = 0, hits = 0, misses = 0, adds = 0, evictions = 0, stale = 0, refused = 0, clients = 0, served_clients = 0;
+  std::map<int, std::uint64_t> gpu_bytes;  // per device, held or being placed there
 
   // Drops `key`'s entry (under the mutex); an entry still being added is abandoned by its fill.
   void drop(const Key& key) {
     const auto it = entries.find(key);
     if (it == entries.end()) return;
     bytes -= it->second->identity.size;
+    for (const auto& [device, copy] : it->second->on_gpu) gpu_bytes[device] -= it->second->identity.size;
+    it->second->on_gpu.clear();
     it->second->abandoned = true;
     entries.erase(it);
+  }
+
+  // Starts copying a ready entry to `device`'s memory (under the mutex), unless it is there, on its
+  // way, or was refused there.
+  void place_on_gpu(const std::shared_ptr<Entry>& entry, int device) {
+    if (entry->on_gpu.contains(device) || entry->gpus_placing.contains(device)) return;
+    entry->gpus_refused.erase(device);
+    const std::uint64_t size = entry->identity.size;
+    std::string why;
+    if (options.gpu_bytes == 0) why = "the server has no device tier (hbmio cache serve --gpu-memory)";
+    else if (!entry->pinned) why = "its host copy is not pinned: " + entry->unpinned;
+    else if (size > options.gpu_bytes) why = fmt::format("larger than the device tier ({})", format_size(options.gpu_bytes));
+    // Least recently used copies on that GPU go first.
+    while (why.empty() && gpu_bytes[device] + size > options.gpu_bytes) {
+      std::shared_ptr<Entry> oldest;
+      for (const auto& [key, e] : entries)
+        if (e->on_gpu.contains(device) && (!oldest || e->last_use < oldest->last_use)) oldest = e;
+      if (!oldest) {
+        why = "the device tier is taken by copies still being placed";
+        break;
+      }
+      oldest->on_gpu.erase(device);
+      gpu_bytes[device] -= oldest->identity.size;
+      ++evictions;
+    }
+    if (!why.empty()) {
+      entry->gpus_refused[device] = why;
+      return;
+    }
+    gpu_bytes[device] += size;
+    entry->gpus_placing.insert(device);
+    try {
+      fills.push_back(Executor::shared().start([this, entry, device] { copy_to_gpu(entry, device); }));
+    } catch (const std::exception& e) {
+      gpu_bytes[device] -= size;
+      entry->gpus_placing.erase(device);
+      entry->gpus_refused[device] = e.what();
+    }
+  }
+
+  // The pool's half of place_on_gpu: device memory, the pinned copy DMA'd into it.
+  void copy_to_gpu(const std::shared_ptr<Entry>& entry, int device) noexcept {
+    const std::uint64_t size = entry->identity.size;
+    std::shared_ptr<Buffer> copy;
+    std::string why;
+    try {
+      const ErrorContext context{.op = "cache: place on a GPU", .path = entry->path};
+      cuda::DeviceGuard guard(device, context);
+      copy = std::make_shared<Buffer>(Buffer::allocate({MemoryKind::device, device}, std::max<std::uint64_t>(size, 1)));
+      Lane& lane = lane_of(device, context);
+      std::lock_guard turn(lane.mutex);
+      if (size > 0) lane.stream.copy_async(copy->data(), entry->pinned.data(), size, context);
+      lane.stream.synchronize(context);
+    } catch (const std::exception& e) {
+      copy.reset();
+      why = e.what();
+    }
+    std::lock_guard lock(mutex);
+    entry->gpus_placing.erase(device);
+    if (entry->abandoned || !copy) {
+      gpu_bytes[device] -= size;
+      if (!copy) entry->gpus_refused[device] = why;
+      return;
+    }
+    entry->on_gpu[device] = std::move(copy);
   }
 
   // Makes room for `size` bytes owned by `owner` (under the mutex), evicting the least recently
@@ -277,6 +354,8 @@ struct CacheServer::State {
     }
     entry->ready = true;
     entry->last_use = Clock::now();
+    for (const int device : entry->gpus_wanted) place_on_gpu(entry, device);
+    entry->gpus_wanted.clear();
   }
 
   // Whether `fd` is a descriptor a client may ask for; "" when it is, else why not.
@@ -305,6 +384,36 @@ struct CacheServer::State {
     const bool add = request.value("add", false);
     // `hbmio cache add --wait` asks again until its files are in: those asks are no load's.
     const bool counted = request.value("count", true);
+    const bool place = request.value("place", true);  // false: only say how the GPU copies are doing
+    // The device tier: the GPUs (PCI bus ids: processes number GPUs differently) the client wants
+    // copies on, with this process's number of each (-1: no such GPU here).
+    std::vector<std::pair<std::string, int>> gpus;
+    for (const nlohmann::json& id : request.value("gpus", nlohmann::json::array())) {
+      int device = -1;
+      try {
+        device = cuda::device_of_pci_bus_id(id.get<std::string>(), {.op = "cache add"});
+      } catch (const std::exception&) {
+      }
+      gpus.push_back({id.get<std::string>(), device});
+    }
+    // Per GPU asked for: "held", "adding", or why not; wanted ones not started yet start here.
+    const auto on_gpus = [&](const std::shared_ptr<Entry>& entry) {
+      nlohmann::json out = nlohmann::json::object();
+      for (const auto& [id, device] : gpus) {
+        if (device < 0) {
+          out[id] = "no GPU with this PCI bus id on the server's machine";
+          continue;
+        }
+        if (place && entry->ready) place_on_gpu(entry, device);
+        else if (place) entry->gpus_wanted.insert(device);
+        const auto refused_there = entry->gpus_refused.find(device);
+        if (entry->on_gpu.contains(device)) out[id] = "held";
+        else if (refused_there != entry->gpus_refused.end()) out[id] = refused_there->second;
+        else if (entry->gpus_placing.contains(device) || entry->gpus_wanted.contains(device)) out[id] = "adding";
+        else out[id] = "not there (evicted, or never asked for)";
+      }
+      return out;
+    };
     nlohmann::json results = nlohmann::json::array();
     std::lock_guard lock(mutex);
     for (OwnedFd& fd : fds) {
@@ -341,12 +450,12 @@ struct CacheServer::State {
           e.last_use = Clock::now();
           reply_fds.push_back(e.memory.get());
           served.push_back(it->second);
-          results.push_back({{"hit", true}, {"tier", "host"}, {"bytes", id.size}});
+          results.push_back({{"hit", true}, {"tier", "host"}, {"bytes", id.size}, {"gpus", on_gpus(it->second)}});
           continue;
         }
         if (e.identity == id) {
           misses += counted ? 1 : 0;
-          results.push_back({{"hit", false}, {"reason", "being taken in"}});
+          results.push_back({{"hit", false}, {"reason", "being taken in"}, {"gpus", on_gpus(it->second)}});
           continue;
         }
         drop(key);  // the file changed since: never served again
@@ -387,7 +496,7 @@ struct CacheServer::State {
       entries[key] = entry;
       bytes += id.size;
       ++adds;
-      results.push_back({{"hit", false}, {"reason", "not held; taking it in"}});
+      results.push_back({{"hit", false}, {"reason", "not held; taking it in"}, {"gpus", on_gpus(entry)}});
     }
     return {{"results", std::move(results)}};
   }
@@ -404,9 +513,21 @@ struct CacheServer::State {
   };
   std::mutex lanes_mutex;
   std::map<int, std::unique_ptr<Lane>> lanes;  // per device, made at the first copy there
+  Lane& lane_of(int device, const ErrorContext& context) {
+    std::lock_guard lock(lanes_mutex);
+    std::unique_ptr<Lane>& made = lanes[device];
+    if (!made) {
+      auto lane = std::make_unique<Lane>();
+      lane->stream = cuda::Stream(device, context);
+      made = std::move(lane);
+    }
+    return *made;
+  }
   nlohmann::json copy(const nlohmann::json& request, std::vector<OwnedFd>& fds) {
     const ErrorContext context{.op = "cache copy", .path = options.socket};
     std::vector<std::shared_ptr<Entry>> held;
+    const int device = cuda::device_of_pci_bus_id(request.at("device").get<std::string>(), context);
+    std::vector<std::shared_ptr<Buffer>> on_gpu;  // per held file, its copy in that GPU's memory, if any
     {
       std::lock_guard lock(mutex);
       for (OwnedFd& fd : fds) {
@@ -422,6 +543,9 @@ struct CacheServer::State {
         if (it == entries.end() || !(it->second->identity == id) || !it->second->ready) return {{"error", path + " is not held (or changed)"}};
         if (!it->second->pinned) return {{"error", fmt::format("{} is held but not pinned: {}", path, it->second->unpinned)}};
         held.push_back(it->second);
+        const auto copy = it->second->on_gpu.find(device);
+        on_gpu.push_back(copy == it->second->on_gpu.end() ? nullptr : copy->second);
+        it->second->last_use = Clock::now();
       }
     }
     // A client that gave up waiting reads its files itself and may reuse its memory: a request
@@ -434,7 +558,6 @@ struct CacheServer::State {
     }
     std::uint64_t held_bytes = 0;
     for (const auto& e : held) held_bytes += e->identity.size;
-    const int device = cuda::device_of_pci_bus_id(request.at("device").get<std::string>(), context);
     struct Opened {
       void* base = nullptr;
       std::size_t size = 0;
@@ -458,7 +581,8 @@ struct CacheServer::State {
       std::uint64_t length;
     };
     std::vector<Copy> copies;
-    std::uint64_t asked = 0;
+    std::uint64_t asked = 0, from_gpu = 0;
+    std::set<std::size_t> files_on_gpu;
     for (const nlohmann::json& c : request.at("copies")) {
       const auto file = c.at(0).get<std::size_t>(), allocation = c.at(3).get<std::size_t>();
       const auto offset = c.at(1).get<std::uint64_t>(), length = c.at(2).get<std::uint64_t>(), at = c.at(4).get<std::uint64_t>();
@@ -467,30 +591,28 @@ struct CacheServer::State {
         throw Error(errno_code(EINVAL), context, "a copy outside its file or its allocation");
       asked += length;
       if (asked > 2 * held_bytes) throw Error(errno_code(EINVAL), context, "more bytes than twice its files hold");
-      copies.push_back({static_cast<std::byte*>(allocations[allocation]->base) + at, held[file]->pinned.data() + offset, length});
+      // From the copy in that GPU's memory where there is one (device to device), else the pinned one.
+      const std::byte* from = on_gpu[file] ? on_gpu[file]->data() + offset : held[file]->pinned.data() + offset;
+      if (on_gpu[file]) {
+        from_gpu += length;
+        files_on_gpu.insert(file);
+      }
+      copies.push_back({static_cast<std::byte*>(allocations[allocation]->base) + at, from, length});
     }
     cuda::DeviceGuard guard(device, context);
-    Lane* lane = nullptr;
-    {
-      std::lock_guard lock(lanes_mutex);
-      std::unique_ptr<Lane>& made = lanes[device];
-      if (!made) {
-        made = std::make_unique<Lane>();
-        made->stream = cuda::Stream(device, context);
-      }
-      lane = made.get();
-    }
+    Lane* lane = &lane_of(device, context);
     std::lock_guard turn(lane->mutex);
     const auto copying = std::chrono::steady_clock::now();
     try {
-      for (const Copy& c : copies) lane->stream.copy_to_device_async(c.to, c.from, c.length, context);
+      for (const Copy& c : copies) lane->stream.copy_async(c.to, c.from, c.length, context);
       lane->stream.synchronize(context);
     } catch (...) {
       lane->stream.synchronize_noexcept();  // nothing in flight when the handles close
       throw;
     }
     const double copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copying).count();
-    return {{"ok", true}, {"bytes", asked}, {"open_seconds", open_seconds}, {"copy_seconds", copy_seconds}};
+    return {{"ok", true},       {"bytes", asked}, {"gpu_bytes", from_gpu}, {"files_on_gpu", files_on_gpu}, {"open_seconds", open_seconds},
+            {"copy_seconds", copy_seconds}};
   }
 
   // Forgets fills that are done (their results are in their entries).
@@ -505,6 +627,8 @@ CacheServer::CacheServer(CacheServerOptions options) : state_(std::make_unique<S
   s.options = std::move(options);
   const ErrorContext context{.op = "cache serve", .path = s.options.socket};
   if (s.options.host_bytes == 0) throw Error(errno_code(EINVAL), context, "the host tier needs a size (host_bytes > 0)");
+  if (s.options.gpu_bytes > 0 && cuda_device_count() == 0)
+    throw Error(errno_code(ENODEV), context, fmt::format("a device tier (gpu_bytes) needs a GPU: {}", cuda_unavailable_reason()));
   for (std::string& dir : s.options.allow) {
     std::error_code ec;
     const auto canonical = std::filesystem::canonical(dir, ec);
@@ -670,6 +794,7 @@ CacheStatus CacheServer::status() const {
                   .host_bytes_limit = s.options.host_bytes,
                   .user_bytes_limit = s.options.user_bytes ? s.options.user_bytes : s.options.host_bytes,
                   .host_bytes = s.bytes,
+                  .gpu_bytes_limit = s.options.gpu_bytes,
                   .hits = s.hits,
                   .misses = s.misses,
                   .adds = s.adds,
@@ -679,8 +804,11 @@ CacheStatus CacheServer::status() const {
                   .clients = s.clients,
                   .served_clients = s.served_clients,
                   .uptime_seconds = std::chrono::duration<double>(Clock::now() - s.started).count()};
+  for (const auto& [device, bytes] : s.gpu_bytes) out.gpu_bytes += bytes;
   const auto now = Clock::now();
-  for (const auto& [key, e] : s.entries)
+  for (const auto& [key, e] : s.entries) {
+    std::vector<std::string> gpus;
+    for (const auto& [device, copy] : e->on_gpu) gpus.push_back(cuda::pci_bus_id_of(device, {.op = "cache status"}));
     out.entries.push_back({.path = e->path,
                            .bytes = e->identity.size,
                            .tier = "host",
@@ -688,7 +816,9 @@ CacheStatus CacheServer::status() const {
                            .pinned = static_cast<bool>(e->pinned),
                            .owner = e->owner,
                            .hits = e->hits,
-                           .idle_seconds = std::chrono::duration<double>(now - e->last_use).count()});
+                           .idle_seconds = std::chrono::duration<double>(now - e->last_use).count(),
+                           .gpus = std::move(gpus)});
+  }
   std::sort(out.entries.begin(), out.entries.end(), [](const auto& a, const auto& b) { return a.idle_seconds < b.idle_seconds; });
   return out;
 }

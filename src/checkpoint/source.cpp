@@ -269,10 +269,13 @@ std::vector<std::size_t> dma_from_cache(const std::vector<CheckpointFile>& files
   for (const std::size_t i : taken) {
     const RangeRead& read = reads[i];
     bytes += read.into.size;
+    const bool on_gpu = outcome.files_on_gpu.contains(fd_of.at(read.file));
     stats.add_path({.file = files[read.file].path,
-                    .path = DataPath::cache_host,
-                    .reason = "the resident cache held the same file (device, inode, size, times): its server DMA'd it from its "
-                              "pinned copy straight into GPU memory",
+                    .path = on_gpu ? DataPath::cache_device : DataPath::cache_host,
+                    .reason = on_gpu ? "the resident cache held the same file (device, inode, size, times) and a copy of it in this "
+                                       "GPU's memory: its server copied it device to device"
+                                     : "the resident cache held the same file (device, inode, size, times): its server DMA'd it from its "
+                                       "pinned copy straight into GPU memory",
                     .bytes = read.into.size,
                     .bytes_direct = read.into.size});
   }
@@ -281,9 +284,9 @@ std::vector<std::size_t> dma_from_cache(const std::vector<CheckpointFile>& files
   if (stats.backend.empty()) stats.backend = "cache";
   if (options.progress) *options.progress += bytes;
   // The server's share of the time, so that a slow hit says where it went.
-  note = fmt::format("{} of GPU memory DMA'd by the resident cache's server in {:.3f} s (the server: {:.3f} s opening the "
-                     "destination's IPC handles, {:.3f} s copying)",
-                     format_size(bytes), seconds, outcome.open_seconds, outcome.copy_seconds);
+  note = fmt::format("{} of GPU memory DMA'd by the resident cache's server in {:.3f} s ({} of it from its copy in the GPU's "
+                     "memory; the server: {:.3f} s opening the destination's IPC handles, {:.3f} s copying)",
+                     format_size(bytes), seconds, format_size(outcome.gpu_bytes), outcome.open_seconds, outcome.copy_seconds);
   if (options.landed)
     Executor::shared().run(taken.size(), landed_width(taken.size()), [&](std::size_t k) {
       options.landed(taken[k], 0, reads[taken[k]].into.size);

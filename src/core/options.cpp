@@ -100,6 +100,7 @@ std::string_view to_string(DataPath path) noexcept {
     case DataPath::posix: return "posix";
     case DataPath::remote: return "remote";
     case DataPath::cache_host: return "cache-host";
+    case DataPath::cache_device: return "cache-device";
   }
   return "?";
 }

@@ -264,6 +264,13 @@ int device_of_pci_bus_id(const std::string& pci_bus_id, const ErrorContext& cont
   return device;
 }
 
+std::string pci_bus_id_of(int device, const ErrorContext& context) {
+  require_device(context);
+  char bus[32] = {};
+  check(cudaDeviceGetPCIBusId(bus, sizeof bus, device), context, "cudaDeviceGetPCIBusId");
+  return bus;
+}
+
 void* ipc_open(const std::string& handle, int device, const ErrorContext& context) {
   if (handle.size() != sizeof(cudaIpcMemHandle_t)) throw Error(errno_code(EINVAL), context, "an IPC handle of the wrong size");
   cudaIpcMemHandle_t h{};
@@ -314,6 +321,9 @@ Stream& Stream::operator=(Stream&& other) noexcept {
 void Stream::copy_to_device_async(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
   check(cudaMemcpyAsync(dst, src, size, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(handle_)), context,
         "cudaMemcpyAsync (host to device)");
+}
+void Stream::copy_async(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
+  check(cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, static_cast<cudaStream_t>(handle_)), context, "cudaMemcpyAsync");
 }
 void Stream::copy_to_host_async(void* dst, const void* src, std::size_t size, const ErrorContext& context) {
   check(cudaMemcpyAsync(dst, src, size, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(handle_)), context,
@@ -383,6 +393,7 @@ void unregister_host(void*) noexcept {}
 void register_host_read_only(void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
 IpcAllocation ipc_allocation_of(const void*, const ErrorContext& context) { no_cuda(context); }
 int device_of_pci_bus_id(const std::string&, const ErrorContext& context) { no_cuda(context); }
+std::string pci_bus_id_of(int, const ErrorContext& context) { no_cuda(context); }
 std::size_t device_allocation_size(const void*, const ErrorContext& context) { no_cuda(context); }
 void* ipc_open(const std::string&, int, const ErrorContext& context) { no_cuda(context); }
 void ipc_close(void*) noexcept {}
@@ -398,6 +409,7 @@ Stream& Stream::operator=(Stream&& other) noexcept {
 }
 void Stream::copy_to_device_async(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
 void Stream::copy_to_host_async(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
+void Stream::copy_async(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
 void Stream::synchronize(const ErrorContext& context) { no_cuda(context); }
 void Stream::synchronize_noexcept() noexcept {}
 Event::Event(const ErrorContext& context) { no_cuda(context); }

@@ -69,6 +69,8 @@ IpcAllocation ipc_allocation_of(const void* ptr, const ErrorContext& context);
 std::size_t device_allocation_size(const void* ptr, const ErrorContext& context);
 // This process's device with that PCI bus id (Error ENODEV where it has none).
 int device_of_pci_bus_id(const std::string& pci_bus_id, const ErrorContext& context);
+// The PCI bus id of this process's `device` ("0000:3b:00.0").
+std::string pci_bus_id_of(int device, const ErrorContext& context);
 // Maps another process's allocation into this one (current device: `device`); undone by ipc_close.
 void* ipc_open(const std::string& handle, int device, const ErrorContext& context);
 void ipc_close(void* ptr) noexcept;
@@ -92,6 +94,8 @@ class Stream {
   StreamHandle handle() const noexcept { return handle_; }
   void copy_to_device_async(void* dst, const void* src, std::size_t size, const ErrorContext& context);
   void copy_to_host_async(void* dst, const void* src, std::size_t size, const ErrorContext& context);
+  // Either way, or between two allocations of GPU memory (the kind inferred from the pointers).
+  void copy_async(void* dst, const void* src, std::size_t size, const ErrorContext& context);
   void synchronize(const ErrorContext& context);
   void synchronize_noexcept() noexcept;
 

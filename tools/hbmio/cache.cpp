@@ -4,6 +4,7 @@
 #include <memory>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli_common.hpp"
 
@@ -12,8 +13,9 @@ namespace hbmio::cli {
 namespace {
 
 struct CacheFlags {
-  std::string socket, host_memory = "", user_memory = "0", json, mode = "0600";
+  std::string socket, host_memory = "", user_memory = "0", gpu_memory = "0", json, mode = "0600";
   std::vector<std::string> allow, paths;
+  std::vector<int> gpus;
   bool wait = false;
 };
 
@@ -29,11 +31,14 @@ void print_status(const CacheStatus& s) {
   fmt::print("resident cache at {}, up {:.0f} s\n", s.socket, s.uptime_seconds);
   fmt::print("  host memory: {} of {} held (per user at most {}), {} file(s)\n", format_size(s.host_bytes), format_size(s.host_bytes_limit),
              format_size(s.user_bytes_limit), s.entries.size());
+  if (s.gpu_bytes_limit > 0)
+    fmt::print("  GPU memory: {} held, at most {} per GPU\n", format_size(s.gpu_bytes), format_size(s.gpu_bytes_limit));
   fmt::print("  hits {}, misses {}, taken in {}, evicted {}, dropped as changed {}, refused {}; clients now {}, since start {}\n", s.hits,
              s.misses, s.adds, s.evictions, s.stale, s.refused, s.clients, s.served_clients);
   for (const CacheEntryStatus& e : s.entries)
-    fmt::print("  {:>10}  {:<6} {:<5} {:<8} {:>5} hit(s)  idle {:>6.0f} s  uid {}  {}\n", format_size(e.bytes), e.state, e.tier,
-               e.pinned ? "pinned" : "unpinned", e.hits, e.idle_seconds, e.owner, e.path);
+    fmt::print("  {:>10}  {:<6} {:<5} {:<8} {:>5} hit(s)  idle {:>6.0f} s  uid {}  {}{}\n", format_size(e.bytes), e.state, e.tier,
+               e.pinned ? "pinned" : "unpinned", e.hits, e.idle_seconds, e.owner, e.path,
+               e.gpus.empty() ? std::string() : fmt::format("  (also on {})", fmt::join(e.gpus, ", ")));
 }
 
 }  // namespace
@@ -61,6 +66,12 @@ void add_cache_command(CLI::App& app, int& exit_status) {
   serve->add_option("--allow", flags->allow, "Only cache files under these directories (repeatable; default: any file a client opened)")
       ->type_name("DIR")
       ->check(CLI::ExistingDirectory);
+  serve->add_option("--gpu-memory", flags->gpu_memory,
+                    "The device tier: GPU memory the cache may hold on each GPU (e.g. 24GiB; 0: none). Files go there when "
+                    "'hbmio cache add --gpu N' asks; a load into that GPU then gets a device-to-device copy")
+      ->type_name("SIZE")
+      ->check(size_value())
+      ->capture_default_str();
   serve->add_option("--mode", flags->mode, "The socket's file mode: 0600 (this user only) or 0666 (every user of the node)")
       ->check(CLI::IsMember({"0600", "0660", "0666"}))
       ->capture_default_str();
@@ -69,11 +80,14 @@ void add_cache_command(CLI::App& app, int& exit_status) {
                                .host_bytes = parse_size(flags->host_memory),
                                .user_bytes = parse_size(flags->user_memory),
                                .allow = flags->allow,
-                               .socket_mode = static_cast<unsigned>(std::stoul(flags->mode, nullptr, 8))};
+                               .socket_mode = static_cast<unsigned>(std::stoul(flags->mode, nullptr, 8)),
+                               .gpu_bytes = parse_size(flags->gpu_memory)};
     if (options.socket.empty()) options.socket = default_cache_socket();
     CacheServer server(options);
-    fmt::print(stderr, "hbmio cache: serving on {} (host memory {}, socket mode {}); point loads at it with HBMIO_CACHE={}\n",
-               options.socket, format_size(options.host_bytes), flags->mode, options.socket);
+    fmt::print(stderr, "hbmio cache: serving on {} (host memory {}{}, socket mode {}); point loads at it with HBMIO_CACHE={}\n",
+               options.socket, format_size(options.host_bytes),
+               options.gpu_bytes ? fmt::format(", GPU memory {} per GPU", format_size(options.gpu_bytes)) : std::string(), flags->mode,
+               options.socket);
     exit_status = run_stoppable(
         [&](const std::atomic<bool>& stop) {
           server.run(stop);
@@ -97,17 +111,23 @@ void add_cache_command(CLI::App& app, int& exit_status) {
   auto* add = cache->add_subcommand("add", "Ask the cache to take in these files (it reads them itself, in the background)");
   add->add_option("paths", flags->paths, "Files to take in (a checkpoint's .safetensors shards)")->required()->check(CLI::ExistingFile);
   add->add_option("--socket", flags->socket, socket_help)->type_name("PATH");
-  add->add_flag("--wait", flags->wait, "Return once each file is held (or refused)");
+  add->add_flag("--wait", flags->wait, "Return once each file is held (or refused), on the GPUs asked for too");
+  add->add_option("--gpu", flags->gpus,
+                  "Also keep a copy in this GPU's memory (this process's CUDA device number; repeatable), where the server "
+                  "has a device tier (--gpu-memory)")
+      ->type_name("N")
+      ->check(CLI::NonNegativeNumber);
   add_json_option(add, flags->json, "Write what the server said per file");
   add->callback([flags, &exit_status] {
     std::string socket = flags->socket.empty() ? configured_cache_socket() : flags->socket;
     if (socket.empty()) socket = default_cache_socket();
-    const std::vector<std::string> said = cache_add(socket, flags->paths, flags->wait);
+    const std::vector<std::string> said = cache_add(socket, flags->paths, flags->wait, flags->gpus);
     nlohmann::json files = nlohmann::json::array();
     bool all_held = true;
     for (std::size_t k = 0; k < said.size(); ++k) {
       files.push_back({{"path", flags->paths[k]}, {"result", said[k]}});
-      all_held = all_held && (said[k] == "held" || (!flags->wait && said[k] == "adding"));
+      all_held = all_held && (said[k].starts_with("held") || (!flags->wait && said[k].starts_with("adding"))) &&
+                 said[k].find("; not on ") == std::string::npos;
       if (flags->json != "-") fmt::print("{}: {}\n", flags->paths[k], said[k]);
     }
     if (!flags->json.empty()) write_json({{"command", "cache add"}, {"version", version()}, {"socket", socket}, {"files", files}}, flags->json);
