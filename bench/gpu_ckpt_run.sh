@@ -223,7 +223,7 @@ firstcall)
   # on the smallshards stage's model (run that stage first).
   build_python || continue
   log "first from_pretrained call profiled, stock and through hbmio"
-  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/micro/first_call_probe.py /var/tmp/small-shards cuda:0 \
+  PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/micro/first_call_probe.py "$(dirname "$(ls -d /var/tmp/small-shards/*/config.json | head -1)")" cuda:0 \
     >"$OUT/first_call.txt" 2>&1
   grep -E "^=====|first .* second|import hbmio" "$OUT/first_call.txt"
   ;;

@@ -270,7 +270,9 @@ std::vector<std::string> cache_add(const std::string& socket_path, const std::ve
                       : (!first && reason == "not held") ? "refused while being read in (the server's log says why)"
                                                          : reason;
         bool gpus_pending = false;
-        for (const auto& [id, state] : results[k].value("gpus", nlohmann::json::object()).items()) {
+        // (Held by name: items() of the temporary value() returns would outlive it in the loop.)
+        const nlohmann::json gpu_states = results[k].value("gpus", nlohmann::json::object());
+        for (const auto& [id, state] : gpu_states.items()) {
           const std::string text = state.get<std::string>();
           said[which] += text == "held" ? fmt::format("; on {}", id) : text == "adding" ? fmt::format("; adding on {}", id)
                                                                                         : fmt::format("; not on {}: {}", id, text);
