@@ -113,8 +113,13 @@ class PrefetchLoader:
                 rows, start, size = list(shape), 0, nbytes
             else:
                 a, b = _rows(name, key, shape)
-                row = nbytes // shape[0] if shape[0] else 0
-                rows, start, size = [b - a] + list(shape[1:]), a * row, (b - a) * row
+                # Rows that do not start and end on whole bytes (F4's two values a byte, in a 1-D
+                # tensor or an odd row length) cannot be read as a byte range.
+                if shape[0] and ((a * nbytes) % shape[0] or (b * nbytes) % shape[0]):
+                    raise ValueError(f"prefetch plan for {name!r}: rows {a}..{b} of a {dtype} tensor of shape {list(shape)} "
+                                     "do not start and end on whole bytes")
+                rows = [b - a] + list(shape[1:])
+                start, size = (a * nbytes // shape[0], (b - a) * nbytes // shape[0]) if shape[0] else (0, 0)
             items.append((i, name, torch_dtype, torch_shape(name, dtype, rows, owner.path), start, size))
         items.sort(key=_operator.itemgetter(0))  # file order: the reads run forward through the file
         self._names = [it[1] for it in items]

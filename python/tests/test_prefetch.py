@@ -209,3 +209,20 @@ def test_a_batch_is_one_allocation_of_views_in_every_dtype(tmp_path, device):
             assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
             assert got[k].is_contiguous() and got[k].data_ptr() % t.element_size() == 0, k
             assert raw(got[k]) == raw(t), k
+
+
+def test_row_plans_of_f4_read_whole_bytes_or_are_refused(tmp_path):
+    """F4 holds two values a byte: rows of a 2-D F4 tensor are whole bytes and read as such; rows of
+    a 1-D one that would split a byte are refused, never read as a wrong range."""
+    g = torch.Generator().manual_seed(5)
+    two_d = torch.randint(0, 255, (6, 4), dtype=torch.uint8, generator=g).view(torch.float4_e2m1fn_x2)
+    one_d = torch.randint(0, 255, (5,), dtype=torch.uint8, generator=g).view(torch.float4_e2m1fn_x2)
+    path = tmp_path / "f4.safetensors"
+    st_torch.save_file({"m": two_d, "v": one_d, "z": torch.randn(3)}, str(path))
+    with hbmio.open(path, framework="pt") as f:
+        with f.prefetch({"m": slice(1, 4), "v": slice(2, 8), "z": None}) as loader:
+            got = dict(loader)
+        assert got["m"].view(torch.uint8).tolist() == two_d[1:4].view(torch.uint8).tolist()
+        assert got["v"].view(torch.uint8).tolist() == one_d[1:4].view(torch.uint8).tolist()  # F4 values 2..7: bytes 1..3
+        with pytest.raises(ValueError, match="whole bytes"):
+            f.prefetch({"v": slice(1, 4)})

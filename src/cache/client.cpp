@@ -115,6 +115,7 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
     // The allocations the destinations lie in, and per GPU (by PCI bus id) one request.
     std::vector<cuda::IpcAllocation> allocations;
     struct Request {
+      int device = 0;  // this process's number of the GPU
       std::vector<std::size_t> allocations;  // into `allocations`
       nlohmann::json copies = nlohmann::json::array();
       std::uint64_t bytes = 0;
@@ -129,6 +130,7 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
       }
       const std::size_t which = static_cast<std::size_t>(found - allocations.begin());
       Request& r = by_device[found->pci_bus_id];
+      r.device = c.device;
       auto local = std::find(r.allocations.begin(), r.allocations.end(), which);
       if (local == r.allocations.end()) local = r.allocations.insert(r.allocations.end(), which);
       r.copies.push_back({c.file, c.offset, c.length, local - r.allocations.begin(), at - found->base});
@@ -168,7 +170,8 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
           mine.open_seconds = reply->body.value("open_seconds", 0.0);
           mine.copy_seconds = reply->body.value("copy_seconds", 0.0);
           mine.gpu_bytes = reply->body.value("gpu_bytes", std::uint64_t{0});
-          for (const nlohmann::json& f : reply->body.value("files_on_gpu", nlohmann::json::array())) mine.files_on_gpu.insert(f.get<std::size_t>());
+          for (const nlohmann::json& f : reply->body.value("files_on_gpu", nlohmann::json::array()))
+            mine.files_on_gpu.insert({r->device, f.get<std::size_t>()});
         }
       } catch (const std::exception& e) {
         mine.failed = e.what();

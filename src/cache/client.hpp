@@ -5,6 +5,7 @@
 #include <memory>
 #include <set>
 #include <span>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@ struct DeviceCopy {
   std::uint64_t offset = 0;
   std::byte* into = nullptr;  // device memory (cudaMalloc'ed: CUDA IPC shares nothing else)
   std::uint64_t length = 0;
+  int device = 0;  // this process's number of the GPU `into` lies on
 };
 
 // What a copy request came to: `failed` empty once every byte is in place; else why not (no GPU
@@ -40,9 +42,9 @@ struct DeviceCopy {
 // GPUs were fed at once): opening the destinations' IPC handles, and the copies.
 struct CopyOutcome {
   std::string failed;
-  // The files (indices into the descriptors) whose ranges came from the server's copy in the
-  // destination GPU's memory (the device tier: device-to-device), and their bytes.
-  std::set<std::size_t> files_on_gpu;
+  // (GPU, file): the files (indices into the descriptors) whose ranges into that GPU (this
+  // process's number) came from the server's copy in its memory (device to device), and their bytes.
+  std::set<std::pair<int, std::size_t>> files_on_gpu;
   std::uint64_t gpu_bytes = 0;
   double open_seconds = 0;
   double copy_seconds = 0;

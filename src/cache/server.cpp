@@ -185,6 +185,10 @@ struct CacheServer::State {
     if (options.gpu_bytes == 0) why = "the server has no device tier (hbmio cache serve --gpu-memory)";
     else if (!entry->pinned) why = "its host copy is not pinned: " + entry->unpinned;
     else if (size > options.gpu_bytes) why = fmt::format("larger than the device tier ({})", format_size(options.gpu_bytes));
+    // Copies still being placed cannot be evicted: where they leave no room, none is evicted for nothing.
+    std::uint64_t placing = 0;
+    for (const auto& [key, e] : entries) placing += e->gpus_placing.contains(device) ? e->identity.size : 0;
+    if (why.empty() && placing + size > options.gpu_bytes) why = "the device tier is taken by copies still being placed";
     // Least recently used copies on that GPU go first.
     while (why.empty() && gpu_bytes[device] + size > options.gpu_bytes) {
       std::shared_ptr<Entry> oldest;
@@ -550,12 +554,17 @@ struct CacheServer::State {
     }
     // A client that gave up waiting reads its files itself and may reuse its memory: a request
     // that comes too late is refused, never carried out into memory that is no longer the load's.
+    // Checked here and again right before the copies start (after the IPC handles are open and
+    // the GPU's lane is this request's: other copies and placements may hold it for a while).
     // (CLOCK_MONOTONIC is one clock for every process of the machine.)
-    if (const auto not_after = request.value("not_after_ns", std::int64_t{0}); not_after > 0) {
+    const std::int64_t not_after = request.value("not_after_ns", std::int64_t{0});
+    const auto too_late = [not_after] {
+      if (not_after <= 0) return false;
       timespec now{};
       ::clock_gettime(CLOCK_MONOTONIC, &now);
-      if (now.tv_sec * 1'000'000'000LL + now.tv_nsec > not_after) return {{"error", "the request came after its deadline"}};
-    }
+      return now.tv_sec * 1'000'000'000LL + now.tv_nsec > not_after;
+    };
+    if (too_late()) return {{"error", "the request came after its deadline"}};
     std::uint64_t held_bytes = 0;
     for (const auto& e : held) held_bytes += e->identity.size;
     struct Opened {
@@ -602,6 +611,7 @@ struct CacheServer::State {
     cuda::DeviceGuard guard(device, context);
     Lane* lane = &lane_of(device, context);
     std::lock_guard turn(lane->mutex);
+    if (too_late()) return {{"error", "the request's deadline passed while it waited for the GPU's lane"}};
     const auto copying = std::chrono::steady_clock::now();
     try {
       for (const Copy& c : copies) lane->stream.copy_async(c.to, c.from, c.length, context);

@@ -254,7 +254,7 @@ std::vector<std::size_t> dma_from_cache(const std::vector<CheckpointFile>& files
     }
     auto [it, added] = fd_of.emplace(read.file, fds.size());
     if (added) fds.push_back(files[read.file].file->fd());
-    copies.push_back({it->second, read.offset, read.into.data, read.into.size});
+    copies.push_back({it->second, read.offset, read.into.data, read.into.size, read.into.location.device});
     taken.push_back(i);
   }
   if (copies.empty()) return local;
@@ -269,7 +269,7 @@ std::vector<std::size_t> dma_from_cache(const std::vector<CheckpointFile>& files
   for (const std::size_t i : taken) {
     const RangeRead& read = reads[i];
     bytes += read.into.size;
-    const bool on_gpu = outcome.files_on_gpu.contains(fd_of.at(read.file));
+    const bool on_gpu = outcome.files_on_gpu.contains({read.into.location.device, fd_of.at(read.file)});
     stats.add_path({.file = files[read.file].path,
                     .path = on_gpu ? DataPath::cache_device : DataPath::cache_host,
                     .reason = on_gpu ? "the resident cache held the same file (device, inode, size, times) and a copy of it in this "

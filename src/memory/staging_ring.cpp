@@ -25,10 +25,14 @@ void StagingRing::use_device(int device, const ErrorContext& context) {
   if (!memory_.cuda_registered())
     throw Error(errno_code(EINVAL), context, "staging slots for copies to a GPU must be pinned memory");
   reset();  // no copy of the old stream may still be writing
-  stream_ = cuda::Stream(device, context);
-  copied_.clear();
-  copied_.reserve(free_.size());
-  for (std::size_t i = 0; i < free_.size(); ++i) copied_.emplace_back(context);  // events belong to the device
+  // Made aside and then taken, so that a failure part way leaves the ring unbound, never bound
+  // with fewer events than slots.
+  cuda::Stream stream(device, context);
+  std::vector<cuda::Event> copied;
+  copied.reserve(free_.size());
+  for (std::size_t i = 0; i < free_.size(); ++i) copied.emplace_back(context);  // events belong to the device
+  copied_ = std::move(copied);
+  stream_ = std::move(stream);
 }
 
 int StagingRing::acquire() noexcept {
