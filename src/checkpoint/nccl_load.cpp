@@ -8,10 +8,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <exception>
+#include <memory>
+#include <new>
 #include <set>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <xxhash.h>
 
 #include "checkpoint/load_internal.hpp"
@@ -40,15 +41,29 @@ LoadPlan detail::plan_ranks(const std::string& path, const std::vector<Checkpoin
   out.reader.assign(split.reader.begin(), split.reader.end());
   out.range = split.range;
   // What every rank must agree on: the options that decide what happens after the agreement, the
-  // layout and who reads what.
-  std::string text = fmt::format("{} verify={} strict={}\n", replicate ? "replicate" : "shard", options.verify,
-                                 options.require_checksums);
+  // layout and who reads what. Hashed field by field, not formatted: every plan_load computes it,
+  // a Python load of thousands of tensors included.
+  const std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> owned(XXH3_createState(), &XXH3_freeState);
+  if (!owned) throw std::bad_alloc();
+  XXH3_state_t* state = owned.get();
+  const auto hash = [state](const void* data, std::size_t size) { XXH3_64bits_update(state, data, size); };
+  const auto number = [&](std::uint64_t v) { hash(&v, sizeof v); };
+  XXH3_64bits_reset(state);
+  number(replicate);
+  number(options.verify);
+  number(options.require_checksums);
   for (std::size_t i = 0; i < out.tensors.size(); ++i) {
     const PlannedTensor& t = out.tensors[i];
-    text += fmt::format("{}|{}|{}|{}|{}|{}\n", t.name, safetensors::to_string(t.dtype), fmt::join(t.shape, ","), t.size,
-                        t.memory_offset, out.reader[i]);
+    number(t.name.size());
+    hash(t.name.data(), t.name.size());
+    number(static_cast<std::uint64_t>(t.dtype));
+    number(t.shape.size());
+    for (const std::uint64_t n : t.shape) number(n);
+    number(t.size);
+    number(t.memory_offset);
+    number(static_cast<std::uint64_t>(out.reader[i]));
   }
-  out.digest = XXH3_64bits(text.data(), text.size());
+  out.digest = XXH3_64bits_digest(state);
   return out;
 }
 
