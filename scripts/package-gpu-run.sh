@@ -28,7 +28,9 @@ cp build/hbmio build/request_overhead build/async_save_overlap build/tests/hbmio
 if [ -d .bench-bin ]; then cp -r .bench-bin .gpu/before; fi
 # The page-cache DMA experiment (bench/micro/page_cache_dma.cpp; bench/tune_run.sh hybrid).
 /usr/local/cuda/bin/nvcc -O2 -std=c++20 -o .gpu/page_cache_dma bench/micro/page_cache_dma.cpp
-strip --strip-debug .gpu/page_cache_dma .gpu/hbmio .gpu/request_overhead .gpu/async_save_overlap .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/cache_tests .gpu/nccl_rank .gpu/libhbmio.a
+# Where the cache server's copies lose speed: source memory, destination, way of copying (bench/micro/host_copy_probe.cpp).
+/usr/local/cuda/bin/nvcc -O2 -std=c++20 -o .gpu/host_copy_probe bench/micro/host_copy_probe.cpp
+strip --strip-debug .gpu/page_cache_dma .gpu/host_copy_probe .gpu/hbmio .gpu/request_overhead .gpu/async_save_overlap .gpu/hbmio_tests .gpu/cufile_tests .gpu/checkpoint_tests .gpu/cache_tests .gpu/nccl_rank .gpu/libhbmio.a
 fi
 mkdir -p .gpu/deps/include
 

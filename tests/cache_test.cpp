@@ -547,6 +547,69 @@ TEST(GpuResidentCache, TheDeviceTierServesDeviceToDeviceAndEvictsLeastRecentlyUs
   load_and_check(a, DataPath::cache_host);  // its GPU copy was evicted: DMA'd from the pinned one
 }
 
+// A shared load (LoadOptions::share) gets the cache's own copy in the GPU's memory, mapped here:
+// nothing copied, the bytes the file's, checked against its checksums on request; the server
+// keeps the copy (never evicts it) while a load shares it, and lets it go once the last is gone.
+// A file the cache does not hold on that GPU loads as usual and the note says why.
+TEST(GpuResidentCache, ASharedLoadMapsTheCachesCopyWhichStaysWhileShared) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  TempDir dir, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock"), a = dir.file("a.safetensors"), b = dir.file("b.safetensors");
+  save_sample(a, 31, 8, 1 << 20);
+  save_sample(b, 32, 8, 1 << 20);
+  ServerProcess server(socket, "64MiB", {"--gpu-memory", "12MiB"});  // room for one 8 MiB file per GPU
+  ASSERT_TRUE(cache_add(socket, {a}, true, {0})[0].starts_with("held; on ")) << "a on GPU 0";
+  const auto shares = [&] { return cache_status(socket).shares; };
+  // The server sees a share end when its connection closes: after the load is gone, soon.
+  const auto shares_become = [&](std::uint64_t n) {
+    for (int i = 0; i < 250 && shares() != n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return shares();
+  };
+  const LoadOptions share{.into = MemoryLocation::parse("cuda:0"), .verify = true, .cache = CacheUse::use, .cache_socket = socket, .share = true};
+  std::vector<const std::byte*> first_data;
+  {
+    const LoadedCheckpoint one = load_checkpoint(a, share);
+    ASSERT_EQ(one.stats().paths.size(), 1u) << one.stats().note;
+    EXPECT_EQ(one.stats().paths[0].path, DataPath::cache_shared) << one.stats().paths[0].reason;
+    EXPECT_EQ(one.stats().bytes, 0u) << "nothing is copied";
+    EXPECT_TRUE(one.verified()) << "the shared copy was checked against the file's checksums";
+    for (const LoadedTensor& t : one.tensors()) {
+      std::vector<std::byte> back(t.data.size);
+      copy_memory({back.data(), back.size(), {}}, t.data);
+      EXPECT_EQ(back, test::pread_range(a, t.file_offset, t.data.size)) << t.name;
+      first_data.push_back(t.data.data);
+    }
+    EXPECT_EQ(shares(), 1u);
+    {
+      // A second share in this process maps the same copy once more: the same memory.
+      const LoadedCheckpoint two = load_checkpoint(a, share);
+      for (std::size_t k = 0; k < two.tensors().size(); ++k) EXPECT_EQ(two.tensors()[k].data.data, first_data[k]);
+      EXPECT_EQ(shares(), 2u);
+    }
+    EXPECT_EQ(shares_become(1), 1u);
+    // b needs a's room on the GPU, which a shared copy does not give up.
+    const std::string said = cache_add(socket, {b}, true, {0})[0];
+    EXPECT_NE(said.find("shared with clients"), std::string::npos) << said;
+    // The first load's memory is still the file's.
+    const LoadedTensor& t = one.tensors().back();
+    std::vector<std::byte> back(t.data.size);
+    copy_memory({back.data(), back.size(), {}}, t.data);
+    EXPECT_EQ(back, test::pread_range(a, t.file_offset, t.data.size));
+  }
+  EXPECT_EQ(shares_become(0), 0u);
+  EXPECT_TRUE(cache_add(socket, {b}, true, {0})[0].starts_with("held; on ")) << "a's copy evicted once unshared";
+  // a is no longer on the GPU: a shared load of it is the server's DMA from its host copy, saying why.
+  const LoadedCheckpoint plain = load_checkpoint(a, share);
+  ASSERT_EQ(plain.stats().paths.size(), 1u);
+  EXPECT_EQ(plain.stats().paths[0].path, DataPath::cache_host);
+  EXPECT_NE(plain.stats().note.find("not in the memory of GPU"), std::string::npos) << plain.stats().note;
+  for (const LoadedTensor& t : plain.tensors()) {
+    std::vector<std::byte> back(t.data.size);
+    copy_memory({back.data(), back.size(), {}}, t.data);
+    EXPECT_EQ(back, test::pread_range(a, t.file_offset, t.data.size)) << t.name;
+  }
+}
+
 // A server asked for a device tier on a machine without a GPU refuses to start, saying why; a
 // client asking for a GPU copy it has no GPU for is refused before it asks.
 TEST(ResidentCache, ADeviceTierNeedsAGpuOnBothSides) {
@@ -563,6 +626,31 @@ TEST(ResidentCache, ADeviceTierNeedsAGpuOnBothSides) {
   ServerProcess server(socket, "4MiB");
   EXPECT_THROW(cache_add(socket, {file}, true, {0}), Error);
   EXPECT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  // A share asked of it is answered per file, no: it has no device tier; a file it does not hold
+  // is "not held". The connection stays open for what was shared, and serves the next request.
+  const cache_detail::OwnedFd connection = cache_detail::connect_to(socket, 2000);
+  const cache_detail::OwnedFd held(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  const std::string other = dir.file("b.safetensors");
+  save_sample(other, 4);
+  const cache_detail::OwnedFd not_held(::open(other.c_str(), O_RDONLY | O_CLOEXEC));
+  const int fds[] = {held.get(), not_held.get()};
+  cache_detail::send_message(connection.get(), {{"op", "share"}, {"device", "0000:00:00.0"}}, fds, socket);
+  const std::optional<cache_detail::Message> reply = cache_detail::receive_message(connection.get(), socket);
+  ASSERT_TRUE(reply.has_value());
+  const nlohmann::json results = reply->body.at("results");
+  ASSERT_EQ(results.size(), 2u) << reply->body.dump();
+  EXPECT_FALSE(results[0].at("shared").get<bool>());
+  EXPECT_NE(results[0].at("reason").get<std::string>().find("no device tier"), std::string::npos) << results[0].dump();
+  EXPECT_EQ(results[1].at("reason").get<std::string>(), "not held") << results[1].dump();
+  EXPECT_EQ(cache_status(socket).shares, 0u);
+  // A load that asks to share into host memory is refused before anything is read.
+  try {
+    load_checkpoint(file, {.cache = CacheUse::use, .cache_socket = socket, .share = true});
+    ADD_FAILURE() << "a shared load into host memory was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), errno_code(EINVAL)) << e.what();
+    EXPECT_NE(std::string(e.what()).find("load into a GPU"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace hbmio

@@ -56,6 +56,7 @@ struct CacheEntryStatus {
   std::uint64_t hits = 0;
   double idle_seconds = 0;    // since it was last served (or added)
   std::vector<std::string> gpus;  // PCI bus ids of the GPUs holding a copy (the device tier)
+  std::uint64_t shares = 0;       // clients' shares of those copies now (LoadOptions::share)
 };
 
 struct CacheStatus {
@@ -63,7 +64,9 @@ struct CacheStatus {
   std::uint64_t host_bytes_limit = 0, user_bytes_limit = 0;
   std::uint64_t host_bytes = 0;  // held by the entries now (those being added included)
   std::uint64_t gpu_bytes_limit = 0;  // per GPU (CacheServerOptions::gpu_bytes)
-  std::uint64_t gpu_bytes = 0;        // held in GPU memory now, all GPUs together
+  std::uint64_t gpu_bytes = 0;        // held in GPU memory now, all GPUs together (copies evicted
+                                      // while clients still share them included)
+  std::uint64_t shares = 0;           // clients' shares of device copies now (LoadOptions::share)
   std::uint64_t hits = 0, misses = 0, adds = 0, evictions = 0, stale = 0, refused = 0;
   std::uint64_t clients = 0;     // connected now
   std::uint64_t served_clients = 0;  // connections since start

@@ -62,6 +62,14 @@ struct LoadOptions {
   // that cannot help is a plain load, its reason in the Stats' note and on stderr (once).
   CacheUse cache = CacheUse::configured;
   std::string cache_socket;  // "": HBMIO_CACHE, else the default (default_cache_socket())
+  // Into GPU memory: the files the resident cache holds in that GPU's memory (its device tier:
+  // `hbmio cache add --gpu`) are not copied: their tensors are the cache's own copy, mapped into
+  // this process (CUDA IPC), read in place, kept by the server while this LoadedCheckpoint lives
+  // (and never evicted meanwhile). Read-only by agreement: a write would change what every process
+  // sharing it sees. The other files are loaded as usual; each file's TransferPath says which it
+  // was (cache-shared) or the note why not. Asks the cache even where HBMIO_CACHE is unset (its
+  // default socket); not with CacheUse::off, a `destination`, or host memory (Error EINVAL).
+  bool share = false;
 };
 
 struct LoadedTensor {
@@ -93,6 +101,7 @@ class LoadedCheckpoint {
  private:
   friend struct detail::LoadAccess;
   std::vector<Buffer> buffers_;
+  std::vector<std::shared_ptr<const void>> shared_;  // the resident cache's copies mapped here (LoadOptions::share)
   std::vector<LoadedTensor> tensors_;
   std::map<std::string, std::string> metadata_;
   Stats stats_;

@@ -97,9 +97,11 @@ enum class DataPath {
   remote,         // ranged GETs or uploads of an object at a URL
   cache_host,     // the node's resident cache: its copy of the file in shared host memory (hbmio/cache.hpp)
   cache_device,   // the node's resident cache: its copy of the file in the destination GPU's memory
+  cache_shared,   // the node's resident cache: its copy in the GPU's memory mapped in place, nothing
+                  // moved (LoadOptions::share; TransferPath::bytes: the tensors' bytes mapped)
 };
 // "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote", "cache-host",
-// "cache-device".
+// "cache-device", "cache-shared".
 std::string_view to_string(DataPath path) noexcept;
 
 // The way one file's bytes took in a transfer, and why that one. A transfer reports one per file

@@ -351,7 +351,7 @@ def _is_url(path: str) -> bool:
 
 
 def load_file(path, device="cpu", *, framework="auto", backend=None, verify=False, names=None, progress=False,
-              group=None, placement="replicate", shard_map=None, report=None, mmap=False, cache=None):
+              group=None, placement="replicate", shard_map=None, report=None, mmap=False, cache=None, share=False):
     """Loads a .safetensors file, a sharded checkpoint index or a directory holding either.
 
     Like safetensors.torch.load_file: returns {name: tensor} in file order.
@@ -391,7 +391,7 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                  gib_per_second, backend, bytes_direct, note, and paths: per file, the way its
                  bytes took and why, [{"file", "path", "reason", "bytes", "bytes_direct"}] with
                  "path" one of "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix",
-                 "remote", "cache-host" (the node's resident cache, docs/cache.md: used where
+                 "remote", "cache-host", "cache-device", "cache-shared" (the node's resident cache, docs/cache.md: used where
                  HBMIO_CACHE names its socket). mmap=True reads nothing at load time and leaves
                  it as it was.
       cache      the node's resident cache (`hbmio cache serve`, docs/cache.md): None (the
@@ -400,6 +400,16 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
                  else the default socket); "add" also asks it to take in the files it lacks;
                  False or "off" never asks. A file it holds unchanged comes from it (into GPU
                  memory by its server's DMA); a cache that cannot help is a plain load.
+      share      True: into a GPU ("cuda:N"), the files the resident cache holds in that GPU's
+                 memory (`hbmio cache add --gpu N`) are not copied: their tensors are the
+                 cache's own copy, mapped into this process (CUDA IPC) and read in place, so a
+                 load takes milliseconds and no memory of its own. Read-only by agreement:
+                 writing to such a tensor changes it for every process that shares it (the
+                 cache goes on serving it as the file). The server keeps the copy while any
+                 of these tensors lives (never evicting it meanwhile); the tensors stop working
+                 if the server itself stops. Files it does not hold there load as usual;
+                 report's paths say "cache-shared" for the shared ones. Asks the cache at
+                 HBMIO_CACHE, else its default socket (not with cache="off").
 
     Torch on CUDA loads straight into one allocation from PyTorch's caching allocator; other
     loads land in hbmio's own memory, which the tensors share without a copy. The GIL is
@@ -419,6 +429,17 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     device = _device_text(device)
     if framework == "numpy" and device != "cpu":
         raise ValueError(f"framework='numpy' loads into host memory only, not {device!r}")
+    if share:
+        if mmap or not (device == "cuda" or device.startswith("cuda:")) or cache is False or cache == "off" or _is_url(path):
+            raise ValueError("share=True maps the resident cache's copies in GPU memory: device='cuda:N', a local "
+                             f"checkpoint, the cache not turned off, without mmap (got device={device!r}, cache={cache!r})")
+        _require_gpu(device, path)
+        torch = _torch() if framework == "torch" else None
+        total = _hbmio._tensor_bytes(path, names) if progress else 0
+        with _ProgressBar(total, progress) as bar:
+            arrays = _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
+                                      report=report, cache=_cache_text(cache), share=True)
+        return {name: torch.from_dlpack(array) for name, array in arrays.items()} if torch is not None else arrays
     if mmap:
         if device != "cpu" or framework not in ("torch", "numpy") or verify or progress or _is_url(path):
             raise ValueError("mmap=True maps local files into host memory: device='cpu', framework 'torch' or 'numpy', "

@@ -155,7 +155,8 @@ hbmio::LoadOptions load_options(const std::string& backend, VerifyMode verify, s
 }
 
 // Stats::paths as Python sees them: [{file, path, reason, bytes, bytes_direct}], `path` one of
-// "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote", "cache-host".
+// "gds-nvidia-fs", "gds-p2pdma", "cufile-compat", "uring", "posix", "remote", "cache-host",
+// "cache-device", "cache-shared".
 nb::list paths_list(const std::vector<hbmio::TransferPath>& paths) {
   nb::list out;
   for (const hbmio::TransferPath& p : paths) {

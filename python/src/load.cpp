@@ -6,9 +6,11 @@ namespace hbmio_py {
 
 // Loads and wraps every tensor as a DLPack array owned by one capsule.
 nb::dict load(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
-              std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report, const std::string& cache) {
+              std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report, const std::string& cache,
+              bool share) {
   hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress, cache);
   options.into = parse_device(device);
+  options.share = share;
   auto* loaded = new hbmio::LoadedCheckpoint();
   try {
     nb::gil_scoped_release release;
@@ -226,11 +228,12 @@ nb::dict write_from(const std::string& path, nb::handle array, std::uint64_t off
 void bind_load(nb::module_& m) {
   m.def("load_file", &load, nb::arg("path"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
-        nb::arg("report").none() = nb::none(), nb::arg("cache") = "",
+        nb::arg("report").none() = nb::none(), nb::arg("cache") = "", nb::arg("share") = false,
         "Loads a .safetensors file, a sharded *.index.json or a directory holding either into `device` "
         "(\"cpu\", \"pinned\", \"cuda\", \"cuda:N\"). Returns {name: DLPack array} in file order. `report`, a "
         "dict, is filled with bytes, seconds, backend, note and paths (per file: the way it took and why). `cache`: "
-        "\"\" (HBMIO_CACHE decides), \"off\", \"use\" or \"add\" (the node's resident cache, docs/cache.md).");
+        "\"\" (HBMIO_CACHE decides), \"off\", \"use\" or \"add\" (the node's resident cache, docs/cache.md). "
+        "`share`: into a GPU, the files the cache holds in its memory are its copy mapped in place (LoadOptions::share).");
 
   m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),

@@ -130,3 +130,75 @@ def test_cache_argument_adds_uses_and_turns_it_off(server, tmp_path, monkeypatch
         assert {p["path"] for p in f.report()["paths"]} == {"cache-host"}, f.report()
     with pytest.raises(ValueError, match="cache must be"):
         hbmio.load_file(str(path), cache="sometimes")
+
+
+def test_share_is_refused_where_it_cannot_map_gpu_memory(tmp_path):
+    path = tmp_path / "model.safetensors"
+    sample(path, 5)
+    for kwargs in ({"device": "cpu"}, {"device": "cuda:0", "cache": "off"}, {"device": "cuda:0", "mmap": True}):
+        with pytest.raises(ValueError, match="share=True maps the resident cache's copies in GPU memory"):
+            hbmio.load_file(str(path), share=True, **kwargs)
+
+
+def test_shared_tensors_are_the_caches_gpu_copy_held_while_they_live(tmp_path):
+    """share=True: the tensors are the server's copy in GPU memory, mapped here, equal to the file;
+    two loads map the same memory; the server counts the shares and gets them back when the tensors
+    are gone, and when a process holding them is killed."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU")
+    import json
+    sockets = tempfile.mkdtemp(prefix="hbmio-cache-", dir="/tmp")
+    socket = os.path.join(sockets, "cache.sock")
+    proc = subprocess.Popen([HBMIO, "cache", "serve", "--socket", socket, "--host-memory", "64MiB", "--gpu-memory", "64MiB"],
+                            stderr=subprocess.PIPE, text=True)
+
+    def status():
+        out = subprocess.run([HBMIO, "cache", "status", "--socket", socket, "--json", "-"], capture_output=True, text=True)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def shares_become(n):
+        for _ in range(250):
+            if status()["shares"] == n:
+                break
+            time.sleep(0.02)
+        return status()["shares"]
+
+    try:
+        for _ in range(500):
+            if status() is not None:
+                break
+            time.sleep(0.02)
+        path = tmp_path / "model.safetensors"
+        expected = sample(path, 6)
+        subprocess.run([HBMIO, "cache", "add", "--wait", "--gpu", "0", "--socket", socket, str(path)], check=True, capture_output=True)
+        report = {}
+        os.environ["HBMIO_CACHE"] = socket
+        try:
+            got = hbmio.load_file(str(path), "cuda:0", share=True, report=report)
+            assert [p["path"] for p in report["paths"]] == ["cache-shared"], report
+            assert report["bytes"] == 0, report
+            for name, value in expected.items():
+                np.testing.assert_array_equal(got[name].cpu().numpy(), value)
+            again = hbmio.load_file(str(path), "cuda:0", share=True)
+            assert all(again[n].data_ptr() == got[n].data_ptr() for n in expected)
+            assert shares_become(2) == 2
+            del got, again
+            assert shares_become(0) == 0
+            # A process that holds shared tensors and is killed gives them back by dying.
+            child = subprocess.Popen([sys.executable, "-c", (
+                "import sys, time, hbmio\n"
+                f"t = hbmio.load_file({str(path)!r}, 'cuda:0', share=True)\n"
+                "print('held', flush=True)\n"
+                "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+            assert child.stdout.readline().strip() == "held"
+            assert shares_become(1) == 1
+            child.kill()
+            child.wait()
+            assert shares_become(0) == 0
+        finally:
+            os.environ.pop("HBMIO_CACHE", None)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(sockets, ignore_errors=True)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -190,13 +191,119 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
   }
 }
 
+namespace {
+
+// An allocation of the server's mapped here. CUDA maps a handle once per process: every share of
+// the same copy in this process gets the same mapping, closed when the last one lets go (under
+// the mutex, so that no share opens the handle again while it is being closed).
+struct Mapping {
+  void* base = nullptr;
+  std::size_t size = 0;
+};
+std::mutex& mappings_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::pair<int, std::string>, std::weak_ptr<Mapping>>& mappings() {
+  static auto* m = new std::map<std::pair<int, std::string>, std::weak_ptr<Mapping>>;  // outlives static destructors
+  return *m;
+}
+std::shared_ptr<Mapping> map_shared(const std::string& handle, int device, const ErrorContext& context) {
+  std::lock_guard lock(mappings_mutex());
+  std::weak_ptr<Mapping>& known = mappings()[{device, handle}];
+  if (std::shared_ptr<Mapping> alive = known.lock()) return alive;
+  auto mapping = std::make_unique<Mapping>();
+  mapping->base = cuda::ipc_open(handle, device, context);
+  try {
+    mapping->size = cuda::device_allocation_size(mapping->base, context);
+  } catch (...) {
+    cuda::ipc_close(mapping->base);
+    throw;
+  }
+  std::shared_ptr<Mapping> out(mapping.release(), [](Mapping* m) {
+    std::lock_guard closing(mappings_mutex());
+    cuda::ipc_close(m->base);
+    delete m;
+  });
+  known = out;
+  std::erase_if(mappings(), [](const auto& kv) { return kv.second.expired(); });
+  return out;
+}
+
+// What a SharedCopy keeps: the mapping, then (destroyed after it) the lease's connection.
+struct Lease {
+  OwnedFd socket;
+};
+struct Kept {
+  std::shared_ptr<const Lease> lease;
+  std::shared_ptr<Mapping> mapping;
+};
+
+}  // namespace
+
+Shares share_from_device(const std::string& socket_path, std::span<const int> fds, std::span<const std::uint64_t> sizes, int device) {
+  const ErrorContext context{.op = "cache share", .path = socket_path};
+  Shares out;
+  out.copies.resize(fds.size());
+  out.reasons.assign(fds.size(), "");
+  try {
+    const std::string bus_id = cuda::pci_bus_id_of(device, context);
+    auto lease = std::make_shared<Lease>();
+    lease->socket = connect_to(socket_path, kLookupTimeoutMs);
+    check_server(lease->socket.get(), socket_path);
+    std::vector<nlohmann::json> results;
+    for (std::size_t at = 0; at < fds.size(); at += kMaxDescriptors) {
+      const std::size_t n = std::min(kMaxDescriptors, fds.size() - at);
+      send_message(lease->socket.get(), {{"op", "share"}, {"device", bus_id}}, fds.subspan(at, n), socket_path);
+      std::optional<Message> reply = receive_message(lease->socket.get(), socket_path);
+      if (!reply) throw Error(errno_code(ECONNRESET), context, "the server closed the connection");
+      if (reply->body.contains("error")) throw Error(errno_code(EPROTO), context, reply->body["error"].get<std::string>());
+      const nlohmann::json got = reply->body.at("results");
+      if (got.size() != n) throw Error(errno_code(EPROTO), context, fmt::format("{} answers to {} files", got.size(), n));
+      results.insert(results.end(), got.begin(), got.end());
+    }
+    const std::shared_ptr<const Lease> held = std::move(lease);
+    for (std::size_t k = 0; k < fds.size(); ++k) {
+      const nlohmann::json& r = results[k];
+      if (!r.at("shared").get<bool>()) {
+        out.reasons[k] = r.value("reason", "not shared");
+        continue;
+      }
+      const std::string hex = r.at("handle").get<std::string>();
+      std::string handle;
+      for (std::size_t i = 0; i + 1 < hex.size(); i += 2) handle.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+      const auto offset = r.at("offset").get<std::uint64_t>(), bytes = r.at("bytes").get<std::uint64_t>();
+      try {
+        std::shared_ptr<Mapping> mapping = map_shared(handle, device, context);
+        // The server's word is checked against this side's: the copy is as long as the file and lies
+        // inside the allocation mapped.
+        if (bytes != sizes[k] || offset > mapping->size || bytes > mapping->size - offset) {
+          out.reasons[k] = fmt::format("the server's copy ({} bytes at offset {} of a {}-byte allocation) is not the file's {} bytes",
+                                       bytes, offset, mapping->size, sizes[k]);
+          continue;
+        }
+        const std::byte* data = static_cast<const std::byte*>(mapping->base) + offset;
+        out.copies[k] = SharedCopy{.data = data, .size = bytes, .device = device,
+                                   .keep = std::make_shared<const Kept>(Kept{held, std::move(mapping)})};
+      } catch (const std::exception& e) {
+        out.reasons[k] = e.what();
+      }
+    }
+  } catch (const std::exception& e) {
+    out.warning = e.what();
+    for (std::size_t k = 0; k < fds.size(); ++k)
+      if (!out.copies[k]) out.reasons[k] = e.what();
+  }
+  return out;
+}
+
 nlohmann::json to_json(const CacheStatus& s) {
   nlohmann::json entries = nlohmann::json::array();
   for (const CacheEntryStatus& e : s.entries)
     entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"pinned", e.pinned}, {"owner", e.owner},
-                       {"hits", e.hits}, {"idle_seconds", e.idle_seconds}, {"gpus", e.gpus}});
+                       {"hits", e.hits}, {"idle_seconds", e.idle_seconds}, {"gpus", e.gpus}, {"shares", e.shares}});
   return {{"socket", s.socket},       {"host_bytes_limit", s.host_bytes_limit}, {"user_bytes_limit", s.user_bytes_limit},
-          {"gpu_bytes_limit", s.gpu_bytes_limit}, {"gpu_bytes", s.gpu_bytes},
+          {"gpu_bytes_limit", s.gpu_bytes_limit}, {"gpu_bytes", s.gpu_bytes}, {"shares", s.shares},
           {"host_bytes", s.host_bytes}, {"hits", s.hits},                       {"misses", s.misses},
           {"adds", s.adds},           {"evictions", s.evictions},             {"stale", s.stale},
           {"refused", s.refused},     {"clients", s.clients},                 {"served_clients", s.served_clients},
@@ -211,6 +318,7 @@ CacheStatus status_from_json(const nlohmann::json& j) {
                              {&s.evictions, "evictions"}, {&s.stale, "stale"}, {&s.refused, "refused"}, {&s.clients, "clients"},
                              {&s.served_clients, "served_clients"}})
     *field = j.at(name).get<std::uint64_t>();
+  s.shares = j.value("shares", std::uint64_t{0});
   s.uptime_seconds = j.at("uptime_seconds").get<double>();
   for (const nlohmann::json& e : j.at("entries"))
     s.entries.push_back({.path = e.at("path").get<std::string>(),
@@ -221,7 +329,8 @@ CacheStatus status_from_json(const nlohmann::json& j) {
                          .owner = e.at("owner").get<std::uint32_t>(),
                          .hits = e.at("hits").get<std::uint64_t>(),
                          .idle_seconds = e.at("idle_seconds").get<double>(),
-                         .gpus = e.value("gpus", std::vector<std::string>{})});
+                         .gpus = e.value("gpus", std::vector<std::string>{}),
+                         .shares = e.value("shares", std::uint64_t{0})});
   return s;
 }
 

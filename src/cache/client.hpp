@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <set>
 #include <span>
 #include <utility>
@@ -53,5 +54,28 @@ struct CopyOutcome {
 // Has the server at `socket` copy each range from its pinned copy of the file open as
 // fds[copy.file] into device memory, by DMA, one request per GPU. Never throws.
 CopyOutcome copy_to_device(const std::string& socket, std::span<const int> fds, std::span<const DeviceCopy> copies);
+
+// A file the cache holds in a GPU's memory, mapped into this process (CUDA IPC) instead of copied:
+// the bytes are read in place. `keep` holds the mapping and the lease: the connection the share
+// was asked on, which the server reads as "still in use" (it never evicts or frees a shared copy)
+// until it closes, after the mapping is gone. Read-only by agreement: every process sharing the
+// copy sees a write to it, and the cache would go on serving the changed bytes as the file's.
+struct SharedCopy {
+  const std::byte* data = nullptr;  // the file's byte 0, in device memory
+  std::uint64_t size = 0;
+  int device = 0;  // this process's number of the GPU
+  std::shared_ptr<const void> keep;
+};
+
+struct Shares {
+  std::vector<std::optional<SharedCopy>> copies;  // per descriptor; empty: not shared, see `reasons`
+  std::vector<std::string> reasons;               // per descriptor; "" where shared
+  std::string warning;                            // the cache could not be asked at all, and why
+};
+
+// Asks the server at `socket` for its copies in the memory of `device` (this process's number) of
+// the files open as `fds`, each `sizes[k]` bytes long (what this side's fstat said: a copy of
+// another size is not taken). Never throws for the cache's sake.
+Shares share_from_device(const std::string& socket, std::span<const int> fds, std::span<const std::uint64_t> sizes, int device);
 
 }  // namespace hbmio::cache_detail

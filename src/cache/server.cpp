@@ -152,6 +152,15 @@ struct CacheServer::State {
     std::map<int, std::shared_ptr<Buffer>> on_gpu;
     std::set<int> gpus_wanted, gpus_placing;
     std::map<int, std::string> gpus_refused;
+    // Per device, the clients' shares of its copy there ("share" requests whose connections are
+    // still open): a shared copy is never evicted, since a client reads it in place.
+    std::map<int, unsigned> shared;
+  };
+  // A client's share of a device copy: held (with the client's connection) until it closes.
+  struct Share {
+    std::weak_ptr<Entry> entry;
+    int device = 0;
+    std::shared_ptr<Buffer> copy;
   };
   using Key = std::pair<std::uint64_t, std::uint64_t>;  // device, inode
 
@@ -162,14 +171,48 @@ struct CacheServer::State {
   std::map<Key, std::shared_ptr<Entry>> entries;
   std::list<Pending<void>> fills;
   std::uint64_t bytes = 0, hits = 0, misses = 0, adds = 0, evictions = 0, stale = 0, refused = 0, clients = 0, served_clients = 0;
-  std::map<int, std::uint64_t> gpu_bytes;  // per device, held or being placed there
+  std::map<int, std::uint64_t> gpu_bytes;  // per device: held, being placed, or retired and still in use
+  // Device copies no entry holds any more (evicted, or their file dropped) that a share or a
+  // running copy still uses: counted in gpu_bytes until the last user lets go (sweep_retired).
+  struct Retired {
+    int device = 0;
+    std::uint64_t size = 0;
+    std::shared_ptr<Buffer> copy;
+  };
+  std::vector<Retired> retired;
+
+  // Lets go of an entry's device copy (under the mutex): freed now, or retired while in use.
+  void release_copy(int device, std::shared_ptr<Buffer> copy, std::uint64_t size) {
+    if (copy.use_count() > 1) retired.push_back({device, size, std::move(copy)});
+    else gpu_bytes[device] -= size;
+  }
+  // Frees the retired copies nobody uses any more (under the mutex).
+  void sweep_retired() {
+    std::erase_if(retired, [this](Retired& r) {
+      if (r.copy.use_count() > 1) return false;
+      gpu_bytes[r.device] -= r.size;
+      return true;
+    });
+  }
+  // Gives back a closed connection's shares (under the mutex).
+  void unshare(std::vector<Share>& shares) {
+    for (Share& share : shares) {
+      if (const std::shared_ptr<Entry> entry = share.entry.lock()) {
+        const auto it = entry->shared.find(share.device);
+        if (it != entry->shared.end() && --it->second == 0) entry->shared.erase(it);
+      }
+      share.copy.reset();
+    }
+    shares.clear();
+    sweep_retired();
+  }
 
   // Drops `key`'s entry (under the mutex); an entry still being added is abandoned by its fill.
   void drop(const Key& key) {
     const auto it = entries.find(key);
     if (it == entries.end()) return;
     bytes -= it->second->identity.size;
-    for (const auto& [device, copy] : it->second->on_gpu) gpu_bytes[device] -= it->second->identity.size;
+    for (auto& [device, copy] : it->second->on_gpu) release_copy(device, std::move(copy), it->second->identity.size);
     it->second->on_gpu.clear();
     it->second->abandoned = true;
     entries.erase(it);
@@ -189,17 +232,18 @@ struct CacheServer::State {
     std::uint64_t placing = 0;
     for (const auto& [key, e] : entries) placing += e->gpus_placing.contains(device) ? e->identity.size : 0;
     if (why.empty() && placing + size > options.gpu_bytes) why = "the device tier is taken by copies still being placed";
-    // Least recently used copies on that GPU go first.
+    // Least recently used copies on that GPU go first; copies clients share stay.
     while (why.empty() && gpu_bytes[device] + size > options.gpu_bytes) {
       std::shared_ptr<Entry> oldest;
       for (const auto& [key, e] : entries)
-        if (e->on_gpu.contains(device) && (!oldest || e->last_use < oldest->last_use)) oldest = e;
+        if (e->on_gpu.contains(device) && !e->shared.contains(device) && (!oldest || e->last_use < oldest->last_use)) oldest = e;
       if (!oldest) {
-        why = "the device tier is taken by copies still being placed";
+        why = "the device tier is taken by copies shared with clients or still being placed";
         break;
       }
-      oldest->on_gpu.erase(device);
-      gpu_bytes[device] -= oldest->identity.size;
+      const auto copy = oldest->on_gpu.find(device);
+      release_copy(device, std::move(copy->second), oldest->identity.size);
+      oldest->on_gpu.erase(copy);
       ++evictions;
     }
     if (!why.empty()) {
@@ -505,6 +549,75 @@ struct CacheServer::State {
     return {{"results", std::move(results)}};
   }
 
+  // The "share" request: for each file, its copy in the GPU's memory as a CUDA IPC handle that the
+  // client maps, reading the bytes in place (no copy). The copy stays (never evicted, freed only
+  // once dropped and unshared) while the connection the request came on is open: the client keeps
+  // it open as long as it uses the memory, and a client that dies closes it by dying.
+  //   {"op": "share", "device": PCI bus id} + one descriptor per file
+  //   -> {"results": [{"shared": true, "handle": hex, "offset": N, "bytes": N} | {"shared": false, "reason": "..."}]}
+  nlohmann::json share(const nlohmann::json& request, std::vector<OwnedFd>& fds, std::vector<Share>& shares) {
+    const ErrorContext context{.op = "cache share", .path = options.socket};
+    const std::string bus_id = request.at("device").get<std::string>();
+    int device = -1;
+    std::string no_device;
+    if (options.gpu_bytes == 0) no_device = "the server has no device tier (hbmio cache serve --gpu-memory)";
+    else try {
+        device = cuda::device_of_pci_bus_id(bus_id, context);
+      } catch (const std::exception& e) {
+        no_device = e.what();
+      }
+    nlohmann::json results = nlohmann::json::array();
+    std::lock_guard lock(mutex);
+    for (OwnedFd& fd : fds) {
+      const auto refuse = [&](std::string why) { results.push_back({{"shared", false}, {"reason", std::move(why)}}); };
+      struct stat st {};
+      if (::fstat(fd.get(), &st) != 0) {
+        refuse(fmt::format("fstat: {}", std::strerror(errno)));
+        continue;
+      }
+      const std::string path = path_of(fd.get());
+      if (std::string why = refusal(fd.get(), st, path); !why.empty()) {
+        ++refused;
+        refuse(why);
+        continue;
+      }
+      const Identity id = identity_of(st);
+      const auto it = entries.find({id.device, id.inode});
+      if (it == entries.end() || !(it->second->identity == id) || !it->second->ready) {
+        ++misses;
+        refuse(it == entries.end() ? "not held" : !(it->second->identity == id) ? "the file changed since it was taken in" : "being taken in");
+        continue;
+      }
+      Entry& e = *it->second;
+      const auto copy = device < 0 ? e.on_gpu.end() : e.on_gpu.find(device);
+      if (copy == e.on_gpu.end()) {
+        ++misses;
+        refuse(!no_device.empty() ? no_device
+                                  : fmt::format("held in host memory, not in the memory of GPU {} (hbmio cache add --gpu)", bus_id));
+        continue;
+      }
+      cuda::IpcAllocation allocation;
+      try {
+        allocation = cuda::ipc_allocation_of(copy->second->data(), context);
+      } catch (const std::exception& ex) {
+        refuse(ex.what());
+        continue;
+      }
+      std::string hex;
+      for (const char ch : allocation.handle) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
+      shares.push_back({it->second, device, copy->second});
+      ++e.shared[device];
+      ++e.hits;
+      ++hits;
+      e.last_use = Clock::now();
+      results.push_back({{"shared", true},
+                         {"handle", hex},
+                         {"offset", reinterpret_cast<std::uintptr_t>(copy->second->data()) - allocation.base},
+                         {"bytes", id.size}});
+    }
+    return {{"results", std::move(results)}};
+  }
+
   // The "copy" request: bytes of held files DMA'd from their pinned copies into a client's GPU
   // memory, opened through CUDA IPC. On a pool thread (run() starts it), while the serving thread
   // answers others: clients on several GPUs are served at once, each GPU's copies on its own lane.
@@ -693,12 +806,16 @@ void CacheServer::run(const std::atomic<bool>& stop) {
     // A copy being served on the pool: the connection is not read until it has replied. False
     // when the reply could not be sent (the connection is then closed).
     std::optional<detail::Pending<bool>> copying;
+    // Device copies this client shares (the "share" request): given back when it disconnects.
+    std::vector<State::Share> shares;
   };
   std::list<Client> clients;
   const auto drop = [&](std::list<Client>::iterator c) {
+    std::vector<State::Share> shares = std::move(c->shares);
     clients.erase(c);
     std::lock_guard lock(s.mutex);
     --s.clients;
+    s.unshare(shares);
   };
   while (!stop.load()) {
     // Copies that have replied give their connections back.
@@ -722,6 +839,7 @@ void CacheServer::run(const std::atomic<bool>& stop) {
     {
       std::lock_guard lock(s.mutex);
       s.reap_fills();
+      s.sweep_retired();  // copies a finished copy request was the last user of
     }
     if (ready < 0 && errno != EINTR) throw Error(errno_code(errno), {.op = "cache serve", .path = s.options.socket}, "poll");
     if (ready <= 0) continue;
@@ -780,6 +898,8 @@ void CacheServer::run(const std::atomic<bool>& stop) {
                   }
                 }));
             continue;
+          } else if (op == "share") {
+            reply = s.share(request->body, request->descriptors, current->shares);
           } else if (op == "status") {
             reply = cache_detail::to_json(status());
           } else {
@@ -795,6 +915,8 @@ void CacheServer::run(const std::atomic<bool>& stop) {
   }
   for (Client& c : clients)
     if (c.copying) c.copying->wait();  // no copy outlives the server's state
+  std::lock_guard lock(s.mutex);
+  for (Client& c : clients) s.unshare(c.shares);
 }
 
 CacheStatus CacheServer::status() const {
@@ -819,6 +941,9 @@ CacheStatus CacheServer::status() const {
   for (const auto& [key, e] : s.entries) {
     std::vector<std::string> gpus;
     for (const auto& [device, copy] : e->on_gpu) gpus.push_back(cuda::pci_bus_id_of(device, {.op = "cache status"}));
+    std::uint64_t shares = 0;
+    for (const auto& [device, n] : e->shared) shares += n;
+    out.shares += shares;
     out.entries.push_back({.path = e->path,
                            .bytes = e->identity.size,
                            .tier = "host",
@@ -827,7 +952,8 @@ CacheStatus CacheServer::status() const {
                            .owner = e->owner,
                            .hits = e->hits,
                            .idle_seconds = std::chrono::duration<double>(now - e->last_use).count(),
-                           .gpus = std::move(gpus)});
+                           .gpus = std::move(gpus),
+                           .shares = shares});
   }
   std::sort(out.entries.begin(), out.entries.end(), [](const auto& a, const auto& b) { return a.idle_seconds < b.idle_seconds; });
   return out;

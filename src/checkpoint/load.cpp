@@ -326,7 +326,46 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     result.tensors_.push_back({pick.info->name, pick.info->dtype, pick.info->shape, memory, files[pick.file].path,
                                files[pick.file].header.data_offset + pick.info->begin});
   };
-  if (options.destination.data != nullptr) {
+  // LoadOptions::share: the tensors of files the cache holds in the GPU's memory are views of its
+  // copy (nothing read); only the others get memory of their own, laid out without gaps for them.
+  detail::SharedFiles shared;
+  if (options.share) {
+    if (options.into.kind != MemoryKind::device)
+      throw checkpoint_error(EINVAL, path, "share maps the resident cache's copies in GPU memory: load into a GPU (cuda:N)");
+    if (options.destination.data != nullptr)
+      throw checkpoint_error(EINVAL, path, "share hands out the resident cache's memory: it takes no destination");
+    shared = detail::shared_copies(files, options.cache, options.cache_socket, options.into.device);
+    for (const auto& copy : shared.files)
+      if (copy) result.shared_.push_back(copy->keep);
+  }
+  const auto is_shared = [&](const Pick& pick) { return shared.held > 0 && shared.files[pick.file].has_value(); };
+  const auto add_shared = [&](const Pick& pick) {
+    const cache_detail::SharedCopy& copy = *shared.files[pick.file];
+    const std::uint64_t file_offset = files[pick.file].header.data_offset + pick.info->begin;
+    result.tensors_.push_back({pick.info->name, pick.info->dtype, pick.info->shape,
+                               {const_cast<std::byte*>(copy.data) + file_offset, pick.info->size(), options.into}, files[pick.file].path,
+                               file_offset});
+  };
+  if (shared.held > 0) {
+    std::uint64_t own = 0;
+    std::vector<std::uint64_t> offset_of(picks.size());
+    for (std::size_t k = 0; k < picks.size(); ++k)
+      if (!is_shared(picks[k])) {
+        offset_of[k] = (own + options.alignment - 1) / options.alignment * options.alignment;
+        own = offset_of[k] + picks[k].info->size();
+      }
+    if (own > 0 && options.layout == TensorLayout::single_allocation) result.buffers_.push_back(Buffer::allocate(options.into, own));
+    for (std::size_t k = 0; k < picks.size(); ++k) {
+      if (is_shared(picks[k])) {
+        add_shared(picks[k]);
+      } else if (options.layout == TensorLayout::single_allocation) {
+        add_tensor(picks[k], result.buffers_.front().span().subspan(offset_of[k], picks[k].info->size()));
+      } else {
+        result.buffers_.push_back(Buffer::allocate(options.into, picks[k].info->size()));
+        add_tensor(picks[k], result.buffers_.back().span());
+      }
+    }
+  } else if (options.destination.data != nullptr) {
     const MemorySpan& to = options.destination;
     if (options.layout != TensorLayout::single_allocation)
       throw checkpoint_error(EINVAL, path, "a caller's destination takes the single_allocation layout only");
@@ -393,7 +432,9 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   };
   // The engine for local files: the caller's, else one leased for this load (none for a URL).
   std::optional<detail::EngineInUse> chosen;
-  const detail::ResidentCopies copies = detail::resident_copies(files, options.cache, options.cache_socket);
+  // (Every file shared: nothing left to ask the cache for.)
+  const detail::ResidentCopies copies =
+      detail::resident_copies(files, shared.held == files.size() ? CacheUse::off : options.cache, options.cache_socket);
   const detail::ReadRangesOptions source{
       .engine = [&]() -> Engine& {
         if (!chosen) chosen.emplace(options.engine, options.backend, options.engine_options);
@@ -407,8 +448,22 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
                     : nullptr,
       .resident = &copies};
   result.stats_ = detail::read_ranges(files, reads, source);
-  result.stats_.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}{}", result.tensors_.size(), files.size(), reads.size(),
-                                   check ? ", each checked as it landed" : "", detail::resident_note(copies),
+  std::string share_note;
+  if (options.share) {
+    std::map<std::size_t, std::uint64_t> mapped;  // per shared file, its tensors' bytes
+    for (const Pick& pick : picks)
+      if (is_shared(pick)) mapped[pick.file] += pick.info->size();
+    for (const auto& [file, bytes] : mapped)
+      result.stats_.add_path({.file = files[file].path,
+                              .path = DataPath::cache_shared,
+                              .reason = "the resident cache held the same file (device, inode, size, times) in this GPU's memory: its "
+                                        "copy is mapped here and read in place, nothing copied",
+                              .bytes = bytes});
+    share_note = fmt::format("; {} of {} file(s) shared from the resident cache's GPU memory at {}{}", shared.held, files.size(),
+                             shared.socket, shared.why_not.empty() ? "" : fmt::format(" (not shared: {})", shared.why_not));
+  }
+  result.stats_.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}{}{}", result.tensors_.size(), files.size(), reads.size(),
+                                   check ? ", each checked as it landed" : "", share_note, detail::resident_note(copies),
                                    result.stats_.note.empty() ? "" : "; ", result.stats_.note);
   if (check) verify(result, files, options.require_checksums, &checked);
   return result;

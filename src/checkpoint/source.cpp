@@ -379,6 +379,36 @@ ResidentCopies resident_copies(const std::vector<CheckpointFile>& files, CacheUs
   return out;
 }
 
+SharedFiles shared_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket, int device) {
+  SharedFiles out;
+  out.files.resize(files.size());
+  if (use == CacheUse::off) throw Error(errno_code(EINVAL), {.op = "load", .path = files.front().path}, "share asks the resident cache, which the load turns off");
+  out.socket = !socket.empty() ? socket : !configured_cache_socket().empty() ? configured_cache_socket() : default_cache_socket();
+  std::vector<int> fds;
+  std::vector<std::uint64_t> sizes;
+  std::vector<std::size_t> which;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    if (files[i].file && !files[i].remote) {
+      fds.push_back(files[i].file->fd());
+      sizes.push_back(files[i].file->size_at_open());
+      which.push_back(i);
+    } else if (out.why_not.empty()) {
+      out.why_not = fmt::format("{}: {}", files[i].path, files[i].remote ? "an object at a URL" : "not held open by this load");
+    }
+  }
+  if (fds.empty()) return out;
+  cache_detail::Shares shares = cache_detail::share_from_device(out.socket, fds, sizes, device);
+  for (std::size_t k = 0; k < which.size(); ++k) {
+    if (shares.copies[k]) {
+      out.files[which[k]] = std::move(shares.copies[k]);
+      ++out.held;
+    } else if (out.why_not.empty()) {
+      out.why_not = fmt::format("{}: {}", files[which[k]].path, shares.reasons[k]);
+    }
+  }
+  return out;
+}
+
 std::string resident_note(const ResidentCopies& copies) {
   if (!copies.warning.empty()) return "; " + copies.warning;
   if (copies.socket.empty()) return {};

@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "cache/client.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/remote.hpp"
@@ -60,6 +61,16 @@ struct ReadRangesOptions {
 };
 
 ResidentCopies resident_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket);
+
+// The resident cache's copies of `files` in the memory of GPU `device`, mapped here
+// (LoadOptions::share); objects at URLs and files past open_checkpoint's bound are not asked for.
+struct SharedFiles {
+  std::vector<std::optional<cache_detail::SharedCopy>> files;  // parallel to the checkpoint's files
+  std::size_t held = 0;
+  std::string socket;
+  std::string why_not;  // the first file not shared and why ("" when all were)
+};
+SharedFiles shared_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket, int device);
 // "; 3 of 17 files from the resident cache (host memory)" and the like, for a load's note.
 std::string resident_note(const ResidentCopies& copies);
 

@@ -101,6 +101,7 @@ std::string_view to_string(DataPath path) noexcept {
     case DataPath::remote: return "remote";
     case DataPath::cache_host: return "cache-host";
     case DataPath::cache_device: return "cache-device";
+    case DataPath::cache_shared: return "cache-shared";
   }
   return "?";
 }

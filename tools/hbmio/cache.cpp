@@ -32,13 +32,16 @@ void print_status(const CacheStatus& s) {
   fmt::print("  host memory: {} of {} held (per user at most {}), {} file(s)\n", format_size(s.host_bytes), format_size(s.host_bytes_limit),
              format_size(s.user_bytes_limit), s.entries.size());
   if (s.gpu_bytes_limit > 0)
-    fmt::print("  GPU memory: {} held, at most {} per GPU\n", format_size(s.gpu_bytes), format_size(s.gpu_bytes_limit));
+    fmt::print("  GPU memory: {} held, at most {} per GPU; {} share(s) by clients now\n", format_size(s.gpu_bytes),
+               format_size(s.gpu_bytes_limit), s.shares);
   fmt::print("  hits {}, misses {}, taken in {}, evicted {}, dropped as changed {}, refused {}; clients now {}, since start {}\n", s.hits,
              s.misses, s.adds, s.evictions, s.stale, s.refused, s.clients, s.served_clients);
   for (const CacheEntryStatus& e : s.entries)
     fmt::print("  {:>10}  {:<6} {:<5} {:<8} {:>5} hit(s)  idle {:>6.0f} s  uid {}  {}{}\n", format_size(e.bytes), e.state, e.tier,
                e.pinned ? "pinned" : "unpinned", e.hits, e.idle_seconds, e.owner, e.path,
-               e.gpus.empty() ? std::string() : fmt::format("  (also on {})", fmt::join(e.gpus, ", ")));
+               e.gpus.empty() ? std::string()
+                              : fmt::format("  (also on {}{})", fmt::join(e.gpus, ", "),
+                                            e.shares ? fmt::format(", shared by {} client load(s)", e.shares) : std::string()));
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ struct CkptFlags {
   std::string path, into = "host", backend, json, names, layout = "single", placement = "replicate";
   std::string verify;  // "" (off), checksums, strict or bytes
   std::string cache;   // "" ($HBMIO_CACHE decides), use, add or off
-  bool no_checksums = false, reuse_memory = false, drop_cache = false, force = false, verbose = false;
+  bool no_checksums = false, reuse_memory = false, drop_cache = false, force = false, verbose = false, share = false;
   unsigned runs = 1;
   // save: a generated checkpoint of `count` tensors of `tensor_size` bytes each
   unsigned count = 8;
@@ -221,7 +221,8 @@ int run_load(const CkptFlags& f) {
                       .cache = f.cache == "use"   ? CacheUse::use
                                : f.cache == "add" ? CacheUse::add
                                : f.cache == "off" ? CacheUse::off
-                                                  : CacheUse::configured};
+                                                  : CacheUse::configured,
+                      .share = f.share};
   // --reuse-memory: one allocation, made before timing, that every run loads into (what a
   // framework's caching allocator gives its loaders after the first load).
   Buffer reused;
@@ -253,7 +254,7 @@ int run_load(const CkptFlags& f) {
     for (const auto& t : loaded->tensors()) tensors.push_back(tensor_json(t.name, t.dtype, t.shape, t.data.size, t.file, t.file_offset));
     write_json({{"path", f.path}, {"into", f.into}, {"verify", f.verify.empty() ? "off" : f.verify},
                 {"verified", loaded->verified() || f.verify == "bytes"}, {"unverified_files", loaded->unverified_files()},
-                {"reuse_memory", f.reuse_memory},
+                {"reuse_memory", f.reuse_memory}, {"share", f.share},
                 {"page_cache", f.drop_cache ? cache : std::string("as found")}, {"stats", to_json(s)},
                 {"run_seconds", seconds}, {"run_notes", notes}, {"median_seconds", median},
                 {"median_gib_per_second", static_cast<double>(s.bytes) / median / (1 << 30)}, {"tensors", tensors}},
@@ -433,6 +434,9 @@ void add_ckpt_command(CLI::App& app, int& exit_status) {
                    "The node's resident cache (hbmio cache serve, docs/cache.md): use (take the files it holds), add "
                    "(also ask it to take in the others) or off; default: use where $HBMIO_CACHE names its socket")
       ->check(one_of({"use", "add", "off"}));
+  load->add_flag("--share", flags->share,
+                 "Into a GPU: take the files the resident cache holds in that GPU's memory (hbmio cache add --gpu) as "
+                 "its own copy mapped in place (CUDA IPC), copying nothing; the others load as usual (docs/cache.md)");
   load->add_flag("-v,--verbose", flags->verbose, "Print the load's whole note (the engine's choices, first-use set-up)");
   load->add_option("--runs", flags->runs, "Load N times with one engine and report the median (a benchmark)")
       ->check(CLI::Range(1u, 1000u))
