@@ -38,7 +38,8 @@
 #   cache    the resident cache: its tests (GPU included, tests/cache_test.cpp) and W5, loads from
 #            it against warm page-cache loads, safetensors 0.9's prefetch() and the pinned
 #            host-to-device ceiling (bench/peers/cache_compare.py; ROUNDS (3), CACHE_FILES "big small":
-#            hbmio-written 6 GiB files, made here where missing)
+#            hbmio-written 6 GiB files, made here where missing; CACHE_GPU_MEMORY=16GiB adds a
+#            server with a device tier: device-to-device and shared (share=True) loads)
 #   multi    two GPUs (nvidia-h200-x2): 12 GiB sharded, --into cuda:0,1 both placements, and
 #            torchrun with NCCL beside fastsafetensors (bench/peers/multi_compare.py; TORCHRUN=0
 #            skips it)
@@ -112,7 +113,7 @@ cache)
   done
   log "W5: loads from the resident cache into cuda:0"
   PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/cache_compare.py "${files[@]}" --hbmio "$BIN/hbmio" \
-    --st09 /tmp/st09 --rounds "${ROUNDS:-3}" --json "$OUT/cache.jsonl" 2>&1 | tee "$OUT/cache.txt" || echo "W5 FAILED (see above)"
+    --st09 /tmp/st09 --rounds "${ROUNDS:-3}" ${CACHE_GPU_MEMORY:+--gpu-memory "$CACHE_GPU_MEMORY"} --json "$OUT/cache.jsonl" 2>&1 | tee "$OUT/cache.txt" || echo "W5 FAILED (see above)"
   ;;
 doctor)
   log "capture sysfs"
@@ -198,11 +199,15 @@ asave)
 stream)
   # Training-batch ingestion: .npy shards (STREAM_GIB, default 16) into cuda:0 in 64 MiB batches,
   # hbmio.stream against DataLoader (8 workers, pinned), beside the storage and page-cache
-  # ceilings, alone and under a matmul loop (bench/peers/stream_compare.py).
+  # ceilings, alone and under a matmul loop (bench/peers/stream_compare.py). STREAM_MODE (cold,
+  # warm, both), STREAM_ONLY, STREAM_LOADS and STREAM_READ_AHEAD pass on as its options;
+  # STREAM_TAG names the output files (stream-TAG.jsonl) of one variant among several.
   build_python || continue
   log "batch ingestion: ${STREAM_GIB:-16} GiB of .npy shards into cuda:0"
   PYTHONPATH=/tmp/pysite${PYTHONPATH:+:$PYTHONPATH} python3 bench/peers/stream_compare.py --dir /var/tmp/stream --gib "${STREAM_GIB:-16}" \
-    --rounds "${ROUNDS:-2}" ${STREAM_MODE:+--mode "$STREAM_MODE"} --json "$OUT/stream.jsonl" 2>&1 | tee "$OUT/stream.txt" | cut -c1-400
+    --rounds "${ROUNDS:-2}" ${STREAM_MODE:+--mode "$STREAM_MODE"} ${STREAM_ONLY:+--only "$STREAM_ONLY"} \
+    ${STREAM_LOADS:+--loads "$STREAM_LOADS"} ${STREAM_READ_AHEAD:+--read-ahead "$STREAM_READ_AHEAD"} \
+    --json "$OUT/stream${STREAM_TAG:+-$STREAM_TAG}.jsonl" 2>&1 | tee "$OUT/stream${STREAM_TAG:+-$STREAM_TAG}.txt" | cut -c1-400
   ;;
 pybench)
   install_wheels; build_python

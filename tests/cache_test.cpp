@@ -610,6 +610,50 @@ TEST(GpuResidentCache, ASharedLoadMapsTheCachesCopyWhichStaysWhileShared) {
   }
 }
 
+// A copy shared with one user (CUDA IPC maps it writable) is given to no other: another user's
+// share of it is refused, and its loads copy from the sealed host copy instead of the GPU's.
+TEST(GpuResidentCache, ACopySharedWithOneUserIsGivenToNoOther) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  if (::geteuid() != 0) GTEST_SKIP() << "a second user needs root to become one";
+  TempDir dir("/tmp");
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0777), 0);
+  const std::string socket = dir.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 41, 8, 1 << 20);
+  ASSERT_EQ(::chmod(file.c_str(), 0644), 0);
+  ServerProcess server(socket, "64MiB", {"--gpu-memory", "12MiB", "--mode", "0666"});
+  ASSERT_TRUE(cache_add(socket, {file}, true, {0})[0].starts_with("held; on "));
+  // The other user (uid 65534) shares it, through the command.
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(10);
+    if (::access(cli(), X_OK) != 0) ::_exit(12);  // a parent folder of the build the other user may not enter
+    ::setenv("HBMIO_CACHE", socket.c_str(), 1);
+    const int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 1);
+    ::execl(cli(), cli(), "ckpt", "load", file.c_str(), "--into", "cuda:0", "--share", static_cast<char*>(nullptr));
+    ::_exit(11);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 12) GTEST_SKIP() << "the other user cannot run " << cli();
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the other user's shared load failed: " << status;
+  const LoadedCheckpoint copied = load_checkpoint(file, {.into = MemoryLocation::parse("cuda:0"), .cache = CacheUse::use, .cache_socket = socket});
+  ASSERT_EQ(copied.stats().paths.size(), 1u);
+  EXPECT_EQ(copied.stats().paths[0].path, DataPath::cache_host) << "not from the copy another user mapped";
+  const LoadedCheckpoint shared = load_checkpoint(
+      file, {.into = MemoryLocation::parse("cuda:0"), .cache = CacheUse::use, .cache_socket = socket, .share = true});
+  ASSERT_EQ(shared.stats().paths.size(), 1u);
+  EXPECT_EQ(shared.stats().paths[0].path, DataPath::cache_host);
+  EXPECT_NE(shared.stats().note.find("shared with another user"), std::string::npos) << shared.stats().note;
+  for (const LoadedCheckpoint* loaded : {&copied, &shared})
+    for (const LoadedTensor& t : loaded->tensors()) {
+      std::vector<std::byte> back(t.data.size);
+      copy_memory({back.data(), back.size(), {}}, t.data);
+      EXPECT_EQ(back, test::pread_range(file, t.file_offset, t.data.size)) << t.name;
+    }
+}
+
 // A server asked for a device tier on a machine without a GPU refuses to start, saying why; a
 // client asking for a GPU copy it has no GPU for is refused before it asks.
 TEST(ResidentCache, ADeviceTierNeedsAGpuOnBothSides) {

@@ -271,8 +271,8 @@ int main(int argc, char** argv) {
     dests.back().parts.emplace_back(p, size / 48);
   }
   void* ipc = nullptr;
+  cudaIpcMemHandle_t handle{};
   if (child.pid > 0) {
-    cudaIpcMemHandle_t handle{};
     if (read(child.handle_fd, &handle, sizeof handle) != static_cast<ssize_t>(sizeof handle))
       std::printf("ipc: the child sent no handle (its message is above); destination ipc skipped\n");
     else if (const cudaError_t e = cudaIpcOpenMemHandle(&ipc, handle, cudaIpcMemLazyEnablePeerAccess); e != cudaSuccess) {
@@ -315,6 +315,42 @@ int main(int argc, char** argv) {
         std::printf("JSON {\"source\": \"%s\", \"dest\": \"%s\", \"mode\": \"%s\", \"seconds\": %.6f, \"gib_per_s\": %.3f}\n",
                     src->name, dest.name, mode.name, median, rate);
       }
+    // What a cache hit meets that the rows above do not: a destination never copied into before.
+    // The client's allocation is new at each load (`fresh`: cudaMalloc, the copy, cudaFree), and the
+    // server opens the client's IPC handle at each request (`reopened`: the same allocation of the
+    // child's, closed and opened again before each copy; the open timed apart).
+    {
+      std::vector<double> fresh, reopened, opening;
+      for (int r = 0; r < runs; ++r) {
+        std::byte* p = nullptr;
+        check(cudaMalloc(&p, size), "cudaMalloc (fresh)");
+        fresh.push_back(copy(*src, Dest{"fresh", {{p, size}}}, modes[0], streams));
+        check(cudaFree(p), "cudaFree (fresh)");
+        if (ipc) {
+          check(cudaIpcCloseMemHandle(ipc), "cudaIpcCloseMemHandle");
+          const double t = now();
+          check(cudaIpcOpenMemHandle(&ipc, handle, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle (again)");
+          opening.push_back(now() - t);
+          dests.back().parts[0].first = static_cast<std::byte*>(ipc);
+          reopened.push_back(copy(*src, dests.back(), modes[0], streams));
+        }
+      }
+      const auto median_of = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+      };
+      const double f = median_of(fresh);
+      std::printf("  %-16s %-5s %-12s %10.4f %8.2f\n", src->name, "fresh", "whole", f, static_cast<double>(size) / kGiB / f);
+      std::printf("JSON {\"source\": \"%s\", \"dest\": \"fresh\", \"mode\": \"whole\", \"seconds\": %.6f, \"gib_per_s\": %.3f}\n",
+                  src->name, f, static_cast<double>(size) / kGiB / f);
+      if (!reopened.empty()) {
+        const double r = median_of(reopened);
+        std::printf("  %-16s %-5s %-12s %10.4f %8.2f   (opening the handle: %.4f s)\n", src->name, "ipc-reopened", "whole", r,
+                    static_cast<double>(size) / kGiB / r, median_of(opening));
+        std::printf("JSON {\"source\": \"%s\", \"dest\": \"ipc-reopened\", \"mode\": \"whole\", \"seconds\": %.6f, \"gib_per_s\": %.3f, "
+                    "\"open_seconds\": %.6f}\n", src->name, r, static_cast<double>(size) / kGiB / r, median_of(opening));
+      }
+    }
     const bool ok = verify(one, size);
     std::printf("  verify (1 MiB from the middle of 'one'): %s\n", ok ? "ok" : "MISMATCH");
     verdicts.push_back(std::string(names[which]) + ": " + (ok ? "ok" : "MISMATCH"));

@@ -10,10 +10,15 @@ four times and reports the median of the last three, the first beside it:
   hbmio.load_file warm        the file in the page cache, no cache
   hbmio.load_file cache hit   HBMIO_CACHE set: the file held (and pinned) by the server
   st0.9 prefetch() T=16       safetensors 0.9, safe_open(...).prefetch(device, threads=16)
+and with --gpu-memory SIZE, from a second server that also holds each file in the device's memory
+(`hbmio cache add --gpu`):
+  hbmio.load_file device tier the server's device-to-device copy into the caller's allocation
+  hbmio.load_file share=True  the server's copy mapped in place (CUDA IPC), nothing copied
 Every hbmio load's tensors are summed (16-bit words) outside the timing and compared with the warm
-load's; a cache load must report its file's path as "cache-host".
+load's; a cache load must report its file's path as "cache-host" ("cache-device", "cache-shared").
 
-  python3 bench/peers/cache_compare.py FILE... --hbmio PATH/hbmio [--st09 DIR] [--rounds 3] [--json out.jsonl]
+  python3 bench/peers/cache_compare.py FILE... --hbmio PATH/hbmio [--st09 DIR] [--rounds 3]
+          [--gpu-memory 16GiB] [--json out.jsonl]
 """
 import argparse, json, os, signal, statistics, subprocess, sys, tempfile, time
 
@@ -41,7 +46,7 @@ else:
     import hbmio
     def load():
         report.clear()
-        out = hbmio.load_file(path, device=device, report=report)
+        out = hbmio.load_file(path, device=device, report=report, share=which.endswith("share=True"))
         torch.cuda.synchronize(); return out
 times, out = [], None
 for _ in range(4):
@@ -61,23 +66,34 @@ def main():
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--host-memory", default="16GiB")
+    ap.add_argument("--gpu-memory", help="also serve from a device tier of this size (device-to-device and shared loads)")
     ap.add_argument("--json")
     a = ap.parse_args()
     sockets = tempfile.mkdtemp(prefix="hbmio-cache-", dir="/tmp")
     socket = os.path.join(sockets, "cache.sock")
-    server = subprocess.Popen([a.hbmio, "cache", "serve", "--socket", socket, "--host-memory", a.host_memory], start_new_session=True)
+    gpu_socket = os.path.join(sockets, "gpu.sock")
+    servers = [subprocess.Popen([a.hbmio, "cache", "serve", "--socket", socket, "--host-memory", a.host_memory], start_new_session=True)]
+    if a.gpu_memory:
+        servers.append(subprocess.Popen([a.hbmio, "cache", "serve", "--socket", gpu_socket, "--host-memory", a.host_memory,
+                                         "--gpu-memory", a.gpu_memory], start_new_session=True))
+    gpu_index = a.device.split(":")[1] if ":" in a.device else "0"
     try:
-        for _ in range(500):
-            if subprocess.run([a.hbmio, "cache", "status", "--socket", socket], capture_output=True).returncode == 0:
-                break
-            time.sleep(0.02)
+        for s in [socket] + ([gpu_socket] if a.gpu_memory else []):
+            for _ in range(500):
+                if subprocess.run([a.hbmio, "cache", "status", "--socket", s], capture_output=True).returncode == 0:
+                    break
+                time.sleep(0.02)
         for f in a.files:
             subprocess.run(["cat", f], stdout=subprocess.DEVNULL, check=True)  # warm
-            t = time.perf_counter()
-            added = subprocess.run([a.hbmio, "cache", "add", "--wait", "--socket", socket, f], capture_output=True, text=True)
-            print(f"cache add --wait {f}: {added.stdout.strip()} in {time.perf_counter() - t:.2f} s (read in and pinned)", flush=True)
+            for s, extra in [(socket, [])] + ([(gpu_socket, ["--gpu", gpu_index])] if a.gpu_memory else []):
+                t = time.perf_counter()
+                added = subprocess.run([a.hbmio, "cache", "add", "--wait", "--socket", s, *extra, f], capture_output=True, text=True)
+                print(f"cache add --wait {' '.join(extra)} {f}: {added.stdout.strip()} in {time.perf_counter() - t:.2f} s", flush=True)
         print(subprocess.run([a.hbmio, "cache", "status", "--socket", socket], capture_output=True, text=True).stdout, flush=True)
-        contenders = ["ceiling", "hbmio.load_file warm", "hbmio.load_file cache hit"] + (["st0.9 prefetch() T=16"] if a.st09 else [])
+        expected_path = {"hbmio.load_file cache hit": "cache-host", "hbmio.load_file device tier": "cache-device",
+                         "hbmio.load_file share=True": "cache-shared"}
+        contenders = (["ceiling", "hbmio.load_file warm", "hbmio.load_file cache hit"] + (["st0.9 prefetch() T=16"] if a.st09 else [])
+                      + (["hbmio.load_file device tier", "hbmio.load_file share=True"] if a.gpu_memory else []))
         rows = []
         for f in a.files:
             size = os.path.getsize(f)
@@ -88,8 +104,8 @@ def main():
                 for c in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
                     env = dict(os.environ)
                     env.pop("HBMIO_CACHE", None)
-                    if c.endswith("cache hit"):
-                        env["HBMIO_CACHE"] = socket
+                    if c in expected_path:
+                        env["HBMIO_CACHE"] = socket if c.endswith("cache hit") else gpu_socket
                     if c.startswith("st"):
                         env["PYTHONPATH"] = a.st09 + os.pathsep + env.get("PYTHONPATH", "")
                     subprocess.run(["cat", f], stdout=subprocess.DEVNULL, check=True)
@@ -102,9 +118,9 @@ def main():
                             ref = res["sums"]
                         if ref is not None and res["sums"] != ref:
                             raise SystemExit(f"{c} loaded other bytes than the warm load of {f}")
-                    if c.endswith("cache hit") and set(res["paths"]) != {"cache-host"}:
-                        raise SystemExit(f"{c}: the load did not come from the cache: {res['paths']} {res['note']}")
-                    if c.endswith("cache hit"):  # the last load's note: the server's share of its time
+                    if c in expected_path and set(res["paths"]) != {expected_path[c]}:
+                        raise SystemExit(f"{c}: the load did not come from the cache that way: {res['paths']} {res['note']}")
+                    if c in expected_path:  # the last load's note: the server's share of its time
                         print(f"  {c}, {os.path.basename(f)}: {[round(t, 4) for t in res['times']]} s; {res['note']}")
                     results[c].append(statistics.median(res["times"][1:]))
                     firsts[c].append(res["times"][0])
@@ -121,10 +137,12 @@ def main():
             with open(a.json, "a") as out:
                 for row in rows:
                     out.write(json.dumps(row) + "\n")
-        print(subprocess.run([a.hbmio, "cache", "status", "--socket", socket], capture_output=True, text=True).stdout)
+        for s in [socket] + ([gpu_socket] if a.gpu_memory else []):
+            print(subprocess.run([a.hbmio, "cache", "status", "--socket", s], capture_output=True, text=True).stdout)
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        for server in servers:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
 
 
 if __name__ == "__main__":

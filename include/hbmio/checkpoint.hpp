@@ -68,7 +68,9 @@ struct LoadOptions {
   // (and never evicted meanwhile). Read-only by agreement: a write would change what every process
   // sharing it sees. The other files are loaded as usual; each file's TransferPath says which it
   // was (cache-shared) or the note why not. Asks the cache even where HBMIO_CACHE is unset (its
-  // default socket); not with CacheUse::off, a `destination`, or host memory (Error EINVAL).
+  // default socket); not with CacheUse::off, a `destination`, host memory, several locations or
+  // an NCCL group (Error EINVAL). Shared tensors lie where their file puts them (at least 8-byte
+  // aligned in files hbmio or safetensors wrote), not on `alignment`.
   bool share = false;
 };
 

@@ -420,6 +420,9 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     backend = _backend(backend)
     names = _names(names)
     if group is not None:
+        if share:
+            raise ValueError("share=True maps the resident cache's copies into this process's GPU: not with group= "
+                             "(load each rank's part with share=True on its own)")
         if framework != "torch":
             raise ValueError("group= loads need framework='torch' (torch.distributed moves the data)")
         from . import distributed

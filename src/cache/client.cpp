@@ -199,10 +199,11 @@ namespace {
 struct Mapping {
   void* base = nullptr;
   std::size_t size = 0;
+  int device = 0;
 };
 std::mutex& mappings_mutex() {
-  static std::mutex m;
-  return m;
+  static auto* m = new std::mutex;  // outlives static destructors, as the map does: a mapping may go last
+  return *m;
 }
 std::map<std::pair<int, std::string>, std::weak_ptr<Mapping>>& mappings() {
   static auto* m = new std::map<std::pair<int, std::string>, std::weak_ptr<Mapping>>;  // outlives static destructors
@@ -213,6 +214,7 @@ std::shared_ptr<Mapping> map_shared(const std::string& handle, int device, const
   std::weak_ptr<Mapping>& known = mappings()[{device, handle}];
   if (std::shared_ptr<Mapping> alive = known.lock()) return alive;
   auto mapping = std::make_unique<Mapping>();
+  mapping->device = device;
   mapping->base = cuda::ipc_open(handle, device, context);
   try {
     mapping->size = cuda::device_allocation_size(mapping->base, context);
@@ -222,7 +224,7 @@ std::shared_ptr<Mapping> map_shared(const std::string& handle, int device, const
   }
   std::shared_ptr<Mapping> out(mapping.release(), [](Mapping* m) {
     std::lock_guard closing(mappings_mutex());
-    cuda::ipc_close(m->base);
+    cuda::ipc_close_when_idle(m->base, m->device);
     delete m;
   });
   known = out;

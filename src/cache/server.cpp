@@ -155,6 +155,15 @@ struct CacheServer::State {
     // Per device, the clients' shares of its copy there ("share" requests whose connections are
     // still open): a shared copy is never evicted, since a client reads it in place.
     std::map<int, unsigned> shared;
+    // Per device, the users who were given its copy there to map: CUDA IPC maps it writable, so
+    // after that only the same user gets it (shared or device to device); others get the sealed
+    // host copy. Forgotten with the copy.
+    std::map<int, std::set<std::uint32_t>> shared_by;
+    // Whether `uid` may take its copy on `device`: none but `uid` shared it.
+    bool gpu_copy_is_for(int device, std::uint32_t uid) const {
+      const auto it = shared_by.find(device);
+      return it == shared_by.end() || std::all_of(it->second.begin(), it->second.end(), [uid](std::uint32_t u) { return u == uid; });
+    }
   };
   // A client's share of a device copy: held (with the client's connection) until it closes.
   struct Share {
@@ -171,6 +180,7 @@ struct CacheServer::State {
   std::map<Key, std::shared_ptr<Entry>> entries;
   std::list<Pending<void>> fills;
   std::uint64_t bytes = 0, hits = 0, misses = 0, adds = 0, evictions = 0, stale = 0, refused = 0, clients = 0, served_clients = 0;
+  std::uint64_t shares = 0;  // held by clients now, of held and retired copies alike
   std::map<int, std::uint64_t> gpu_bytes;  // per device: held, being placed, or retired and still in use
   // Device copies no entry holds any more (evicted, or their file dropped) that a share or a
   // running copy still uses: counted in gpu_bytes until the last user lets go (sweep_retired).
@@ -195,15 +205,16 @@ struct CacheServer::State {
     });
   }
   // Gives back a closed connection's shares (under the mutex).
-  void unshare(std::vector<Share>& shares) {
-    for (Share& share : shares) {
+  void unshare(std::vector<Share>& given_back) {
+    for (Share& share : given_back) {
       if (const std::shared_ptr<Entry> entry = share.entry.lock()) {
         const auto it = entry->shared.find(share.device);
         if (it != entry->shared.end() && --it->second == 0) entry->shared.erase(it);
       }
       share.copy.reset();
+      --shares;
     }
-    shares.clear();
+    given_back.clear();
     sweep_retired();
   }
 
@@ -232,7 +243,14 @@ struct CacheServer::State {
     std::uint64_t placing = 0;
     for (const auto& [key, e] : entries) placing += e->gpus_placing.contains(device) ? e->identity.size : 0;
     if (why.empty() && placing + size > options.gpu_bytes) why = "the device tier is taken by copies still being placed";
-    // Least recently used copies on that GPU go first; copies clients share stay.
+    // Least recently used copies on that GPU go first; copies in use (shared, or being copied
+    // from) stay, and where evicting every other one would not make room, none is evicted.
+    std::uint64_t evictable = 0;
+    for (const auto& [key, e] : entries)
+      if (const auto copy = e->on_gpu.find(device); copy != e->on_gpu.end() && !e->shared.contains(device) && copy->second.use_count() == 1)
+        evictable += e->identity.size;
+    if (why.empty() && gpu_bytes[device] - std::min(gpu_bytes[device], evictable) + size > options.gpu_bytes)
+      why = "the device tier is taken by copies shared with clients or still being placed";
     while (why.empty() && gpu_bytes[device] + size > options.gpu_bytes) {
       std::shared_ptr<Entry> oldest;
       for (const auto& [key, e] : entries)
@@ -244,6 +262,7 @@ struct CacheServer::State {
       const auto copy = oldest->on_gpu.find(device);
       release_copy(device, std::move(copy->second), oldest->identity.size);
       oldest->on_gpu.erase(copy);
+      oldest->shared_by.erase(device);
       ++evictions;
     }
     if (!why.empty()) {
@@ -286,6 +305,7 @@ struct CacheServer::State {
       return;
     }
     entry->on_gpu[device] = std::move(copy);
+    entry->shared_by.erase(device);
   }
 
   // Makes room for `size` bytes owned by `owner` (under the mutex), evicting the least recently
@@ -306,7 +326,7 @@ struct CacheServer::State {
       std::shared_ptr<Entry> oldest;
       Key oldest_key{};
       for (const auto& [key, e] : entries)
-        if (e->ready && (!owners_only || e->owner == owner) && (!oldest || e->last_use < oldest->last_use)) {
+        if (e->ready && e->shared.empty() && (!owners_only || e->owner == owner) && (!oldest || e->last_use < oldest->last_use)) {
           oldest = e;
           oldest_key = key;
         }
@@ -317,12 +337,12 @@ struct CacheServer::State {
     };
     while (owned() + size > user_limit)
       if (!evict_oldest(true)) {
-        why = "the user's quota is taken by files still being added";
+        why = "the user's quota is taken by files still being added or shared";
         return false;
       }
     while (bytes + size > options.host_bytes)
       if (!evict_oldest(false)) {
-        why = "the cache is taken by files still being added";
+        why = "the cache is taken by files still being added or shared";
         return false;
       }
     return true;
@@ -555,7 +575,7 @@ struct CacheServer::State {
   // it open as long as it uses the memory, and a client that dies closes it by dying.
   //   {"op": "share", "device": PCI bus id} + one descriptor per file
   //   -> {"results": [{"shared": true, "handle": hex, "offset": N, "bytes": N} | {"shared": false, "reason": "..."}]}
-  nlohmann::json share(const nlohmann::json& request, std::vector<OwnedFd>& fds, std::vector<Share>& shares) {
+  nlohmann::json share(const nlohmann::json& request, std::vector<OwnedFd>& fds, std::uint32_t uid, std::vector<Share>& held) {
     const ErrorContext context{.op = "cache share", .path = options.socket};
     const std::string bus_id = request.at("device").get<std::string>();
     int device = -1;
@@ -596,6 +616,11 @@ struct CacheServer::State {
                                   : fmt::format("held in host memory, not in the memory of GPU {} (hbmio cache add --gpu)", bus_id));
         continue;
       }
+      if (!e.gpu_copy_is_for(device, uid)) {
+        ++misses;
+        refuse("its copy on that GPU was shared with another user, who may have written to it: only that user gets it");
+        continue;
+      }
       cuda::IpcAllocation allocation;
       try {
         allocation = cuda::ipc_allocation_of(copy->second->data(), context);
@@ -605,8 +630,13 @@ struct CacheServer::State {
       }
       std::string hex;
       for (const char ch : allocation.handle) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
-      shares.push_back({it->second, device, copy->second});
-      ++e.shared[device];
+      // One share per copy and connection, however often it asks.
+      if (std::none_of(held.begin(), held.end(), [&](const Share& s) { return s.copy == copy->second; })) {
+        held.push_back({it->second, device, copy->second});
+        ++e.shared[device];
+        ++shares;
+      }
+      e.shared_by[device].insert(uid);
       ++e.hits;
       ++hits;
       e.last_use = Clock::now();
@@ -640,7 +670,7 @@ struct CacheServer::State {
     }
     return *made;
   }
-  nlohmann::json copy(const nlohmann::json& request, std::vector<OwnedFd>& fds) {
+  nlohmann::json copy(const nlohmann::json& request, std::vector<OwnedFd>& fds, std::uint32_t uid) {
     const ErrorContext context{.op = "cache copy", .path = options.socket};
     std::vector<std::shared_ptr<Entry>> held;
     const int device = cuda::device_of_pci_bus_id(request.at("device").get<std::string>(), context);
@@ -661,7 +691,8 @@ struct CacheServer::State {
         if (!it->second->pinned) return {{"error", fmt::format("{} is held but not pinned: {}", path, it->second->unpinned)}};
         held.push_back(it->second);
         const auto copy = it->second->on_gpu.find(device);
-        on_gpu.push_back(copy == it->second->on_gpu.end() ? nullptr : copy->second);
+        // A copy another user was given to map is not copied from: the sealed host copy is.
+        on_gpu.push_back(copy == it->second->on_gpu.end() || !it->second->gpu_copy_is_for(device, uid) ? nullptr : copy->second);
         it->second->last_use = Clock::now();
       }
     }
@@ -882,11 +913,11 @@ void CacheServer::run(const std::atomic<bool>& stop) {
           } else if (op == "copy") {
             // Served on the pool; it sends the reply itself.
             current->copying.emplace(detail::Executor::shared().start(
-                [&s, socket = current->socket.get(), body = std::move(request->body),
+                [&s, socket = current->socket.get(), uid = current->uid, body = std::move(request->body),
                  descriptors = std::make_shared<std::vector<OwnedFd>>(std::move(request->descriptors))]() mutable noexcept {
                   nlohmann::json answer;
                   try {
-                    answer = s.copy(body, *descriptors);
+                    answer = s.copy(body, *descriptors, uid);
                   } catch (const std::exception& e) {  // the client reads the files instead
                     answer = {{"error", e.what()}};
                   }
@@ -899,7 +930,7 @@ void CacheServer::run(const std::atomic<bool>& stop) {
                 }));
             continue;
           } else if (op == "share") {
-            reply = s.share(request->body, request->descriptors, current->shares);
+            reply = s.share(request->body, request->descriptors, current->uid, current->shares);
           } else if (op == "status") {
             reply = cache_detail::to_json(status());
           } else {
@@ -936,6 +967,7 @@ CacheStatus CacheServer::status() const {
                   .clients = s.clients,
                   .served_clients = s.served_clients,
                   .uptime_seconds = std::chrono::duration<double>(Clock::now() - s.started).count()};
+  out.shares = s.shares;
   for (const auto& [device, bytes] : s.gpu_bytes) out.gpu_bytes += bytes;
   const auto now = Clock::now();
   for (const auto& [key, e] : s.entries) {
@@ -943,7 +975,6 @@ CacheStatus CacheServer::status() const {
     for (const auto& [device, copy] : e->on_gpu) gpus.push_back(cuda::pci_bus_id_of(device, {.op = "cache status"}));
     std::uint64_t shares = 0;
     for (const auto& [device, n] : e->shared) shares += n;
-    out.shares += shares;
     out.entries.push_back({.path = e->path,
                            .bytes = e->identity.size,
                            .tier = "host",

@@ -272,6 +272,9 @@ LoadPlan plan_load(const LoadRequest& request, int world) {
 LoadResult load(const LoadRequest& request) {
   if (!request.locations.empty() && request.nccl_comm != nullptr)
     throw checkpoint_error(EINVAL, request.path, "a load goes to several locations or to the ranks of an NCCL group, not both");
+  if (request.options.share && (request.nccl_comm != nullptr || !request.locations.empty()))
+    throw checkpoint_error(EINVAL, request.path, "share maps the resident cache's copies into one load's GPU: not with several "
+                                                 "locations or an NCCL group (load each GPU's part with share on its own)");
   if (request.nccl_comm != nullptr) return detail::load_nccl(request);
   if (!request.locations.empty()) return detail::load_locations(request);
   return detail::errors_as_hbmio({.op = "load", .path = request.path}, [&] {
@@ -334,7 +337,9 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
       throw checkpoint_error(EINVAL, path, "share maps the resident cache's copies in GPU memory: load into a GPU (cuda:N)");
     if (options.destination.data != nullptr)
       throw checkpoint_error(EINVAL, path, "share hands out the resident cache's memory: it takes no destination");
-    shared = detail::shared_copies(files, options.cache, options.cache_socket, options.into.device);
+    std::vector<bool> wanted(files.size(), false);  // only the files this load takes tensors from
+    for (const Pick& pick : picks) wanted[pick.file] = true;
+    shared = detail::shared_copies(files, wanted, options.cache, options.cache_socket, options.into.device);
     for (const auto& copy : shared.files)
       if (copy) result.shared_.push_back(copy->keep);
   }
@@ -348,13 +353,16 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   };
   if (shared.held > 0) {
     std::uint64_t own = 0;
+    bool any_own = false;
     std::vector<std::uint64_t> offset_of(picks.size());
     for (std::size_t k = 0; k < picks.size(); ++k)
       if (!is_shared(picks[k])) {
-        offset_of[k] = (own + options.alignment - 1) / options.alignment * options.alignment;
+        const std::uint64_t a = std::max<std::uint64_t>(options.alignment, 1);
+        offset_of[k] = (own + a - 1) / a * a;
         own = offset_of[k] + picks[k].info->size();
+        any_own = true;
       }
-    if (own > 0 && options.layout == TensorLayout::single_allocation) result.buffers_.push_back(Buffer::allocate(options.into, own));
+    if (any_own && options.layout == TensorLayout::single_allocation) result.buffers_.push_back(Buffer::allocate(options.into, own));
     for (std::size_t k = 0; k < picks.size(); ++k) {
       if (is_shared(picks[k])) {
         add_shared(picks[k]);
@@ -453,12 +461,14 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     std::map<std::size_t, std::uint64_t> mapped;  // per shared file, its tensors' bytes
     for (const Pick& pick : picks)
       if (is_shared(pick)) mapped[pick.file] += pick.info->size();
-    for (const auto& [file, bytes] : mapped)
+    for (const auto& [file, bytes] : mapped) {
+      if (options.progress) *options.progress += bytes;
       result.stats_.add_path({.file = files[file].path,
                               .path = DataPath::cache_shared,
                               .reason = "the resident cache held the same file (device, inode, size, times) in this GPU's memory: its "
                                         "copy is mapped here and read in place, nothing copied",
                               .bytes = bytes});
+    }
     share_note = fmt::format("; {} of {} file(s) shared from the resident cache's GPU memory at {}{}", shared.held, files.size(),
                              shared.socket, shared.why_not.empty() ? "" : fmt::format(" (not shared: {})", shared.why_not));
   }

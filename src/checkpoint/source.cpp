@@ -379,7 +379,8 @@ ResidentCopies resident_copies(const std::vector<CheckpointFile>& files, CacheUs
   return out;
 }
 
-SharedFiles shared_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket, int device) {
+SharedFiles shared_copies(const std::vector<CheckpointFile>& files, const std::vector<bool>& wanted, CacheUse use, const std::string& socket,
+                          int device) {
   SharedFiles out;
   out.files.resize(files.size());
   if (use == CacheUse::off) throw Error(errno_code(EINVAL), {.op = "load", .path = files.front().path}, "share asks the resident cache, which the load turns off");
@@ -388,6 +389,7 @@ SharedFiles shared_copies(const std::vector<CheckpointFile>& files, CacheUse use
   std::vector<std::uint64_t> sizes;
   std::vector<std::size_t> which;
   for (std::size_t i = 0; i < files.size(); ++i) {
+    if (!wanted[i]) continue;
     if (files[i].file && !files[i].remote) {
       fds.push_back(files[i].file->fd());
       sizes.push_back(files[i].file->size_at_open());

@@ -70,7 +70,9 @@ struct SharedFiles {
   std::string socket;
   std::string why_not;  // the first file not shared and why ("" when all were)
 };
-SharedFiles shared_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket, int device);
+// `wanted`: per file, whether to ask for it (a load of some tensors asks for their files only).
+SharedFiles shared_copies(const std::vector<CheckpointFile>& files, const std::vector<bool>& wanted, CacheUse use, const std::string& socket,
+                          int device);
 // "; 3 of 17 files from the resident cache (host memory)" and the like, for a load's note.
 std::string resident_note(const ResidentCopies& copies);
 

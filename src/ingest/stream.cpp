@@ -55,7 +55,7 @@ double seconds_between(Clock::time_point a, Clock::time_point b) { return std::c
 // when each batch alone would be a few hundred KiB, and an engine request's start and drain are
 // paid once per group rather than per batch; a group is at most this big, and at most half of the
 // ring, so that two groups are in flight.
-constexpr std::uint64_t kGroupBytes = 128ull << 20;
+constexpr std::uint64_t kGroupBytes = 512ull << 20;
 // Shard files kept open between batches; more are closed least recently used first (a whole
 // shard's descriptors), and a shard opened again must still be the file its header came from.
 constexpr std::size_t kOpenShards = 64;

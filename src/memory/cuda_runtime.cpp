@@ -281,6 +281,15 @@ void* ipc_open(const std::string& handle, int device, const ErrorContext& contex
   return ptr;
 }
 void ipc_close(void* ptr) noexcept { if (ptr) (void)cudaIpcCloseMemHandle(ptr); }
+void ipc_close_when_idle(void* ptr, int device) noexcept {
+  if (!ptr) return;
+  try {
+    DeviceGuard guard(device, {.op = "close a CUDA IPC mapping"});
+    (void)cudaDeviceSynchronize();
+  } catch (...) {  // no such device any more: nothing can run on it either
+  }
+  (void)cudaIpcCloseMemHandle(ptr);
+}
 
 // cudaMemcpy returns before a device-to-device copy is done, and cudaMemset before the memory is
 // set: both are queued on the legacy default stream, which is synchronised here so that the
@@ -397,6 +406,7 @@ std::string pci_bus_id_of(int, const ErrorContext& context) { no_cuda(context); 
 std::size_t device_allocation_size(const void*, const ErrorContext& context) { no_cuda(context); }
 void* ipc_open(const std::string&, int, const ErrorContext& context) { no_cuda(context); }
 void ipc_close(void*) noexcept {}
+void ipc_close_when_idle(void*, int) noexcept {}
 void memcpy_sync(void*, const void*, std::size_t, const ErrorContext& context) { no_cuda(context); }
 void memset_device(void*, int, std::size_t, const ErrorContext& context) { no_cuda(context); }
 Stream::Stream(int, const ErrorContext& context) { no_cuda(context); }

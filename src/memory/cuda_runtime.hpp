@@ -74,6 +74,10 @@ std::string pci_bus_id_of(int device, const ErrorContext& context);
 // Maps another process's allocation into this one (current device: `device`); undone by ipc_close.
 void* ipc_open(const std::string& handle, int device, const ErrorContext& context);
 void ipc_close(void* ptr) noexcept;
+// ipc_close once the work queued on `device` is done: a mapping another process's memory may be
+// read through by kernels still queued (a framework frees a tensor as soon as it queued its last
+// use, which a mapping of its own does not see) must outlive them.
+void ipc_close_when_idle(void* ptr, int device) noexcept;
 
 void memcpy_sync(void* dst, const void* src, std::size_t size, const ErrorContext& context);
 void memset_device(void* dst, int value, std::size_t size, const ErrorContext& context);
