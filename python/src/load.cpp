@@ -439,7 +439,7 @@ void bind_load(nb::module_& m) {
       .def("get_tensor", [](const Handle& h, const std::string& name, const std::string& device,
                             const std::string& backend, nb::handle verify) {
         h.info(name);  // KeyError for an unknown name
-        nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr, nb::none(), "");
+        nb::dict one = load(h.path(), device, backend, verify, std::vector<std::string>{name}, nullptr, nb::none(), "", false);
         return nb::object(one[nb::str(name.c_str(), name.size())]);
       }, nb::arg("name"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
          nb::arg("verify").none() = false)
