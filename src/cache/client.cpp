@@ -248,6 +248,10 @@ Shares share_from_device(const std::string& socket_path, std::span<const int> fd
   Shares out;
   out.copies.resize(fds.size());
   out.reasons.assign(fds.size(), "");
+  const auto start = std::chrono::steady_clock::now();
+  const auto since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
   try {
     const std::string bus_id = cuda::pci_bus_id_of(device, context);
     auto lease = std::make_shared<Lease>();
@@ -265,6 +269,8 @@ Shares share_from_device(const std::string& socket_path, std::span<const int> fd
       results.insert(results.end(), got.begin(), got.end());
     }
     const std::shared_ptr<const Lease> held = std::move(lease);
+    out.ask_seconds = since(start);
+    const auto mapping_start = std::chrono::steady_clock::now();
     for (std::size_t k = 0; k < fds.size(); ++k) {
       const nlohmann::json& r = results[k];
       if (!r.at("shared").get<bool>()) {
@@ -291,6 +297,7 @@ Shares share_from_device(const std::string& socket_path, std::span<const int> fd
         out.reasons[k] = e.what();
       }
     }
+    out.map_seconds = since(mapping_start);
   } catch (const std::exception& e) {
     out.warning = e.what();
     for (std::size_t k = 0; k < fds.size(); ++k)

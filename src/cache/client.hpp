@@ -71,6 +71,8 @@ struct Shares {
   std::vector<std::optional<SharedCopy>> copies;  // per descriptor; empty: not shared, see `reasons`
   std::vector<std::string> reasons;               // per descriptor; "" where shared
   std::string warning;                            // the cache could not be asked at all, and why
+  double ask_seconds = 0;  // connecting, the request and its reply
+  double map_seconds = 0;  // mapping the copies here (CUDA IPC)
 };
 
 // Asks the server at `socket` for its copies in the memory of `device` (this process's number) of

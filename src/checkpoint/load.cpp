@@ -469,8 +469,9 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
                                         "copy is mapped here and read in place, nothing copied",
                               .bytes = bytes});
     }
-    share_note = fmt::format("; {} of {} file(s) shared from the resident cache's GPU memory at {}{}", shared.held, files.size(),
-                             shared.socket, shared.why_not.empty() ? "" : fmt::format(" (not shared: {})", shared.why_not));
+    share_note = fmt::format("; {} of {} file(s) shared from the resident cache's GPU memory at {} (asked in {:.4f} s, mapped in {:.4f} s){}",
+                             shared.held, files.size(), shared.socket, shared.ask_seconds, shared.map_seconds,
+                             shared.why_not.empty() ? "" : fmt::format(" (not shared: {})", shared.why_not));
   }
   result.stats_.note = fmt::format("{} tensors from {} file(s) in {} read(s){}{}{}{}{}", result.tensors_.size(), files.size(), reads.size(),
                                    check ? ", each checked as it landed" : "", share_note, detail::resident_note(copies),

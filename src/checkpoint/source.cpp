@@ -400,6 +400,8 @@ SharedFiles shared_copies(const std::vector<CheckpointFile>& files, const std::v
   }
   if (fds.empty()) return out;
   cache_detail::Shares shares = cache_detail::share_from_device(out.socket, fds, sizes, device);
+  out.ask_seconds = shares.ask_seconds;
+  out.map_seconds = shares.map_seconds;
   for (std::size_t k = 0; k < which.size(); ++k) {
     if (shares.copies[k]) {
       out.files[which[k]] = std::move(shares.copies[k]);

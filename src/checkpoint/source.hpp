@@ -69,6 +69,7 @@ struct SharedFiles {
   std::size_t held = 0;
   std::string socket;
   std::string why_not;  // the first file not shared and why ("" when all were)
+  double ask_seconds = 0, map_seconds = 0;  // cache_detail::Shares'
 };
 // `wanted`: per file, whether to ask for it (a load of some tensors asks for their files only).
 SharedFiles shared_copies(const std::vector<CheckpointFile>& files, const std::vector<bool>& wanted, CacheUse use, const std::string& socket,
