@@ -35,7 +35,9 @@ and cached beside the file.
 Also: from_pretrained (transformers, if importable, on a CUDA device): a LlamaConfig of about
 --size, saved once with save_pretrained (sharded at 2GB), timed stock and inside
 hbmio.use_in_transformers() (where it exists), warm, beside the time of from_config on the meta
-device + to_empty on the device (what a load costs outside reading). And fresh processes: the wall
+device + to_empty on the device (what a load costs outside reading); with --cache-hbmio PATH also
+inside use_in_transformers() with HBMIO_CACHE pointing at a resident cache (`PATH cache serve`)
+that holds the shards. And fresh processes: the wall
 time of `python -c` from its start until every tensor is on the device, for hbmio.load_file,
 hbmio.open walk and safe_open walk, with the child's own split (interpreter start, import torch,
 import the loader, CUDA context, load).
@@ -666,16 +668,39 @@ class Runner:
             return m.to_empty(device=a.device)
 
         HB = "from_pretrained in hbmio.use_in_transformers()"
+        HC = "the same, from the resident cache"
         NOREAD = "from_config(meta) + to_empty (no reading)"
         runs_ = {"from_pretrained stock": stock, NOREAD: outside_loading}
+        server = None
         if not hbmio_reason:
             runs_[HB] = with_hbmio
+            # --cache-hbmio: a resident cache (`hbmio cache serve`) holding the shards, found through
+            # HBMIO_CACHE only while this contender runs (a restart on a node that loaded the model).
+            if a.cache_hbmio:
+                import subprocess, tempfile
+                sock = os.path.join(tempfile.mkdtemp(prefix="hbmio-cache-", dir="/tmp"), "cache.sock")
+                server = subprocess.Popen([a.cache_hbmio, "cache", "serve", "--socket", sock, "--host-memory",
+                                           str(2 * nbytes + (1 << 30))], start_new_session=True)
+                for _ in range(500):
+                    if subprocess.run([a.cache_hbmio, "cache", "status", "--socket", sock], capture_output=True).returncode == 0:
+                        break
+                    time.sleep(0.02)
+                added = subprocess.run([a.cache_hbmio, "cache", "add", "--wait", "--socket", sock, *shards], capture_output=True, text=True)
+                log(f"cache add --wait of {len(shards)} shards: {added.stdout.strip()}")
+
+                def from_cache():
+                    os.environ["HBMIO_CACHE"] = sock
+                    try:
+                        return with_hbmio()
+                    finally:
+                        os.environ.pop("HBMIO_CACHE", None)
+                runs_[HC] = from_cache
         else:
             self.emit(dict(section="from_pretrained", contender=HB, skipped=hbmio_reason))
         times, oks, errors = {k: [] for k in runs_}, {}, {}
         # Phase 1: stock and the no-reading baseline, interleaved; phase 2: hbmio's switch (one that is
         # no context manager would stay on, so it never runs before a stock round).
-        phases = [[n for n in runs_ if n != HB]] + ([[HB]] if HB in runs_ else [])
+        phases = [[n for n in runs_ if n not in (HB, HC)]] + ([[n for n in (HB, HC) if n in runs_]] if HB in runs_ else [])
         for phase in phases:
             for r in ["warm-up"] + list(range(a.rounds)):
                 if r != "warm-up" and self.over_budget():
@@ -732,6 +757,11 @@ class Runner:
                 print(f"  {name:48} {'-':>9}  error: {errors.get(name, 'no runs')[:120]}")
         if hbmio_reason:
             print(f"  {'from_pretrained in hbmio.use_in_transformers()':48} {'-':>9}  skipped: {hbmio_reason}")
+        if server is not None:
+            import signal, subprocess
+            print(subprocess.run([a.cache_hbmio, "cache", "status", "--socket", sock], capture_output=True, text=True).stdout)
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
         sys.stdout.flush()
 
     def skip_section(self, section, reason):
@@ -870,6 +900,7 @@ def main():
                    help="fastsafetensors' O_DIRECT and buffered configurations in both modes")
     p.add_argument("--threads", type=int, default=16, help="fastsafetensors max_threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache-hbmio", help="the hbmio command: from_pretrained also from a resident cache it serves")
     p.add_argument("--budget-s", type=float, help="start no new load after this many seconds")
     p.add_argument("--max-load-s", type=float, default=60,
                    help="a contender whose load takes longer gets no further rounds (0: no limit)")
