@@ -321,10 +321,11 @@ int main(int argc, char** argv) {
     // What a cache hit meets that the rows above do not: a destination never copied into before.
     // The client's allocation is new at each load (`fresh`: cudaMalloc, the copy, cudaFree), and the
     // server opens the client's IPC handle at each request (`reopened`: the same allocation of the
-    // child's, closed and opened again before each copy; the open timed apart).
+    // child's, closed and opened again before each copy; the open timed apart). Read with care:
+    // the `whole` reopened copy follows the fresh allocation's cudaFree, the `two-streams` one
+    // follows a copy; a copy right after a large free is the slow one, however it is issued
+    // (bench/RESULTS.md, "Restarts from the node's resident cache", 2026-12-06).
     {
-      // Also whether a fresh mapping's first copy is quicker spread over two streams (two copy
-      // engines may set up its pages side by side).
       std::vector<double> fresh, reopened, opening, reopened_two;
       for (int r = 0; r < runs; ++r) {
         std::byte* p = nullptr;

@@ -654,15 +654,9 @@ struct CacheServer::State {
   //   {"op": "copy", "device": PCI bus id, "allocations": [{"handle": hex}],
   //    "copies": [[descriptor index, file offset, length, allocation index, offset in it]]}
   //   + one descriptor per file, as for "get"
-  //
-  // A copy request's ranges go in pieces of kCopyPiece, alternating between the lane's two streams:
-  // the first copy into a newly opened IPC mapping (every request's: the destination is another
-  // process's, opened per request) runs at 0.89 x the pinned rate on one stream and at the full
-  // rate on two (bench/RESULTS.md, "Restarts from the node's resident cache": host_copy_probe).
-  static constexpr std::uint64_t kCopyPiece = std::uint64_t{64} << 20;
   struct Lane {
     std::mutex mutex;  // held for a copy: one at a time per GPU
-    cuda::Stream stream, second;
+    cuda::Stream stream;
   };
   std::mutex lanes_mutex;
   std::map<int, std::unique_ptr<Lane>> lanes;  // per device, made at the first copy there
@@ -672,7 +666,6 @@ struct CacheServer::State {
     if (!made) {
       auto lane = std::make_unique<Lane>();
       lane->stream = cuda::Stream(device, context);
-      lane->second = cuda::Stream(device, context);
       made = std::move(lane);
     }
     return *made;
@@ -764,16 +757,14 @@ struct CacheServer::State {
     std::lock_guard turn(lane->mutex);
     if (too_late()) return {{"error", "the request's deadline passed while it waited for the GPU's lane"}};
     const auto copying = std::chrono::steady_clock::now();
+    // One stream: a copy into memory the client has just allocated runs at the pinned rate measured
+    // the same way, whatever the number of streams (bench/RESULTS.md, "Restarts from the node's
+    // resident cache", host_copy_probe and the fresh-destination ceiling).
     try {
-      std::size_t pieces = 0;
-      for (const Copy& c : copies)
-        for (std::uint64_t at = 0; at < c.length; at += kCopyPiece, ++pieces)
-          (pieces % 2 ? lane->second : lane->stream).copy_async(c.to + at, c.from + at, std::min(kCopyPiece, c.length - at), context);
+      for (const Copy& c : copies) lane->stream.copy_async(c.to, c.from, c.length, context);
       lane->stream.synchronize(context);
-      lane->second.synchronize(context);
     } catch (...) {
       lane->stream.synchronize_noexcept();  // nothing in flight when the handles close
-      lane->second.synchronize_noexcept();
       throw;
     }
     const double copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copying).count();
