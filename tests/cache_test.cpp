@@ -687,14 +687,20 @@ TEST(ResidentCache, ADeviceTierNeedsAGpuOnBothSides) {
   EXPECT_NE(results[0].at("reason").get<std::string>().find("no device tier"), std::string::npos) << results[0].dump();
   EXPECT_EQ(results[1].at("reason").get<std::string>(), "not held") << results[1].dump();
   EXPECT_EQ(cache_status(socket).shares, 0u);
-  // A load that asks to share into host memory is refused before anything is read.
-  try {
-    load_checkpoint(file, {.cache = CacheUse::use, .cache_socket = socket, .share = true});
-    ADD_FAILURE() << "a shared load into host memory was accepted";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), errno_code(EINVAL)) << e.what();
-    EXPECT_NE(std::string(e.what()).find("load into a GPU"), std::string::npos) << e.what();
-  }
+  // A load that asks to share into host memory, or into several locations, is refused before
+  // anything is read.
+  const auto refused = [&](const LoadRequest& request, const std::string& said) {
+    try {
+      load(request);
+      ADD_FAILURE() << "accepted: " << said;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), errno_code(EINVAL)) << e.what();
+      EXPECT_NE(std::string(e.what()).find(said), std::string::npos) << e.what();
+    }
+  };
+  const LoadOptions share{.cache = CacheUse::use, .cache_socket = socket, .share = true};
+  refused({.path = file, .options = share}, "load into a GPU");
+  refused({.path = file, .options = share, .locations = {{MemoryKind::host}, {MemoryKind::host}}}, "not with several locations");
 }
 
 }  // namespace hbmio

@@ -138,6 +138,8 @@ def test_share_is_refused_where_it_cannot_map_gpu_memory(tmp_path):
     for kwargs in ({"device": "cpu"}, {"device": "cuda:0", "cache": "off"}, {"device": "cuda:0", "mmap": True}):
         with pytest.raises(ValueError, match="share=True maps the resident cache's copies in GPU memory"):
             hbmio.load_file(str(path), share=True, **kwargs)
+    with pytest.raises(ValueError, match="not with group="):
+        hbmio.load_file(str(path), "cuda:0", share=True, group=object(), framework="torch")
 
 
 def test_shared_tensors_are_the_caches_gpu_copy_held_while_they_live(tmp_path):
