@@ -94,6 +94,15 @@ Loaded load_and_check(const std::string& path, CacheUse use, const std::string& 
   return out;
 }
 
+// CUDA IPC handles travel as hex: every byte value comes back as it went.
+TEST(ResidentCache, HandlesTravelAsHexAndBack) {
+  std::string all;
+  for (int b = 0; b < 256; ++b) all.push_back(static_cast<char>(b));
+  EXPECT_EQ(cache_detail::to_hex(std::string("\x00\xff\x3b", 3)), "00ff3b");
+  EXPECT_EQ(cache_detail::from_hex(cache_detail::to_hex(all)), all);
+  EXPECT_EQ(cache_detail::from_hex("00FF3b"), std::string("\x00\xff\x3b", 3));
+}
+
 TEST(ResidentCache, AHitIsTheFileByteForByteAndSaysSo) {
   TempDir dir, sockets("/tmp");  // a socket's path has at most 107 bytes: not under a long build path
   const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");

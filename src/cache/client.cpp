@@ -147,9 +147,7 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
       try {
         nlohmann::json handles = nlohmann::json::array();
         for (const std::size_t a : r->allocations) {
-          std::string hex;
-          for (const char ch : allocations[a].handle) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
-          handles.push_back({{"handle", hex}});
+          handles.push_back({{"handle", to_hex(allocations[a].handle)}});
         }
         // The reply comes when the DMA is done: at least 1 GiB/s, plus time to open the handles.
         const int timeout_ms = static_cast<int>(std::min<std::uint64_t>(5000 + r->bytes / (1 << 20), 600'000));
@@ -277,9 +275,7 @@ Shares share_from_device(const std::string& socket_path, std::span<const int> fd
         out.reasons[k] = r.value("reason", "not shared");
         continue;
       }
-      const std::string hex = r.at("handle").get<std::string>();
-      std::string handle;
-      for (std::size_t i = 0; i + 1 < hex.size(); i += 2) handle.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+      const std::string handle = from_hex(r.at("handle").get<std::string>());
       const auto offset = r.at("offset").get<std::uint64_t>(), bytes = r.at("bytes").get<std::uint64_t>();
       try {
         std::shared_ptr<Mapping> mapping = map_shared(handle, device, context);

@@ -137,6 +137,20 @@ std::optional<Message> receive_message(int socket, const std::string& socket_pat
   return message;
 }
 
+std::string to_hex(std::string_view bytes) {
+  std::string out;
+  out.reserve(2 * bytes.size());
+  for (const char ch : bytes) out += fmt::format("{:02x}", static_cast<unsigned char>(ch));
+  return out;
+}
+
+std::string from_hex(std::string_view hex) {
+  const auto digit = [](char c) { return c >= 'a' ? c - 'a' + 10 : c >= 'A' ? c - 'A' + 10 : c - '0'; };
+  std::string out;
+  for (std::size_t k = 0; k + 1 < hex.size(); k += 2) out.push_back(static_cast<char>(digit(hex[k]) * 16 + digit(hex[k + 1])));
+  return out;
+}
+
 OwnedFd connect_to(const std::string& socket_path, int timeout_ms) {
   const ErrorContext context{.op = "connect to the resident cache", .path = socket_path};
   sockaddr_un address{};

@@ -19,6 +19,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -74,5 +75,10 @@ CacheStatus status_from_json(const nlohmann::json& body);
 // A connected client socket (SOCK_CLOEXEC), with send and receive timeouts of `timeout_ms`.
 // Throws Error (op "connect to the resident cache") naming the path and the system's reason.
 OwnedFd connect_to(const std::string& socket_path, int timeout_ms);
+
+// Binary (a CUDA IPC handle's 64 bytes) as lower-case hex for a JSON field, and back (a pair of
+// digits per byte; what is not hex reads as a short or wrong handle, which opening it refuses).
+std::string to_hex(std::string_view bytes);
+std::string from_hex(std::string_view hex);
 
 }  // namespace hbmio::cache_detail

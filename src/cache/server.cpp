@@ -125,11 +125,6 @@ class PinnedMapping {
   std::uint64_t size_ = 0;
 };
 
-std::string from_hex(const std::string& hex) {
-  std::string out;
-  for (std::size_t k = 0; k + 1 < hex.size(); k += 2) out.push_back(static_cast<char>(std::stoi(hex.substr(k, 2), nullptr, 16)));
-  return out;
-}
 
 }  // namespace
 
@@ -628,8 +623,6 @@ struct CacheServer::State {
         refuse(ex.what());
         continue;
       }
-      std::string hex;
-      for (const char ch : allocation.handle) hex += fmt::format("{:02x}", static_cast<unsigned char>(ch));
       // One share per copy and connection, however often it asks.
       if (std::none_of(held.begin(), held.end(), [&](const Share& s) { return s.copy == copy->second; })) {
         held.push_back({it->second, device, copy->second});
@@ -641,7 +634,7 @@ struct CacheServer::State {
       ++hits;
       e.last_use = Clock::now();
       results.push_back({{"shared", true},
-                         {"handle", hex},
+                         {"handle", cache_detail::to_hex(allocation.handle)},
                          {"offset", reinterpret_cast<std::uintptr_t>(copy->second->data()) - allocation.base},
                          {"bytes", id.size}});
     }
@@ -720,7 +713,7 @@ struct CacheServer::State {
     const auto opening = std::chrono::steady_clock::now();
     for (const nlohmann::json& a : request.at("allocations")) {
       auto opened = std::make_unique<Opened>();
-      opened->base = cuda::ipc_open(from_hex(a.at("handle").get<std::string>()), device, context);
+      opened->base = cuda::ipc_open(cache_detail::from_hex(a.at("handle").get<std::string>()), device, context);
       opened->size = cuda::device_allocation_size(opened->base, context);
       allocations.push_back(std::move(opened));
     }

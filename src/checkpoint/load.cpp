@@ -357,8 +357,7 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     std::vector<std::uint64_t> offset_of(picks.size());
     for (std::size_t k = 0; k < picks.size(); ++k)
       if (!is_shared(picks[k])) {
-        const std::uint64_t a = std::max<std::uint64_t>(options.alignment, 1);
-        offset_of[k] = (own + a - 1) / a * a;
+        offset_of[k] = align_up(own, options.alignment);
         own = offset_of[k] + picks[k].info->size();
         any_own = true;
       }

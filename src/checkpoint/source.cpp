@@ -384,7 +384,10 @@ SharedFiles shared_copies(const std::vector<CheckpointFile>& files, const std::v
   SharedFiles out;
   out.files.resize(files.size());
   if (use == CacheUse::off) throw Error(errno_code(EINVAL), {.op = "load", .path = files.front().path}, "share asks the resident cache, which the load turns off");
-  out.socket = !socket.empty() ? socket : !configured_cache_socket().empty() ? configured_cache_socket() : default_cache_socket();
+  // Asked for explicitly: the configured socket where there is one, else the default (as CacheUse::use).
+  out.socket = socket;
+  if (out.socket.empty()) out.socket = configured_cache_socket();
+  if (out.socket.empty()) out.socket = default_cache_socket();
   std::vector<int> fds;
   std::vector<std::uint64_t> sizes;
   std::vector<std::size_t> which;
