@@ -2,6 +2,7 @@
 plans reading only their rows, byte-equal to the reference's tensors) and get_tensor_meta; and the
 drop-in's metadata: hbmio.torch writes what the reference writes, metadata() shows only the
 caller's keys."""
+import json
 import os
 import pathlib
 import shutil
@@ -226,3 +227,121 @@ def test_row_plans_of_f4_read_whole_bytes_or_are_refused(tmp_path):
         assert got["v"].view(torch.uint8).tolist() == one_d[1:4].view(torch.uint8).tolist()  # F4 values 2..7: bytes 1..3
         with pytest.raises(ValueError, match="whole bytes"):
             f.prefetch({"v": slice(1, 4)})
+
+
+def _header(path):
+    data = pathlib.Path(path).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    return {k: v for k, v in json.loads(data[8:8 + n]).items() if k != "__metadata__"}
+
+
+@pytest.fixture
+def sharded(tmp_path, monkeypatch):
+    """A checkpoint of two shards written by the reference and a Hugging Face index naming them;
+    the second shard's names sort before the first's, so file order is not name order."""
+    monkeypatch.setattr("hbmio._prefetch._BATCH", 16 << 10)
+    torch.manual_seed(2)
+    shards = {"model-00001-of-00002.safetensors": {f"z.layer{i}.w": torch.randn(40 + i, 65) for i in range(5)},
+              "model-00002-of-00002.safetensors": {"a.embed": torch.randn(33, 17).to(torch.bfloat16),
+                                                  "a.bias": torch.arange(9, dtype=torch.int32), "a.scalar": torch.tensor(1.5)}}
+    weight_map, total = {}, 0
+    for file, state in shards.items():
+        st_torch.save_file(state, str(tmp_path / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in state})
+        total += sum(t.numel() * t.element_size() for t in state.values())
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return tmp_path, index, list(shards)
+
+
+def _reference_per_file(folder, files):
+    """{name: tensor} of every shard, each file loaded on its own through the reference's safe_open,
+    and the names in file order (shard by shard)."""
+    want, order = {}, []
+    for file in files:
+        with safe_open(str(folder / file), "pt") as ref:
+            order += list(ref.offset_keys())
+            want.update({k: ref.get_tensor(k) for k in ref.keys()})
+    return want, order
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("which", ["index", "directory"])
+def test_prefetch_and_get_tensor_meta_over_a_sharded_index(sharded, device, which):
+    """hbmio.open of an index (or its directory) prefetches the tensors of every shard, each equal
+    byte for byte to the reference's load of its own file; names() is file order across the
+    shards; a plan may take rows of tensors in both shards; get_tensor_meta gives each tensor's
+    header entry, data_offsets within its own shard (as the reference's safe_open of that shard)."""
+    folder, index, files = sharded
+    want, order = _reference_per_file(folder, files)
+    path = index if which == "index" else folder
+    with hbmio.open(path, framework="pt", device=device) as f:
+        with f.prefetch() as loader:
+            assert loader.names() == order == f.offset_keys()
+            assert len(loader) == len(want)
+            last = loader.take(order[-1])  # from the second shard, before anything else
+            got = dict(loader)
+        got[order[-1]] = last
+        assert sorted(got) == sorted(want)
+        for name, t in want.items():
+            assert got[name].device.type == torch.device(device).type, name
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+            assert raw(got[name]) == raw(t), name
+        plan = {"z.layer1.w": slice(3, 17), "a.embed": slice(-5, None), "a.bias": None, "z.layer4.w": slice(0, 1)}
+        with f.prefetch(plan) as loader:
+            parts = {name: loader.take(name) for name in plan}
+        for name, key in plan.items():
+            ref = want[name] if key is None else want[name][key]
+            assert parts[name].shape == ref.shape and raw(parts[name]) == raw(ref), name
+        headers = {}
+        for file in files:
+            headers.update(_header(folder / file))
+        for name in order:
+            meta = f.get_tensor_meta(name)
+            entry = headers[name]
+            assert (meta.dtype, meta.shape, meta.data_offsets) == (entry["dtype"], entry["shape"], tuple(entry["data_offsets"])), name
+        # The second shard's first tensor starts its own data section, not where the first shard's ends.
+        first_of_second = _reference_per_file(folder, files[1:])[1][0]
+        assert f.get_tensor_meta(first_of_second).data_offsets[0] == 0
+        assert f.get_tensor_meta(order[-1]).data_offsets[1] > 0
+        with pytest.raises(KeyError):
+            f.get_tensor_meta("no.such.tensor")
+
+
+def test_use_in_transformers_handles_route_prefetch(sharded):
+    """The handle hbmio.use_in_transformers() gives transformers for each shard is hbmio.open's
+    (a mapped CPU handle, as transformers 5 asks for it): its prefetch() and get_tensor_meta are
+    hbmio's and give the reference's tensors and header entries."""
+    transformers = pytest.importorskip("transformers", reason="hbmio.use_in_transformers needs transformers")
+    import transformers.modeling_utils  # noqa: F401 - the call site of safe_open
+    from hbmio import integrations
+    from hbmio._prefetch import PrefetchLoader, TensorMeta
+    folder, _, files = sharded
+    with hbmio.use_in_transformers():
+        opener = transformers.modeling_utils.safe_open
+        assert opener is integrations._safe_open
+        for file in files:
+            want, order = _reference_per_file(folder, [file])
+            handle = opener(str(folder / file), framework="pt", device="cpu", backend="mmap")
+            try:
+                assert isinstance(handle, hbmio.SafeOpen) and handle._mmap
+                loader = handle.prefetch()
+                assert isinstance(loader, PrefetchLoader) and loader.names() == order
+                with loader:
+                    got = dict(loader)
+                assert sorted(got) == sorted(want)
+                for name, t in want.items():
+                    assert got[name].dtype == t.dtype and raw(got[name]) == raw(t), name
+                name = next(n for n in order if want[n].dim() and want[n].shape[0] >= 4)
+                rows = handle.prefetch({name: slice(1, 4)})
+                assert raw(rows.take(name)) == raw(want[name][1:4])
+                rows.close()
+                header = _header(folder / file)
+                for name in order:
+                    meta = handle.get_tensor_meta(name)
+                    assert isinstance(meta, TensorMeta)
+                    assert (meta.dtype, meta.shape, meta.data_offsets) == (
+                        header[name]["dtype"], header[name]["shape"], tuple(header[name]["data_offsets"])), name
+            finally:
+                handle.__exit__(None, None, None)  # as transformers closes it: never entered
+    assert transformers.modeling_utils.safe_open is safe_open  # restored after the block
