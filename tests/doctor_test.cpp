@@ -16,6 +16,7 @@
 #include "doctor/doctor_internal.hpp"
 #include "hbmio/doctor.hpp"
 #include "hbmio/memory.hpp"
+#include "hbmio/memory.hpp"
 
 namespace fs = std::filesystem;
 using hbmio::Check;
@@ -949,6 +950,51 @@ TEST(DoctorModes, LibcufileVersionGating) {
   tree.write("usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.17.0", "");
   const auto newer = hbmio::run_doctor({.root = tree.path().string(), .paths = {"/scratch", "/pool"}});
   EXPECT_EQ(check_in(newer, "gds.cufile_version").status, CheckStatus::pass) << check_in(newer, "gds.cufile_version").found;
+}
+
+// gds-diag's support matrix on this machine: the driver, hbmio's CUDA runtime and libcufile each
+// serve the others, and the modes they allow together.
+TEST(DoctorModes, SupportMatrixOfDriverCudaAndLibcufile) {
+  Tree tree;
+  build_gds_server(tree);  // driver 580.95.05, open module, P2PDMA kernel
+  const auto none = hbmio::run_doctor({.root = tree.path().string()});
+  const Check& unknown = check_in(none, "gds.support_matrix");
+  EXPECT_NE(unknown.found.find("driver 580.95.05"), std::string::npos) << unknown.found;
+  EXPECT_NE(unknown.found.find("libcufile not found"), std::string::npos) << unknown.found;
+
+  // libcufile 1.15 is CUDA 13.0's: the 580 driver serves it; the modes as the machine has them.
+  tree.write("usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.15.1", "");
+  const auto ok = hbmio::run_doctor({.root = tree.path().string()});
+  const Check& pass = check_in(ok, "gds.support_matrix");
+  EXPECT_EQ(pass.status, CheckStatus::pass) << pass.found;
+  EXPECT_NE(pass.found.find("libcufile 1.15.1 (CUDA 13.0)"), std::string::npos) << pass.found;
+  EXPECT_NE(pass.found.find("they allow: compatibility mode"), std::string::npos) << pass.found;
+
+  // A 550 driver (CUDA 12.4) cannot run CUDA 13's libcufile: nothing of cuFile starts.
+  tree.write("proc/driver/nvidia/version", "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  550.54.14\n");
+  const auto old_driver = hbmio::run_doctor({.root = tree.path().string()});
+  const Check& fail = check_in(old_driver, "gds.support_matrix");
+  EXPECT_EQ(fail.status, CheckStatus::fail) << fail.found;
+  EXPECT_NE(fail.found.find("libcufile 1.15.1 needs a driver of 580.65.06 or later (CUDA 13.x); driver 550.54.14 is older"),
+            std::string::npos)
+      << fail.found;
+  EXPECT_FALSE(fail.fix.empty());
+
+  // CUDA 12.6's libcufile (1.11) on that driver runs, but knows no P2PDMA, which cufile.json asks for.
+  fs::remove(tree.path() / "usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.15.1");
+  tree.write("usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.1.11.1", "");
+  tree.write("etc/cufile.json", "{ \"properties\": { \"use_pci_p2pdma\": true } }\n");
+  const auto old_cufile = hbmio::run_doctor({.root = tree.path().string()});
+  const Check& warn = check_in(old_cufile, "gds.support_matrix");
+  if (hbmio::cuda_built_version() >= 13000) {
+    EXPECT_EQ(warn.status, CheckStatus::fail) << warn.found;  // hbmio's own CUDA 13 runtime on a 550 driver
+    EXPECT_NE(warn.found.find("hbmio's CUDA runtime needs a driver of 580.65.06"), std::string::npos) << warn.found;
+  }
+  EXPECT_NE(warn.found.find("libcufile 1.11.1 (CUDA 12.6)"), std::string::npos) << warn.found;
+  EXPECT_NE(warn.found.find("P2PDMA mode needs libcufile 1.13 (CUDA 12.8) or later; libcufile 1.11.1 ignores use_pci_p2pdma"),
+            std::string::npos)
+      << warn.found;
+  EXPECT_EQ(warn.found.find("libcufile 1.11.1 needs a driver"), std::string::npos) << warn.found;  // 550 serves CUDA 12
 }
 
 TEST(DoctorModes, GpfsAndWekaRdmaSettings) {

@@ -81,6 +81,7 @@ MemoryCounters memory_counters() noexcept;
 
 // CUDA as this process sees it.
 bool built_with_cuda() noexcept;
+int cuda_built_version() noexcept;           // the CUDA runtime hbmio was built with (13000 for 13.0); 0 without
 int cuda_device_count() noexcept;            // 0 without CUDA, driver or device
 std::string cuda_unavailable_reason();       // empty when cuda_device_count() > 0
 std::string cuda_device_name(int device);    // "" when unknown

@@ -116,6 +116,11 @@ struct TransferPath {
   std::uint64_t bytes_direct = 0;  // of `bytes`, bypassing the page cache (O_DIRECT or DMA)
 };
 
+// Adds `path` to `paths`: to the entry of the same file and way if there is one (bytes summed,
+// a reason it does not hold yet appended), else as a new entry. The newest entries are searched
+// first: a transfer (or a stream's shards, read in turn) meets most files again soon after.
+void add_path(std::vector<TransferPath>& paths, const TransferPath& path);
+
 // What one transfer did. Engines fill every field.
 struct Stats {
   std::string backend;                 // the backend that did the work (auto names its pick)
@@ -136,9 +141,7 @@ struct Stats {
   // buffered bytes, bounce copies, paths (add_path); keeps the largest worker count and the part's
   // backend. Time and CPU are the caller's to measure over the whole.
   void add_part(const Stats& part);
-  // Adds `path` to `paths`: to the entry of the same file and way if there is one (bytes summed,
-  // a reason it does not hold yet appended), else as a new entry.
-  void add_path(const TransferPath& path);
+  void add_path(const TransferPath& path) { hbmio::add_path(paths, path); }  // the free add_path
   bool used_direct_io() const noexcept { return bytes_direct > 0; }
 };
 

@@ -117,6 +117,11 @@ struct StreamStats {
   double seconds = 0;       // from the first next() to the last batch delivered
   double read_seconds = 0;  // the stream's thread inside the engine
   double wait_seconds = 0;  // the caller inside next(), waiting for data: the number to tune
+  // Per shard, the way its bytes moved and why (as Stats::paths), summed over the groups read so
+  // far: a group's paths count once its whole read is done, so they may trail `bytes` a little
+  // (and equal it once the stream has ended). stats() only: an epoch's (epoch_stats) has none, as
+  // a group of batches may span two epochs.
+  std::vector<TransferPath> paths;
   double records_per_second() const noexcept { return seconds > 0 ? static_cast<double>(records) / seconds : 0; }
   double gib_per_second() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / (1u << 30) : 0; }
 };

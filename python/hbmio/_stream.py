@@ -430,13 +430,16 @@ class Stream:
     def stats(self) -> dict:
         """The stream so far: batches, records, bytes, seconds (from the first batch asked for),
         read_seconds (the library's thread inside the engine), wait_seconds (the caller waiting for
-        data: near 0 when reading keeps up with the steps), records_per_second, gib_per_second, and
-        epoch (epochs completed)."""
+        data: near 0 when reading keeps up with the steps), records_per_second, gib_per_second,
+        epoch (epochs completed), and paths: per shard, the way its bytes took and why (as
+        load_file's report; a group of batches counts once its whole read is done, so the paths
+        trail the bytes a little until the stream ends)."""
         return self._stream.stats()
 
     @property
     def epoch_stats(self) -> list[dict]:
-        """stats() of each completed epoch (its "epoch" is its number)."""
+        """stats() of each completed epoch (its "epoch" is its number), without paths (a group of
+        batches may span two epochs: see stats())."""
         return self._stream.epoch_stats()
 
     # ---- the end ----

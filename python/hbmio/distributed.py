@@ -36,6 +36,7 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
     # Whatever fails on one rank must reach the others through the gather below, never leave
     # them waiting in a collective: everything up to it runs inside this try.
     error, plan, run, ranges, digest, dest, entries, read, dev = None, None, None, None, None, None, {}, 0, None
+    mine_report = {}  # this rank's read, as load_file's report (its paths: the way each file's bytes took)
     try:
         device = _device_text(device)  # ValueError for a form hbmio does not load into
         _require_gpu(device, path)
@@ -61,7 +62,7 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
                 if dev.type == "cuda":
                     torch.cuda.current_stream(dev).synchronize()
                 for name, dtype, shape, offset in _hbmio._load_into(opened, dest, backend=backend, verify=verify,
-                                                                     names=mine, progress=counter):
+                                                                     names=mine, progress=counter, report=mine_report):
                     entries[name] = (dtype, shape, offset)
         else:
             # The whole layout on every rank (the library's, from _plan); this rank's run read
@@ -75,7 +76,8 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
                 # that (aligned) offset, is the whole layout's.
                 first = plan[run.index(rank)].offset
                 # verify: each rank checks the run it read, against the file's checksums.
-                got = _hbmio._load_into(opened, dest[first:], backend=backend, verify=verify, names=mine, progress=counter)
+                got = _hbmio._load_into(opened, dest[first:], backend=backend, verify=verify, names=mine, progress=counter,
+                                        report=mine_report)
                 for name, dtype, shape, offset in got:
                     entries[name] = (dtype, shape, first + offset)
         read = counter.done
@@ -123,14 +125,16 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
 
     # Every rank takes part in this gather, whether or not it asked for a report (a report asked
     # for on one rank only must not leave it waiting for the others).
+    paths = mine_report.get("paths", [])
     totals = [None] * world
     with on_device:
-        dist.all_gather_object(totals, (read, moved, seconds), group=group)
+        dist.all_gather_object(totals, (read, moved, seconds, paths), group=group)
     if report is not None:
         report.update(
             rank=rank, world=world, placement=placement, bytes_from_storage=read, bytes_received=moved,
             seconds=seconds, gib_per_second=(read + moved) / seconds / (1 << 30) if seconds > 0 else 0.0,
-            ranks=[{"rank": r, "bytes_from_storage": t[0], "bytes_received": t[1], "seconds": t[2]}
+            paths=paths,  # this rank's reads from storage: per file, the way its bytes took and why
+            ranks=[{"rank": r, "bytes_from_storage": t[0], "bytes_received": t[1], "seconds": t[2], "paths": t[3]}
                    for r, t in enumerate(totals)],
             total_bytes_from_storage=sum(t[0] for t in totals),
             total_bytes_received=sum(t[1] for t in totals),

@@ -52,7 +52,7 @@ class PyStream {
     return {records, stream_->batch_records()};
   }
 
-  static nb::dict to_dict(const hbmio::StreamStats& s) {
+  static nb::dict to_dict(const hbmio::StreamStats& s, bool with_paths = true) {
     nb::dict d;
     d["epoch"] = s.epoch;
     d["batches"] = s.batches;
@@ -63,6 +63,7 @@ class PyStream {
     d["wait_seconds"] = s.wait_seconds;
     d["records_per_second"] = s.records_per_second();
     d["gib_per_second"] = s.gib_per_second();
+    if (with_paths) d["paths"] = paths_list(s.paths);  // the whole stream's only (StreamStats::paths)
     return d;
   }
   nb::dict stats() const { return to_dict(stream_->stats()); }
@@ -113,7 +114,7 @@ class PyStream {
 
   nb::list epoch_stats() const {
     nb::list out;
-    for (const auto& s : stream_->epoch_stats()) out.append(to_dict(s));
+    for (const auto& s : stream_->epoch_stats()) out.append(to_dict(s, false));
     return out;
   }
   void close() {

@@ -97,6 +97,14 @@ def test_shard_splits_the_tensors_each_byte_read_once(tmp_path, world):
         assert r["report"]["bytes_received"] == 0
     assert set(seen) == set(expected)
     assert sum(r["report"]["bytes_from_storage"] for r in results) == tensor_bytes()
+    # Each rank's report says which way its reads took, per shard file, with the bytes it read.
+    shards = {p.name for p in SHARDED.iterdir() if p.suffix == ".safetensors"}
+    for r in results:
+        report = r["report"]
+        assert sum(p["bytes"] for p in report["paths"]) == report["bytes_from_storage"], report
+        assert {pathlib.Path(p["file"]).name for p in report["paths"]} <= shards, report["paths"]
+        assert all(p["path"] in ("uring", "posix") and p["reason"] for p in report["paths"]), report["paths"]
+        assert report["ranks"][r["rank"]]["paths"] == report["paths"]
 
 
 def test_shard_map_places_named_tensors(tmp_path):

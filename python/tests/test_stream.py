@@ -209,6 +209,19 @@ def test_progress_says_the_rate_and_the_wait(tmp_path, capfd):
     assert "waited" in err and "GiB/s" in err
 
 
+def test_stats_say_the_way_each_shards_bytes_took(tmp_path):
+    paths, rows = npy_shards(tmp_path, [40, 13, 77], record_shape=(3, 4))
+    s = hbmio.stream(paths, batch_size=32, epochs=2, backend="posix")
+    for _ in s:
+        pass
+    stats = s.stats()
+    # Every shard, its way (the backend asked for) and why; the bytes of two epochs' records.
+    assert [os.path.basename(p["file"]) for p in stats["paths"]] == [os.path.basename(p) for p in paths]
+    assert all(p["path"] == "posix" and p["reason"] for p in stats["paths"]), stats["paths"]
+    assert sum(p["bytes"] for p in stats["paths"]) == stats["bytes"] == 2 * rows.nbytes
+    assert all("paths" not in e for e in s.epoch_stats)  # a group of batches may span two epochs
+
+
 @needs_gpu
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_into_cuda(tmp_path, shuffle):
@@ -227,6 +240,8 @@ def test_into_cuda(tmp_path, shuffle):
         assert total.item() == pytest.approx(2 * host.astype(np.float64).sum())
     for epoch in seen:
         assert sorted(epoch) == list(range(len(rows)))
+    way = {p["path"] for p in s.stats()["paths"]}
+    assert way and way <= {"uring", "posix", "gds-nvidia-fs", "gds-p2pdma", "cufile-compat"}, s.stats()["paths"]
 
 
 def _stream_rank(rank, world, init_file, files, out):

@@ -77,10 +77,11 @@ void Stats::add_part(const Stats& part) {
 // Bounds the reason of a file met in many parts (a load opened a bounded number of files at a time).
 constexpr std::size_t kMaxMergedReason = 1024;
 
-void Stats::add_path(const TransferPath& path) {
-  // A linear search: a transfer touches a few files (a sharded checkpoint: tens), not thousands.
-  for (TransferPath& known : paths)
-    if (known.path == path.path && known.file == path.file) {
+void add_path(std::vector<TransferPath>& paths, const TransferPath& path) {
+  // A linear search: a transfer touches a few files (a sharded checkpoint: tens); a stream over
+  // thousands of shards finds the shard it reads now among the last entries.
+  for (auto it = paths.rbegin(); it != paths.rend(); ++it)
+    if (TransferPath& known = *it; known.path == path.path && known.file == path.file) {
       known.bytes += path.bytes;
       known.bytes_direct += path.bytes_direct;
       // A later part that went otherwise (a save's header after its tensors) adds its reason, once.

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "doctor/doctor_internal.hpp"
+#include "hbmio/memory.hpp"
 #include "shim/cufile_api.hpp"
 
 extern char** environ;  // this process's environment (unistd.h declares it only with _GNU_SOURCE)
@@ -1124,7 +1125,9 @@ bool at_least(const std::vector<int>& version, std::initializer_list<int> minimu
 // from the GDS release notes: compatibility mode on tmpfs, ramfs, squashfs and overlay from 1.16,
 // on zfs and btrfs from 1.17) and its configuration schema (properties.gpu_bounce_buffer_slab_config,
 // 1.17); keys only later releases read are the audit's list above.
-void check_cufile_version(const Root& root, const CufileConfig& cufile, const std::vector<PathFacts>& paths, std::vector<Check>& out) {
+// The libcufile loads would use: the one loaded here (live), else the highest
+// libcufile.so.<version> in the usual directories. {version text, where}; empty when unknown.
+std::pair<std::string, std::string> installed_libcufile(const Root& root) {
   std::string version_text, where;
   if (root.is_live()) {
     const auto& api = shim::CufileApi::instance();
@@ -1134,13 +1137,17 @@ void check_cufile_version(const Root& root, const CufileConfig& cufile, const st
     }
   }
   if (version_text.empty() || version_numbers(version_text).size() < 2) {
-    // The highest libcufile.so.<version> file in the usual directories.
     for (const auto& [file, version] : find_libraries(root, "libcufile"))
       if (version_text.empty() || version_numbers(version) > version_numbers(version_text)) {
         version_text = version;
         where = file;
       }
   }
+  return {version_text, where};
+}
+
+void check_cufile_version(const Root& root, const CufileConfig& cufile, const std::vector<PathFacts>& paths, std::vector<Check>& out) {
+  const auto [version_text, where] = installed_libcufile(root);
   const auto version = version_numbers(version_text);
   struct Need {
     std::string what;
@@ -1186,6 +1193,103 @@ void check_cufile_version(const Root& root, const CufileConfig& cufile, const st
     out.push_back(make_check("gds.cufile_version", kGroupGds, CheckStatus::warn, found + ": " + why,
                              "a libcufile that serves what the PATHs and cufile.json use",
                              "install a newer libcufile (the CUDA toolkit's, or pip install nvidia-cufile-cu13), or keep the data on ext4/xfs"));
+  }
+}
+
+// The CUDA release each libcufile came with (the CUDA toolkit ships it; NVIDIA's conda channel
+// labels each libcufile build with its toolkit: 1.0 with 11.4 ... 1.13 with 12.8, 1.15 with 13.0,
+// 1.18 with 13.3; there was no 1.12). {libcufile major, minor, CUDA major, minor}.
+struct CufileRelease {
+  int major, minor, cuda_major, cuda_minor;
+};
+constexpr CufileRelease kCufileReleases[] = {
+    {1, 0, 11, 4},  {1, 1, 11, 5},  {1, 2, 11, 6},  {1, 3, 11, 7},  {1, 4, 11, 8},  {1, 5, 12, 0},  {1, 6, 12, 1},
+    {1, 7, 12, 2},  {1, 8, 12, 3},  {1, 9, 12, 4},  {1, 10, 12, 5}, {1, 11, 12, 6}, {1, 13, 12, 8}, {1, 14, 12, 9},
+    {1, 15, 13, 0}, {1, 16, 13, 1}, {1, 17, 13, 2}, {1, 18, 13, 3},
+};
+
+// The oldest driver that runs any release of a CUDA major version (CUDA's minor-version
+// compatibility, from its compatibility guide): 11.x 450.80.02, 12.x 525.60.13, 13.x 580.65.06.
+// A release newer than the driver's own runs on it, less the features that need a newer driver.
+const char* oldest_driver_for(int cuda_major) {
+  switch (cuda_major) {
+    case 11: return "450.80.02";
+    case 12: return "525.60.13";
+    case 13: return "580.65.06";
+    default: return nullptr;
+  }
+}
+
+// What the installed driver, the CUDA runtime hbmio was built with and the installed libcufile
+// allow together: gds-diag's support matrix, applied to this machine. A component the driver is
+// too old for cannot start (cudaErrorInsufficientDriver: no GPU transfer at all, or cuFile
+// refuses to open: every GPU read bounces through host memory); P2PDMA mode needs libcufile 1.13
+// (CUDA 12.8) or later.
+void check_support_matrix(const Root& root, const P2pdmaFacts& p2pdma, bool nvidia_fs, std::vector<Check>& out) {
+  const auto version_text = root.read_file("proc/driver/nvidia/version");
+  const std::string driver_text =
+      version_text ? driver_version_in(*version_text) : root.read_attribute("sys/module/nvidia/version").value_or("");
+  const auto driver = version_numbers(driver_text);
+  const auto [cufile_text, cufile_where] = installed_libcufile(root);
+  const auto cufile = version_numbers(cufile_text);
+  std::optional<CufileRelease> release;
+  if (cufile.size() >= 2)
+    for (const auto& r : kCufileReleases)
+      if (r.major == cufile[0] && r.minor == cufile[1]) release = r;
+  const int built = cuda_built_version();  // 13000 for 13.0
+
+  std::vector<std::string> found, problems, notes;
+  found.push_back(driver.empty() ? "driver unknown (no NVIDIA kernel module)" : "driver " + driver_text);
+  if (built > 0) found.push_back(fmt::format("hbmio built with CUDA {}.{}", built / 1000, built % 1000 / 10));
+  if (cufile.size() >= 2)
+    found.push_back(release ? fmt::format("libcufile {} (CUDA {}.{})", cufile_text, release->cuda_major, release->cuda_minor)
+                            : fmt::format("libcufile {} (a release this doctor does not know)", cufile_text));
+  else
+    found.push_back("libcufile not found");
+
+  const auto needs = [&](const std::string& who, int cuda_major) {
+    const char* oldest = oldest_driver_for(cuda_major);
+    if (!oldest || driver.empty()) return;
+    const auto minimum = version_numbers(oldest);
+    if (std::lexicographical_compare(driver.begin(), driver.end(), minimum.begin(), minimum.end()))
+      problems.push_back(fmt::format("{} needs a driver of {} or later (CUDA {}.x); driver {} is older", who, oldest,
+                                     cuda_major, driver_text));
+  };
+  if (built > 0) needs("hbmio's CUDA runtime", built / 1000);
+  if (release) needs(fmt::format("libcufile {}", cufile_text), release->cuda_major);
+  if (release && built > 0 && release->cuda_major != built / 1000)
+    notes.push_back(fmt::format("libcufile of CUDA {} beside hbmio's CUDA {}: cuFile's C interface is the same; "
+                                "one toolkit's pair is what NVIDIA tests",
+                                release->cuda_major, built / 1000));
+
+  // The modes each allows, as this machine has them.
+  std::vector<std::string> modes;
+  if (cufile.size() >= 2) {
+    modes.push_back("compatibility mode");
+    if (nvidia_fs) modes.push_back("nvidia-fs DMA");
+    const bool p2pdma_release = at_least(cufile, {1, 13});
+    if (p2pdma_release && p2pdma.capable()) modes.push_back("P2PDMA DMA");
+    if (!p2pdma_release && (p2pdma.requested || (!nvidia_fs && p2pdma.capable())))
+      problems.push_back(fmt::format("P2PDMA mode needs libcufile 1.13 (CUDA 12.8) or later; libcufile {} {}", cufile_text,
+                                     p2pdma.requested ? "ignores use_pci_p2pdma in cufile.json" : "cannot use this machine's P2PDMA"));
+  }
+  std::string text = fmt::format("{}", fmt::join(found, "; "));
+  if (!modes.empty()) text += fmt::format("; they allow: {}", fmt::join(modes, ", "));
+  for (const auto& n : notes) text += "; " + n;
+
+  if (driver.empty() && cufile.size() < 2) {
+    out.push_back(make_check("gds.support_matrix", kGroupGds, CheckStatus::info, text));
+  } else if (!problems.empty()) {
+    // A driver older than a component's CUDA major stops it; an old libcufile only costs a mode.
+    const bool stops = std::any_of(problems.begin(), problems.end(), [](const std::string& p) { return p.find("needs a driver") != std::string::npos; });
+    out.push_back(make_check("gds.support_matrix", kGroupGds, stops ? CheckStatus::fail : CheckStatus::warn,
+                             text + ": " + fmt::format("{}", fmt::join(problems, "; ")),
+                             "a driver, CUDA runtime and libcufile that serve each other",
+                             stops ? "install a newer NVIDIA driver (or the CUDA forward-compatibility package on data-center GPUs), "
+                                     "or use hbmio and libcufile built for the driver's CUDA"
+                                   : "install the libcufile of CUDA 12.8 or later (pip install nvidia-cufile-cu13, or the CUDA toolkit's)"));
+  } else {
+    out.push_back(make_check("gds.support_matrix", kGroupGds, CheckStatus::pass, text));
   }
 }
 
@@ -1354,6 +1458,7 @@ void check_gds(const Root& root, const Inventory& inventory, const std::vector<P
   check_cufile_audit(root, inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
   check_cufile_env(inventory, cufile, p2pdma_facts, nvidia_fs.has_value(), out);
   check_cufile_version(root, cufile, paths, out);
+  check_support_matrix(root, p2pdma_facts, nvidia_fs.has_value(), out);
   check_container(root, inventory, nvidia_fs.has_value(), cufile, out);
 
   if (!root.is_live() && !root.exists("run")) {

@@ -100,6 +100,14 @@ int cuda_device_count() noexcept {
 }
 std::string cuda_unavailable_reason() { return device_query().reason; }
 
+int cuda_built_version() noexcept {
+#ifdef HBMIO_HAVE_CUDA
+  return CUDART_VERSION;
+#else
+  return 0;
+#endif
+}
+
 std::string cuda_device_name(int device) {
 #ifdef HBMIO_HAVE_CUDA
   cudaDeviceProp prop{};
