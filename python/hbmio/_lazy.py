@@ -270,7 +270,7 @@ class SafeOpen(_hbmio.SafeOpen):
         try:
             return self._index[name]
         except (KeyError, TypeError):
-            raise KeyError(f"no tensor named {name!r} in {self.path}") from None
+            raise _missing_tensor(name, self.path) from None
 
     def _mapped_view(self, i: int, target: _Target):
         """Tensor i as a view of a private (copy-on-write) mapping of its file, or None where it
@@ -615,14 +615,15 @@ def _closed_error_type():
 _slice_types = {}
 
 
-def _slice_error(kind, message):
-    """An index get_slice refuses: an instance of `kind` (IndexError, TypeError or ValueError,
-    what hbmio raised before, and what NumPy and torch raise for such an index), of hbmio.Error
-    (EINVAL) and, where safetensors is installed, of safetensors.SafetensorError, which safe_open
-    raises for the indices it refuses: code written for either catches it unchanged. The classes
-    are made once per kind, at first use (safetensors is not imported before it is needed)."""
+def _slice_error(kind, message, family="Slice"):
+    """An index get_slice refuses (or, with another `family`, a name or plan the reference
+    refuses): an instance of `kind` (IndexError, TypeError, ValueError or KeyError: what hbmio
+    raised before, and what NumPy and torch raise for such an index), of hbmio.Error (EINVAL) and,
+    where safetensors is installed, of safetensors.SafetensorError, which safe_open raises for
+    what it refuses: code written for either catches it unchanged. The classes are made once per
+    family and kind, at first use (safetensors is not imported before it is needed)."""
     with _closed_type_lock:
-        made = _slice_types.get(kind)
+        made = _slice_types.get((family, kind))
         if made is None:
             bases = (Error, kind)
             try:
@@ -631,11 +632,17 @@ def _slice_error(kind, message):
                 pass
             else:
                 bases += (SafetensorError,)
-            made = _slice_types[kind] = type(f"Slice{kind.__name__}", bases, {
+            made = _slice_types[(family, kind)] = type(f"{family}{kind.__name__}", bases, {
                 "__module__": "hbmio",
-                "__doc__": f"An index get_slice refuses ({kind.__name__} and hbmio.Error; also "
+                "__doc__": f"What hbmio refuses as safetensors does ({kind.__name__} and hbmio.Error; also "
                            "safetensors.SafetensorError where safetensors is installed)."})
     return made(_errno.EINVAL, message)
+
+
+def _missing_tensor(name, path):
+    """KeyError (what hbmio raised before), hbmio.Error and safetensors.SafetensorError (what
+    safe_open raises), with the reference's words first."""
+    return _slice_error(KeyError, f"File does not contain tensor {name}: no tensor named {name!r} in {path}", family="Missing")
 
 
 class _Slice:

@@ -320,6 +320,41 @@ def test_big_endian_arrays_are_saved_little_endian_as_the_reference_saves_them(t
 
 # --- names -------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("call", ["get_tensor", "get_slice", "get_tensor_meta", "prefetch"])
+def test_an_unknown_name_is_the_references_exception_type(tmp_path, call):
+    """safe_open raises SafetensorError ("File does not contain tensor zz") where hbmio raised a
+    bare KeyError; now the error is both (and an hbmio.Error), and says the reference's words."""
+    path = str(tmp_path / "t.safetensors")
+    safetensors.torch.save_file({"a": _tensor("float32")}, path)
+    with safetensors.safe_open(path, "pt") as ref, hbmio.open(path, framework="pt") as ours:
+        for f, kinds in ((ref, (safetensors.SafetensorError,)), (ours, (safetensors.SafetensorError, KeyError, hbmio.Error))):
+            if not hasattr(f, call):  # prefetch and get_tensor_meta: safetensors 0.9
+                continue
+            with pytest.raises(kinds) as e:
+                if call == "prefetch":
+                    f.prefetch({"zz": None})
+                else:
+                    getattr(f, call)("zz")
+            assert all(isinstance(e.value, k) for k in kinds), type(e.value).__mro__
+            if f is ours or call != "prefetch":  # 0.9's prefetch refuses the CPU before it looks at names
+                assert "File does not contain tensor zz" in str(e.value)
+
+
+@pytest.mark.parametrize("plan", ["step", "zero_d", "not_a_slice"])
+def test_a_refused_prefetch_plan_is_the_references_exception_type(tmp_path, plan):
+    path = str(tmp_path / "t.safetensors")
+    safetensors.torch.save_file({"a": _tensor("float32"), "s": torch.tensor(1.0)}, path)
+    wanted = {"step": {"a": slice(0, 2, 2)}, "zero_d": {"s": slice(0, 1)}, "not_a_slice": {"a": 3}}[plan]
+    with hbmio.open(path, framework="pt") as ours:
+        with pytest.raises(safetensors.SafetensorError) as e:
+            ours.prefetch(wanted)
+        assert isinstance(e.value, hbmio.Error)
+    with safetensors.safe_open(path, "pt") as ref:
+        if hasattr(ref, "prefetch"):  # 0.9: SafetensorError (on the CPU for the device, before the plan)
+            with pytest.raises(safetensors.SafetensorError):
+                ref.prefetch(wanted)
+
+
 def _public_names(module) -> list:
     """The functions and classes a module offers as its own or re-exports from safetensors:
     modules (os, sys, torch, np) and typing/collections helpers it imports are not its API."""
