@@ -41,7 +41,44 @@ def walk(threads):
     return bad
 
 
+def interleaved(threads):
+    """As transformers 5 loads: every shard opened first, a slice of each tensor taken, then the
+    tensors materialised by a pool in the model's order (across the shards), the handles closed last."""
+    import re
+    from safetensors import safe_open
+    handles, slices, where = [], {}, {}
+    for path in shards:
+        f = hbmio.open(path, framework="pt", device="cuda:0")
+        handles.append(f)
+        for k in f.keys():
+            slices[k], where[k] = f.get_slice(k), path
+    order = sorted(slices, key=lambda k: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", k)])
+    with cf.ThreadPoolExecutor(threads) as pool:
+        got = dict(zip(order, pool.map(lambda k: slices[k][...], order)))
+    torch.cuda.synchronize()
+    for f in handles:
+        f.__exit__(None, None, None)
+    bad = 0
+    for path in shards:
+        with safe_open(path, "pt", device="cpu") as ref:
+            for k in ref.keys():
+                if not torch.equal(got[k].cpu(), ref.get_tensor(k)):
+                    bad += 1
+    return bad
+
+
 for w in what:
+    if w == "interleaved":
+        for threads in (1, 4):
+            t0 = time.perf_counter()
+            try:
+                bad = interleaved(threads)
+                print(f"interleaved threads={threads}: {'ok' if not bad else f'{bad} DIFFER'} in {time.perf_counter() - t0:.2f} s", flush=True)
+            except Exception:
+                print(f"interleaved threads={threads}: FAILED", flush=True)
+                traceback.print_exc()
+            gc.collect()
+            torch.cuda.empty_cache()
     if w == "walk":
         for threads in (0, 1, 4, 8):
             t0 = time.perf_counter()
