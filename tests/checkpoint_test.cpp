@@ -1194,7 +1194,7 @@ TEST(OpenedCheckpoints, ReadsAdjacentInFileAndMemoryAreReadTogetherAndEachToldLa
       for (std::size_t i = 0; i < opened.tensors().size(); ++i) {
         const std::size_t k = index_of.at(opened.tensors()[i].info->name);
         const std::uint64_t from = i == 1 ? sample.bytes[k].size() / 2 : 0;
-        reads.push_back({.tensor = i, .offset = from, .length = sample.bytes[k].size() - from, .into = {nullptr, 0, {}}});
+        reads.push_back({.tensor = i, .offset = from, .length = sample.bytes[k].size() - from, .into = {nullptr, 0, {}}, .allocation = 7});
         wanted.emplace_back(k, from);
         total += reads.back().length + (i % 3 == 2 ? 64 : 0);
       }
@@ -1243,6 +1243,24 @@ TEST(OpenedCheckpoints, ReadsAdjacentInFileAndMemoryAreReadTogetherAndEachToldLa
       std::uint64_t bytes = 0;
       for (const auto& r : reads) bytes += r.length;
       EXPECT_EQ(progress.load(), bytes);
+
+      // The same reads not named as one allocation: adjacent addresses alone never join two reads
+      // (separate cudaMallocs can be adjacent, and no copy may cross their boundary).
+      std::size_t nonempty = 0;
+      for (auto& r : reads) {
+        r.allocation = 0;
+        nonempty += r.length > 0;
+      }
+      std::fill(buffer.span().data, buffer.span().data + buffer.span().size, std::byte{0});
+      engine.requests = 0;
+      opened.read(reads, engine);
+      EXPECT_EQ(engine.requests.load(), nonempty);
+      for (std::size_t i = 0; i < reads.size(); ++i) EXPECT_TRUE(in_place(i)) << "read " << i << " read alone";
+      // Reads of two different allocations, however adjacent, stay apart too.
+      for (std::size_t i = 0; i < reads.size(); ++i) reads[i].allocation = 1 + i;
+      engine.requests = 0;
+      opened.read(reads, engine);
+      EXPECT_EQ(engine.requests.load(), nonempty);
     }
   }
 }

@@ -168,6 +168,13 @@ struct TensorRead {
   std::uint64_t offset = 0;   // first byte, within the tensor's bytes
   std::uint64_t length = 0;   // bytes; offset + length must not pass the tensor's end
   MemorySpan into;            // at least `length` bytes, of any memory kind
+  // Reads naming the same nonzero id lie in one allocation (a prefetch's batch): where they follow
+  // each other in the file and in memory they are read as one range. 0: memory of its own, never
+  // joined to another read's, however their addresses fall: two allocations can be adjacent in
+  // the address space (torch's separate cudaMallocs often are), and one copy or DMA across their
+  // boundary is refused (cudaErrorInvalidValue) or, on the host, reads into memory the caller did
+  // not name as one.
+  std::uint64_t allocation = 0;
 };
 
 class OpenedCheckpoint {
@@ -194,9 +201,9 @@ class OpenedCheckpoint {
   const std::map<std::string, std::string>& metadata() const noexcept;
   // Whether that file has a "__metadata__" entry (an empty one included: Header::has_metadata).
   bool has_metadata() const noexcept { return !files_.empty() && files_.front().header.has_metadata; }
-  // Reads the given byte ranges of tensors, all in one batch through `engine`; reads that follow
-  // each other in one file and in memory (tensors laid out in one allocation as in the file) are
-  // one request. Throws Error naming the file, tensor and offset (EINVAL for a range past a
+  // Reads the given byte ranges of tensors, all in one batch through `engine`; reads of one
+  // allocation (TensorRead::allocation) that follow each other in one file and in memory (tensors
+  // laid out in one allocation as in the file) are one request. Throws Error naming the file, tensor and offset (EINVAL for a range past a
   // tensor's end).
   struct ReadOptions {
     std::atomic<std::uint64_t>* progress = nullptr;  // bytes in place so far

@@ -155,8 +155,9 @@ class PrefetchLoader:
             self._batches.append(made)
             self._batch_names.append(list(made))
             target.before_reads()
+            # The batch is one allocation (`raw`): its tensors adjacent in the file are one request.
             self._numbers.append(self._reader.push([it[0] for it in batch], addresses, target.location, raw,
-                                                   [it[4] for it in batch], [it[5] for it in batch]))
+                                                   [it[4] for it in batch], [it[5] for it in batch], one_allocation=True))
 
     def _collect(self, k):
         made = self._batches[k]

@@ -72,7 +72,11 @@ struct Handle {
 std::vector<hbmio::TensorRead> tensor_reads(const hbmio::OpenedCheckpoint& checkpoint, const std::vector<std::size_t>& indices, const nb::list& dests,
                                             const std::optional<std::vector<std::uint64_t>>& offsets,
                                             const std::optional<std::vector<std::uint64_t>>& lengths,
-                                            const std::optional<std::string>& location) {
+                                            const std::optional<std::string>& location, bool one_allocation = false) {
+  // one_allocation: the caller's destinations lie in one allocation (a prefetch's batch), so reads
+  // adjacent in the file and in memory may be read as one range (TensorRead::allocation).
+  static std::atomic<std::uint64_t> allocations{0};
+  const std::uint64_t allocation = one_allocation ? ++allocations : 0;
   if (dests.size() != indices.size() || (offsets && offsets->size() != indices.size()) || (lengths && lengths->size() != indices.size()))
     throw nb::value_error("_read: one destination (and offset and length, where given) per tensor");
   const std::optional<hbmio::MemoryLocation> at =
@@ -84,6 +88,7 @@ std::vector<hbmio::TensorRead> tensor_reads(const hbmio::OpenedCheckpoint& check
     reads[i].tensor = indices[i];
     reads[i].offset = offsets ? (*offsets)[i] : 0;
     reads[i].length = lengths ? (*lengths)[i] : size;
+    reads[i].allocation = allocation;
     // A tensor of no bytes may come with an empty array, whose pointer may be null: nothing to read.
     if (reads[i].length == 0) continue;
     if (at) {
@@ -330,12 +335,13 @@ void bind_load(nb::module_& m) {
   nb::class_<ReadQueue>(m, "_ReadQueue", "The read-ahead's reader: batches of a SafeOpen read in order on the library's pool (hbmio::ReadQueue).")
       .def("push", [](ReadQueue& q, const std::vector<std::size_t>& indices, const nb::list& dests,
                       const std::string& location, nb::object keep, std::optional<std::vector<std::uint64_t>> offsets,
-                      std::optional<std::vector<std::uint64_t>> lengths) {
-        return q.push(tensor_reads(q.checkpoint(), indices, dests, offsets, lengths, location), std::move(keep));
+                      std::optional<std::vector<std::uint64_t>> lengths, bool one_allocation) {
+        return q.push(tensor_reads(q.checkpoint(), indices, dests, offsets, lengths, location, one_allocation), std::move(keep));
       }, nb::arg("indices"), nb::arg("dests"), nb::arg("location"), nb::arg("keep"), nb::arg("offsets") = nb::none(),
-         nb::arg("lengths") = nb::none(),
+         nb::arg("lengths") = nb::none(), nb::arg("one_allocation") = false,
          "Queues a read of tensors (or of byte ranges of them) into the addresses `dests` in `location`, in memory "
-         "`keep` holds; returns the batch's number.")
+         "`keep` holds; returns the batch's number. one_allocation=True: the destinations lie in one allocation, so "
+         "reads adjacent in the file and in memory may be one request (never across separate allocations).")
       .def("wait", &ReadQueue::wait, nb::arg("batch"), "Waits for a batch; raises its read's error.");
 
   nb::class_<Handle>(m, "SafeOpen", "A checkpoint opened for lazy, per-tensor loads (like safetensors.safe_open).")

@@ -278,6 +278,34 @@ def cuda_available() -> bool:
 
 
 @pytest.mark.skipif(not cuda_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
+def test_gpu_walk_of_large_tensors_each_in_its_own_allocation(tmp_path):
+    """A walk read ahead into cuda:0 where each tensor is an allocation of its own (torch gives a
+    tensor over 10 MiB a cudaMalloc of its own, and consecutive ones are often adjacent in the
+    address space): reads adjacent in the file and in address were joined into one request, whose
+    copy across two allocations CUDA refused (cudaErrorInvalidValue: from_pretrained of a 6 GiB
+    Llama inside use_in_transformers failed so). Every tensor, also with threads as transformers
+    5 materialises them, equal to the file."""
+    import concurrent.futures
+    import torch
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"layers.{i}.mlp": torch.randn(2752 * 4, 4096, generator=g).to(torch.bfloat16) for i in range(4)}
+    path = str(tmp_path / "big.safetensors")
+    save_file(tensors, path)
+    for threads in (0, 4):
+        with hbmio.open(path, framework="pt", device="cuda:0") as f:
+            keys = list(f.keys())
+            if threads:
+                with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                    got = dict(zip(keys, pool.map(lambda k: f.get_slice(k)[...], keys)))
+            else:
+                got = {k: f.get_tensor(k) for k in keys}
+            torch.cuda.synchronize()
+        for k in keys:
+            assert got[k].is_cuda and torch.equal(got[k].cpu(), tensors[k]), (threads, k)
+
+
+@pytest.mark.skipif(not cuda_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
 @pytest.mark.parametrize("name", FILES)
 def test_gpu_walks_and_slices_equal_safe_open(name):
     """Into cuda:0: every order and slice, compared with safe_open's (on the GPU too)."""

@@ -76,7 +76,9 @@ Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engin
     const std::uint64_t offset = t.file_offset + r.offset;
     if (!ranges.empty()) {
       detail::RangeRead& last = ranges.back();
-      if (last.file == t.file && last.offset + last.into.size == offset && last.into.location == r.into.location &&
+      // Adjacent addresses alone do not make one allocation (TensorRead::allocation).
+      if (r.allocation != 0 && reads[members.back().read].allocation == r.allocation && last.file == t.file &&
+          last.offset + last.into.size == offset && last.into.location == r.into.location &&
           last.into.data + last.into.size == r.into.data) {
         members.push_back({i, last.into.size, r.length});
         last.into.size += static_cast<std::size_t>(r.length);
