@@ -45,14 +45,16 @@ class TensorMeta:
 def _rows(name, key, shape):
     """(start, stop) of a plan's slice over dimension 0 of `shape`; ValueError for what the
     reference refuses (a step other than 1, a slice of a 0-d tensor)."""
-    from ._lazy import _slice_error  # also SafetensorError, as the reference's refusals are
     if not isinstance(key, slice):
+        from ._lazy import _slice_error  # also SafetensorError, as the reference's refusals are
         raise _slice_error(TypeError, f"prefetch plan for {name!r}: expected None or a slice of rows, got {type(key).__name__}",
                            family="Plan")
     if not shape:
+        from ._lazy import _slice_error
         raise _slice_error(ValueError, f"cannot slice rows of the 0-d tensor {name}: a prefetch plan's slice needs rows",
                            family="Plan")
     if key.step not in (None, 1):
+        from ._lazy import _slice_error
         raise _slice_error(ValueError, f"prefetch plan slices must have step 1, got {key.step!r} for {name}", family="Plan")
     start, stop, _ = key.indices(shape[0])
     return start, max(start, stop)
