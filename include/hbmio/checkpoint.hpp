@@ -203,8 +203,8 @@ class OpenedCheckpoint {
   bool has_metadata() const noexcept { return !files_.empty() && files_.front().header.has_metadata; }
   // Reads the given byte ranges of tensors, all in one batch through `engine`; reads of one
   // allocation (TensorRead::allocation) that follow each other in one file and in memory (tensors
-  // laid out in one allocation as in the file) are one request. Throws Error naming the file, tensor and offset (EINVAL for a range past a
-  // tensor's end).
+  // laid out in one allocation as in the file) are one request. Throws Error naming the file,
+  // tensor and offset (EINVAL for a range past a tensor's end).
   struct ReadOptions {
     std::atomic<std::uint64_t>* progress = nullptr;  // bytes in place so far
     // Told i once reads[i] is all in place (GPU copies done), while later reads are still being
