@@ -345,3 +345,22 @@ def test_use_in_transformers_handles_route_prefetch(sharded):
             finally:
                 handle.__exit__(None, None, None)  # as transformers closes it: never entered
     assert transformers.modeling_utils.safe_open is safe_open  # restored after the block
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_plan_reads_only_the_planned_bytes(tmp_path, device):
+    """What the engines moved for a plan of the first eighth of each tensor's rows is exactly those
+    rows' bytes (the handle's report: its reads summed, and per file the same), not the tensors'."""
+    torch.manual_seed(1)
+    state = {f"t{i:03d}": torch.randn(64, 96) for i in range(40)}
+    path = str(tmp_path / "rows.safetensors")
+    st_torch.save_file(state, path)
+    with hbmio.open(path, framework="pt", device=device) as f:
+        plan = {k: slice(0, 8) for k in f.keys()}
+        with f.prefetch(plan) as loader:
+            got = dict(loader)
+        report = f.report()
+    planned = sum(state[k][:8].numel() * 4 for k in state)
+    assert report["bytes"] == planned, (report["bytes"], planned)
+    assert sum(p["bytes"] for p in report["paths"]) == planned, report["paths"]
+    assert all(raw(got[k]) == raw(state[k][:8]) for k in state)
