@@ -67,29 +67,26 @@ def interleaved(threads):
     return bad
 
 
+def attempt(label, run, threads):
+    """Runs one variant, says ok, how many tensors differ, or the failure; frees the device after."""
+    t0 = time.perf_counter()
+    try:
+        bad = run(threads)
+        print(f"{label} threads={threads}: {'ok' if not bad else f'{bad} DIFFER'} in {time.perf_counter() - t0:.2f} s", flush=True)
+    except Exception:
+        print(f"{label} threads={threads}: FAILED", flush=True)
+        traceback.print_exc()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 for w in what:
     if w == "interleaved":
         for threads in (1, 4):
-            t0 = time.perf_counter()
-            try:
-                bad = interleaved(threads)
-                print(f"interleaved threads={threads}: {'ok' if not bad else f'{bad} DIFFER'} in {time.perf_counter() - t0:.2f} s", flush=True)
-            except Exception:
-                print(f"interleaved threads={threads}: FAILED", flush=True)
-                traceback.print_exc()
-            gc.collect()
-            torch.cuda.empty_cache()
-    if w == "walk":
+            attempt("interleaved", interleaved, threads)
+    elif w == "walk":
         for threads in (0, 1, 4, 8):
-            t0 = time.perf_counter()
-            try:
-                bad = walk(threads)
-                print(f"walk threads={threads}: {'ok' if not bad else f'{bad} DIFFER'} in {time.perf_counter() - t0:.2f} s", flush=True)
-            except Exception:
-                print(f"walk threads={threads}: FAILED", flush=True)
-                traceback.print_exc()
-            gc.collect()
-            torch.cuda.empty_cache()
+            attempt("walk", walk, threads)
     elif w == "pretrained":
         from transformers import AutoModelForCausalLM
         for r in range(3):
