@@ -22,7 +22,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/source.hpp"
+#include "source/source.hpp"
 #include "core/executor.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "testing/fault_injection_file_system.hpp"
@@ -493,6 +493,70 @@ INSTANTIATE_TEST_SUITE_P(Backends, SourceLanded,
                          [](const testing::TestParamInfo<std::tuple<std::string, bool>>& info) {
                            return std::get<0>(info.param) + (std::get<1>(info.param) ? "_quick" : "_on_pool");
                          });
+
+// Which source reads what: read_ranges hands each read to the first source that serves it. A local
+// file is the engine's (LocalFiles); the resident cache's DMA (ResidentDma) takes only reads into
+// GPU memory of files the cache holds; objects at URLs are RemoteObjects' alone.
+TEST(Source, EachReadGoesToTheSourceThatServesIt) {
+  TempDir dir;
+  const std::string path = dir.file("s.safetensors");
+  const Sample sample = make_sample({MemoryKind::host});
+  save_checkpoint(path, sample.tensors);
+  const std::vector<CheckpointFile> files = open_checkpoint(path);
+  detail::LocalFiles local;
+  detail::RemoteObjects remote;
+  detail::ResidentDma resident(local);
+  std::byte byte{};
+  const detail::RangeRead to_host{0, files.front().header.data_offset, {&byte, 1, {MemoryKind::host}}};
+  // serves() looks at the destination's kind only: no GPU is needed to ask.
+  const detail::RangeRead to_gpu{0, files.front().header.data_offset, {&byte, 1, {MemoryKind::device, 0}}};
+  const detail::ReadRangesOptions plain;
+  EXPECT_TRUE(local.serves(files.front(), to_host, plain));
+  EXPECT_FALSE(remote.serves(files.front(), to_host, plain)) << "a local file is no object at a URL";
+  EXPECT_FALSE(resident.serves(files.front(), to_gpu, plain)) << "no resident cache was asked";
+  detail::ResidentCopies copies;
+  copies.files = {files.front().file};  // as if the cache held this file
+  copies.held = 1;
+  const detail::ReadRangesOptions with_cache{.resident = &copies};
+  EXPECT_TRUE(resident.serves(files.front(), to_gpu, with_cache)) << "into GPU memory: the cache's server DMAs it";
+  EXPECT_FALSE(resident.serves(files.front(), to_host, with_cache)) << "into host memory: the local source reads the cache's copy";
+  copies.files = {nullptr};
+  copies.held = 0;
+  EXPECT_FALSE(resident.serves(files.front(), to_gpu, with_cache)) << "a file the cache does not hold";
+}
+
+// A load started on the pool (what Python's load_file does while it builds views) gives the same
+// result as load(), rethrows what the load throws, and waits for the load when dropped.
+TEST(Source, ALoadStartedOnThePoolIsALoad) {
+  TempDir dir;
+  const std::string path = dir.file("b.safetensors");
+  const Sample sample = make_sample({MemoryKind::host});
+  save_checkpoint(path, sample.tensors);
+  const std::uint64_t size = plan_load({.path = path}).bytes;
+  Buffer dest = Buffer::allocate({MemoryKind::host}, static_cast<std::size_t>(size));
+  const LoadRequest request{.path = path, .options = {.destination = dest.span()}};
+  LoadInProgress started = load_started(request);
+  const LoadResult result = started.wait();
+  ASSERT_EQ(result.locations.size(), 1u);
+  const LoadedCheckpoint& loaded = result.locations.front();
+  ASSERT_EQ(loaded.tensors().size(), sample.tensors.size());
+  for (const auto& t : sample.tensors) {
+    const LoadedTensor* got = loaded.find(t.name);
+    ASSERT_NE(got, nullptr) << t.name;
+    ASSERT_EQ(got->data.size, t.data.size) << t.name;
+    EXPECT_EQ(std::memcmp(got->data.data, t.data.data, t.data.size), 0) << t.name << ": the bytes saved";
+  }
+  EXPECT_THROW(started.wait(), Error) << "waited for once";
+  const LoadRequest missing{.path = dir.file("none.safetensors")};
+  LoadInProgress failing = load_started(missing);
+  try {
+    failing.wait();
+    ADD_FAILURE() << "a missing file loaded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code().value(), ENOENT) << e.what();
+  }
+  { LoadInProgress dropped = load_started(request); }  // waits: `dest` is not written after this
+}
 
 // A verified load of one file whose tensors lie back to back in one read is checked piece by
 // piece, and a flipped byte in its last tensor is still named.

@@ -323,6 +323,25 @@ struct LoadResult {
 // Error naming the file (and tensor) on any failure; nothing is leaked.
 LoadResult load(const LoadRequest& request);
 
+// load(request) started on the library's pool, for a caller with other work to do meanwhile
+// (Python builds its tensors' views while the bytes are read): wait() returns load's result or
+// rethrows what it threw; the destructor waits too, since the load writes the caller's memory
+// until it returns. `request`, and what it points to, must outlive the wait.
+class LoadInProgress {
+ public:
+  LoadInProgress(LoadInProgress&&) noexcept;
+  LoadInProgress& operator=(LoadInProgress&&) noexcept;
+  ~LoadInProgress();
+  LoadResult wait();  // once
+
+ private:
+  struct State;
+  explicit LoadInProgress(std::unique_ptr<State> state) noexcept;
+  friend LoadInProgress load_started(const LoadRequest& request);
+  std::unique_ptr<State> state_;
+};
+LoadInProgress load_started(const LoadRequest& request);
+
 // load({.path = path, .options = options}) into its one location: the common case.
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});
 

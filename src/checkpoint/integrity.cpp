@@ -1,5 +1,5 @@
 #include "checkpoint/integrity.hpp"
-#include "checkpoint/source.hpp"
+#include "source/source.hpp"
 #include "core/error_boundary.hpp"
 #include "core/executor.hpp"
 #include "core/positional_io.hpp"

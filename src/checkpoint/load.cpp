@@ -17,7 +17,7 @@
 
 #include "checkpoint/integrity.hpp"
 #include "checkpoint/load_internal.hpp"
-#include "checkpoint/source.hpp"
+#include "source/source.hpp"
 #include "core/error_boundary.hpp"
 #include "core/executor.hpp"
 #include "hbmio/checkpoint.hpp"
@@ -184,20 +184,6 @@ std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path) {
 }
 }  // namespace
 
-std::shared_ptr<const File> CheckpointFile::open() const {
-  if (remote)
-    throw Error(errno_code(ENOTSUP), {.op = "open", .path = path}, "an object at a URL is read with read_remote, not opened as a file");
-  if (file) return file;
-  const int dir_fd = directory ? directory->fd() : AT_FDCWD;
-  const std::string name = directory ? fs::path(path).filename().string() : path;
-  auto opened = std::make_shared<const File>(File::open_at(dir_fd, name, path, OpenMode::read));
-  if (opened->identity() != identity)
-    throw Error(errno_code(ESTALE), {.op = "open", .path = path},
-                "another file has taken this name since the checkpoint's headers were read (the checkpoint was "
-                "replaced while being read): open it again");
-  return opened;
-}
-
 const LoadedTensor* LoadedCheckpoint::find(const std::string& name) const noexcept {
   for (const auto& t : tensors_)
     if (t.name == name) return &t;
@@ -288,6 +274,26 @@ LoadResult load(const LoadRequest& request) {
     result.seconds = stats.seconds;
     return result;
   });
+}
+
+struct LoadInProgress::State {
+  detail::Pending<LoadResult> job;
+};
+
+LoadInProgress::LoadInProgress(std::unique_ptr<State> state) noexcept : state_(std::move(state)) {}
+LoadInProgress::LoadInProgress(LoadInProgress&&) noexcept = default;
+LoadInProgress& LoadInProgress::operator=(LoadInProgress&&) noexcept = default;  // State's Pending waits for the old job
+LoadInProgress::~LoadInProgress() = default;  // State's Pending waits
+
+LoadResult LoadInProgress::wait() {
+  if (!state_ || !state_->job.valid()) throw Error(errno_code(EINVAL), {.op = "load"}, "LoadInProgress::wait() of a load waited for already");
+  return state_->job.get();
+}
+
+LoadInProgress load_started(const LoadRequest& request) {
+  return LoadInProgress(std::make_unique<LoadInProgress::State>(LoadInProgress::State{detail::Executor::shared().start([&request] {
+    return load(request);  // what touches CUDA there holds a DeviceGuard of its own
+  })}));
 }
 
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {

@@ -10,7 +10,7 @@
 
 #include <fmt/format.h>
 
-#include "checkpoint/source.hpp"
+#include "source/source.hpp"
 #include "hbmio/checkpoint.hpp"
 #include "hbmio/error.hpp"
 

@@ -1,14 +1,23 @@
-// Where a checkpoint's bytes are read from: the one place in the checkpoint layer that tells a
-// local file (read through an engine, or with plain reads) from an object at a URL (read with
-// ranged GETs). Loads, the tensor-at-a-time walk (OpenedCheckpoint) and the verify passes plan
-// their reads as (file, offset, memory) and hand them here; none of them asks which kind a file is.
+// Where a checkpoint's bytes are read from: ONE interface, ReadSource ("read these ranges of these
+// objects into these destinations, tell me as each lands"), with three implementations, each in a
+// file of its own:
+//   LocalFiles      local files, through an engine (posix | uring | cufile | auto)   local_files.cpp
+//   RemoteObjects   objects at URLs, by ranged GETs over the remote workers         remote_objects.cpp
+//   ResidentDma     files the node's resident cache holds, DMA'd by its server       resident_cache.cpp
+// read_ranges (read_ranges.cpp) hands each read to the first source that serves it. The layers
+// above (loads, the tensor-at-a-time walk, the verify passes) plan their reads as (file, offset,
+// memory) and never ask which kind a file is: this layer is the only one that looks at
+// CheckpointFile::remote.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "cache/client.hpp"
@@ -60,6 +69,57 @@ struct ReadRangesOptions {
   const ResidentCopies* resident = nullptr;
 };
 
+// One kind of place bytes are read from.
+class ReadSource {
+ public:
+  virtual ~ReadSource() = default;
+  // Whether this source reads `read` (a non-empty read of `file`) in a call with `options`.
+  virtual bool serves(const CheckpointFile& file, const RangeRead& read, const ReadRangesOptions& options) const = 0;
+  // Reads reads[k] for each k of `which` (each one this source serves), at once where it can;
+  // options.landed is told with k, an index into `reads`. Returns the Stats of those reads, whose
+  // note says what was done.
+  virtual Stats read(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, std::span<const std::size_t> which,
+                     const ReadRangesOptions& options) = 0;
+};
+
+// Local files, through options.engine(): one engine batch, unless the files to open again exceed
+// open_file_bound (see read). A file the resident cache holds (options.resident) is read from the
+// cache's copy, the same bytes in shared host memory.
+class LocalFiles final : public ReadSource {
+ public:
+  bool serves(const CheckpointFile& file, const RangeRead& read, const ReadRangesOptions& options) const override;
+  Stats read(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, std::span<const std::size_t> which,
+             const ReadRangesOptions& options) override;
+};
+
+// Objects at URLs, every read at once over the remote workers' connections, each landed per part
+// as it arrives (read_remote).
+class RemoteObjects final : public ReadSource {
+ public:
+  bool serves(const CheckpointFile& file, const RangeRead& read, const ReadRangesOptions& options) const override;
+  Stats read(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, std::span<const std::size_t> which,
+             const ReadRangesOptions& options) override;
+};
+
+// Reads into GPU memory of files the resident cache holds (options.resident), DMA'd by the
+// cache's server from its pinned copy (or copied device to device from its copy in that GPU's
+// memory), one request per call. Where the server cannot (no GPU on its side, memory CUDA IPC
+// cannot share) the reads go to `fallback`, which reads them from the cache's copy, and the note
+// says why.
+class ResidentDma final : public ReadSource {
+ public:
+  explicit ResidentDma(ReadSource& fallback) : fallback_(fallback) {}
+  bool serves(const CheckpointFile& file, const RangeRead& read, const ReadRangesOptions& options) const override;
+  Stats read(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, std::span<const std::size_t> which,
+             const ReadRangesOptions& options) override;
+
+ private:
+  ReadSource& fallback_;
+};
+
+// How many threads at most tell a source's landed reads at once (see local_files.cpp).
+unsigned landed_width(std::size_t pieces);
+
 ResidentCopies resident_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket);
 
 // The resident cache's copies of `files` in the memory of GPU `device`, mapped here
@@ -77,10 +137,11 @@ SharedFiles shared_copies(const std::vector<CheckpointFile>& files, const std::v
 // "; 3 of 17 files from the resident cache (host memory)" and the like, for a load's note.
 std::string resident_note(const ResidentCopies& copies);
 
-// Every read, at once where the source allows: the local reads as engine batches (the whole load
-// one batch without `landed`; files that open_checkpoint did not keep open are opened again, a
-// bounded number at a time, and checked to be the same files), the remote ones over the remote
-// workers' connections. Returns the summed Stats, whose note says what was done.
+// Every read, each by the first source that serves it (ResidentDma, RemoteObjects, LocalFiles),
+// at once where the source allows: the local reads as engine batches (the whole load one batch
+// without `landed`; files that open_checkpoint did not keep open are opened again, a bounded number
+// at a time, and checked to be the same files), the remote ones over the remote workers'
+// connections. Returns the summed Stats, whose note says what was done.
 Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, const ReadRangesOptions& options);
 
 // Bytes [offset, offset + into.size()) of one file into host memory, with plain reads through the
