@@ -8,10 +8,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <fstream>
 #include <mutex>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 #include <fmt/format.h>
@@ -20,6 +23,7 @@
 #include "hbmio/checkpoint.hpp"
 #include "core/error_boundary.hpp"
 #include "hbmio/doctor.hpp"
+#include "hbmio/progress.hpp"
 #include "io/cufile_verdict.hpp"
 #include "io/engine_internal.hpp"
 #include "io/page_cache.hpp"
@@ -197,6 +201,49 @@ TEST(Executor, StartGivesTheResultOrTheExceptionAndWaitsWhenDropped) {
 }
 
 // A child of fork() has none of the parent's threads: the shared pool there starts afresh.
+// The progress line both faces show is drawn by a pool job (no thread of the face's own): every
+// 200 ms while the transfer runs, a last line and a newline with Ending::keep, nothing left on the
+// line with Ending::erase, and nothing at all for a short transfer that erases.
+TEST(ProgressLines, DrawnByThePoolUntilStoppedThenKeptOrErased) {
+  std::atomic<std::uint64_t> done{0};
+  std::mutex mutex;
+  std::string text;
+  std::set<std::thread::id> writers;
+  const auto writer = [&](const std::string& piece) {
+    std::lock_guard lock(mutex);
+    text += piece;
+    writers.insert(std::this_thread::get_id());
+  };
+  {
+    ProgressLine line("load", 4 << 20, done, ProgressLine::Ending::keep, writer);
+    done = 1 << 20;
+    std::this_thread::sleep_for(std::chrono::milliseconds(450));  // two draws
+    done = 4 << 20;
+    {
+      std::lock_guard lock(mutex);
+      EXPECT_NE(text.find("load  1.00 MiB / 4.00 MiB  (25%)  "), std::string::npos) << text;
+      EXPECT_FALSE(writers.contains(std::this_thread::get_id())) << "drawn on a pool thread, not the caller's";
+    }
+    line.stop();
+    line.stop();  // idempotent
+  }
+  ASSERT_TRUE(text.ends_with("\n")) << text;
+  const std::string last = text.substr(text.rfind('\r'));
+  EXPECT_TRUE(last.starts_with("\rload  4.00 MiB / 4.00 MiB  (100%)  ")) << last;
+  EXPECT_NE(last.find(" GiB/s"), std::string::npos) << last;
+
+  text.clear();
+  { ProgressLine line("", 1 << 20, done, ProgressLine::Ending::erase, writer); }
+  EXPECT_EQ(text, "") << "a short transfer that erases shows nothing";
+  text.clear();
+  {
+    ProgressLine line("", 8 << 20, done, ProgressLine::Ending::erase, writer);
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+  ASSERT_TRUE(text.starts_with("\r4.00 MiB / 8.00 MiB  (50%)  ")) << text;
+  EXPECT_TRUE(text.ends_with("\r\033[K")) << "the line is erased at the end: " << text;
+}
+
 TEST(Executor, AForkedChildRunsJobsOnAPoolOfItsOwn) {
 #if defined(__SANITIZE_THREAD__)
   // ThreadSanitizer cannot start threads in a child of a multi-threaded fork (it dies there); the

@@ -12,6 +12,7 @@
 #include "hbmio/file_system.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
+#include "hbmio/progress.hpp"
 #include "hbmio/remote.hpp"
 #include "hbmio/safetensors.hpp"
 #include "hbmio/stream.hpp"

@@ -21,16 +21,13 @@ engines keep their pinned buffers until hbmio._release_engines() or interpreter 
 from __future__ import annotations
 
 import atexit as _atexit
-import contextlib as _contextlib
 import errno as _errno
 import math as _math
 import numbers as _numbers
 import os as _os
 import re as _re
 import sys as _sys
-import threading as _threading
 from collections.abc import Mapping as _Mapping
-import time as _time
 
 from . import _hbmio
 from ._hbmio import Error, NotVerifiedWarning, VerifyError, backends, cuda_device_count, cuda_unavailable_reason, _release_engines
@@ -199,40 +196,23 @@ _TORCH_DTYPES = {
 
 
 class _ProgressBar:
-    """'\\r{done}/{total} GiB  {rate} GiB/s' on stderr every 0.2 s from a thread, while the call
-    (GIL released) fills the counter; a final line and a newline at the end."""
+    """'\\r{done} / {total}  (P%)  {rate} GiB/s' on stderr every 0.2 s while the call (GIL
+    released) fills the counter, and a last line and a newline at the end: drawn by the library's
+    pool (hbmio::ProgressLine), so Python starts no thread of its own."""
 
     def __init__(self, total: int, enabled: bool):
         self.counter = _hbmio._Progress() if enabled else None
         self._total = total
-        self._stop = _threading.Event()
-        self._thread = _threading.Thread(target=self._run, name="hbmio-progress", daemon=True)
 
     def __enter__(self):
         if self.counter is not None:
-            self._start = _time.monotonic()
-            self._thread.start()
+            self.counter._show(self._total)
         return self
 
     def __exit__(self, *exc):
         if self.counter is not None:
-            self._stop.set()
-            self._thread.join()
-            self._draw()
-            _sys.stderr.write("\n")
-            _sys.stderr.flush()
+            self.counter._hide()
         return False
-
-    def _run(self):
-        while not self._stop.wait(0.2):
-            self._draw()
-
-    def _draw(self):
-        done = self.counter.done
-        unit, scale = ("GiB", 1 << 30) if self._total >= 1 << 30 else ("MiB", 1 << 20)
-        rate = done / max(_time.monotonic() - self._start, 1e-9) / (1 << 30)
-        _sys.stderr.write(f"\r{done / scale:.2f}/{self._total / scale:.2f} {unit}  {rate:.2f} GiB/s")
-        _sys.stderr.flush()
 
 
 def _torch_target(torch, device: str):
@@ -311,38 +291,18 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
         if len(plan) < _VIEWS_BESIDE_LOAD:
             load()
             return make_views()
-        # Many tensors: their views are made while the data is read (the load releases the GIL),
-        # so the Python side costs nothing a C++ caller would not pay: making thousands of views
-        # takes a small fraction of a warm load of the same tensors (bench/RESULTS.md,
-        # "Python against the command").
-        failure = []
-
-        def load_beside():
-            try:
-                # A new thread's current CUDA device is 0: make it the destination's, so that no
-                # context is created on GPU 0 by a rank that loads into another GPU.
-                with torch.cuda.device(dev) if dev.type == "cuda" else _contextlib.nullcontext():
-                    load()
-            except BaseException as e:  # re-raised on the caller's thread below
-                failure.append(e)
-
-        reader = _threading.Thread(target=load_beside, name="hbmio-load", daemon=True)
-        reader.start()
-        interrupted = None
+        # Many tensors: their views are made while the data is read (the load runs on the
+        # library's pool), so the Python side costs nothing a C++ caller would not pay: making
+        # thousands of views takes a small fraction of a warm load of the same tensors
+        # (bench/RESULTS.md, "Python against the command").
+        job = _hbmio._load_into(opened, dest, backend=backend, verify=verify, names=names, progress=bar.counter, entries=False,
+                                report=report, cache=cache, background=True)
         try:
             out = make_views()
         finally:
-            # `dest` is written until the load returns, on every path: wait for it even through
-            # Ctrl-C (join can be interrupted), then let the interruption through.
-            while reader.is_alive():
-                try:
-                    reader.join()
-                except KeyboardInterrupt as e:
-                    interrupted = e
-        if interrupted is not None:
-            raise interrupted
-        if failure:
-            raise failure.pop()  # pop: no reference cycle keeps `dest` alive through the traceback
+            # `dest` is written until the load returns, on every path: wait for it (a Ctrl-C
+            # meanwhile is raised once it has), and raise what it raised.
+            job.wait()
         return out
 
 
@@ -638,7 +598,7 @@ def save_file(tensors, path, metadata=None, *, checksums=True, backend=None, max
     `path` is then a directory that receives a Hugging Face sharded checkpoint
     (model-0000K-of-0000N.safetensors and model.safetensors.index.json), each shard at most that
     many tensor bytes. backend=None: $HBMIO_BACKEND, else "auto".
-    progress=True draws `done/total GiB  rate GiB/s` on stderr while the tensors are written.
+    progress=True draws `done / total  (P%)  rate GiB/s` on stderr while the tensors are written.
     report={} (blocking saves) is filled as load_file's: bytes, seconds, backend, note, and per
     file written the way its bytes took and why ("paths").
 

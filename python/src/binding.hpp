@@ -45,6 +45,7 @@
 #include "hbmio/file.hpp"
 #include "hbmio/memory.hpp"
 #include "hbmio/options.hpp"
+#include "hbmio/progress.hpp"
 #include "hbmio/threads.hpp"
 #include "hbmio/safetensors.hpp"
 #include "hbmio/stream.hpp"
@@ -95,6 +96,7 @@ class EngineLease {
 // only to read it) draws a progress bar.
 struct Progress {
   std::atomic<std::uint64_t> done{0};
+  std::unique_ptr<hbmio::ProgressLine> line;  // while Python's progress=True shows the bar (_show)
 };
 
 // verify=: False/None (off), True or "checksums" (files without checksums load, with a

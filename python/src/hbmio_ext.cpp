@@ -24,7 +24,26 @@ NB_MODULE(_hbmio, m) {
 
   nb::class_<Progress>(m, "_Progress", "Bytes done so far by the call it is passed to (progress=...).")
       .def(nb::init<>())
-      .def_prop_ro("done", [](const Progress& p) { return p.done.load(std::memory_order_relaxed); });
+      .def_prop_ro("done", [](const Progress& p) { return p.done.load(std::memory_order_relaxed); })
+      .def("_show", [](Progress& p, std::uint64_t total) {
+        // The library's pool draws the bar (no thread of Python's own), into sys.stderr: a
+        // notebook's stderr is not the process's.
+        p.line = std::make_unique<hbmio::ProgressLine>("", total, p.done, hbmio::ProgressLine::Ending::keep, [](const std::string& text) {
+          nb::gil_scoped_acquire acquire;
+          try {
+            nb::object err = nb::module_::import_("sys").attr("stderr");
+            if (err.is_none()) return;
+            err.attr("write")(text);
+            err.attr("flush")();
+          } catch (...) {  // a closed or odd stderr: no bar, never a failed transfer
+          }
+        });
+      }, nb::arg("total"), "Draws '\\r1.20 GiB / 4.00 GiB  (30%)  3.10 GiB/s' on sys.stderr every 200 ms until _hide().")
+      .def("_hide", [](Progress& p) {
+        std::unique_ptr<hbmio::ProgressLine> line = std::move(p.line);
+        nb::gil_scoped_release release;  // the drawing job takes the GIL to write
+        line.reset();
+      }, "Stops the bar, drawing its last line and a newline.");
 
   m.def("_release_engines", [] {
     nb::gil_scoped_release release;

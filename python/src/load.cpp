@@ -165,9 +165,45 @@ Target target_of(nb::handle h) {
 // per tensor in file order, (name, dtype, shape, byte offset in dest); the caller builds views.
 // With entries=False it returns None: a caller that has the layout from _plan (of the same
 // SafeOpen) skips building thousands of tuples.
+// A load _load_into(background=True) started on the library's pool (hbmio::load_started): Python
+// builds its tensors' views meanwhile, then calls wait(). Holds what the load reads and writes.
+struct LoadJob {
+  nb::object checkpoint, dest, report;  // alive while the load runs: its files, its memory
+  hbmio::LoadRequest request;
+  std::optional<EngineLease> engine;
+  std::optional<hbmio::LoadInProgress> running;
+
+  LoadJob() = default;
+  LoadJob(const LoadJob&) = delete;
+  LoadJob& operator=(const LoadJob&) = delete;
+  // Dropped without wait(): the load still writes `dest`, so wait for it (without the GIL: the
+  // pool thread may need it for a progress bar).
+  ~LoadJob() {
+    nb::gil_scoped_release release;
+    running.reset();
+    engine.reset();
+  }
+
+  void wait() {
+    if (!running) throw nb::value_error("_LoadJob.wait(): waited for already");
+    hbmio::LoadResult result;
+    {
+      nb::gil_scoped_release release;
+      std::optional<hbmio::LoadInProgress> job = std::move(running);
+      running.reset();
+      result = job->wait();
+      job.reset();
+      engine.reset();
+    }
+    const hbmio::LoadedCheckpoint& loaded = result.locations.front();
+    warn_unverified(loaded);
+    report_into(report, loaded.stats());
+  }
+};
+
 nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& backend, nb::handle verify,
                      std::optional<std::vector<std::string>> names, Progress* progress, bool entries, nb::handle report,
-                     const std::string& cache) {
+                     const std::string& cache, bool background) {
   const Target target = target_of(checkpoint);
   RawArray to = raw_array(dest, true, "_load_into");
   hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress, cache);
@@ -178,6 +214,21 @@ nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& 
   // A null destination means "allocate your own" to load_checkpoint, and an empty array may have
   // a null pointer: callers allocate at least one byte (max(plan bytes, 1)).
   if (to.span.data == nullptr || to.span.size == 0) throw nb::value_error("_load_into: the destination must hold at least 1 byte");
+  if (background) {
+    if (entries) throw nb::value_error("_load_into: background=True returns a job, not entries (pass entries=False)");
+    auto job = std::make_unique<LoadJob>();
+    job->checkpoint = nb::borrow(checkpoint);
+    job->dest = nb::borrow(dest);
+    job->report = nb::borrow(report);
+    {
+      nb::gil_scoped_release release;
+      job->engine.emplace(backend);
+      options.engine = job->engine->get();
+      job->request = {.path = target.path, .files = target.files, .options = std::move(options)};
+      job->running.emplace(hbmio::load_started(job->request));
+    }
+    return nb::cast(job.release(), nb::rv_policy::take_ownership);
+  }
   hbmio::LoadedCheckpoint loaded;
   {
     nb::gil_scoped_release release;
@@ -242,10 +293,15 @@ void bind_load(nb::module_& m) {
 
   m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
-        nb::arg("entries") = true, nb::arg("report").none() = nb::none(), nb::arg("cache") = "",
+        nb::arg("entries") = true, nb::arg("report").none() = nb::none(), nb::arg("cache") = "", nb::arg("background") = false,
         "Loads `checkpoint` (a path, or a SafeOpen: its headers are not read again) into `dest` (a writable "
         "C-contiguous array, host or CUDA, that holds _plan()'s layout: last offset + bytes); "
-        "returns [(name, dtype, shape, byte offset in dest)] in file order.");
+        "returns [(name, dtype, shape, byte offset in dest)] in file order. background=True (with "
+        "entries=False): starts the load on the library's pool and returns a _LoadJob, whose wait() "
+        "returns once it is done (and fills `report`).");
+
+  nb::class_<LoadJob>(m, "_LoadJob", "A load started by _load_into(background=True); dropping it waits for the load.")
+      .def("wait", &LoadJob::wait, "Waits for the load; raises what it raised, fills its report.");
 
   m.def("_tensor_bytes", [](const std::string& path, std::optional<std::vector<std::string>> names) {
     // The bytes a load reads (what its progress counter reaches), without alignment padding.

@@ -10,6 +10,7 @@ NumPy does have is additionally checked through np.from_dlpack (dtype, shape, by
 """
 from __future__ import annotations
 
+import re
 import gc
 import errno
 import hashlib
@@ -728,17 +729,36 @@ def test_progress_counter_reaches_the_total(backend, counters_settle):
     del loaded
 
 
+def test_loads_and_the_progress_bar_start_no_python_thread(tmp_path, capfd, monkeypatch):
+    # The faces start no thread of their own (the library's pool draws the bar and runs the load
+    # beside which a torch load builds its views): with Thread.start refused, a load of many
+    # tensors, with a progress bar, gives every tensor's bytes.
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    state = {f"t{i:03d}": torch.arange(i, i + 1000, dtype=torch.float32) for i in range(200)}
+    hbmio.save_file(state, tmp_path / "many.safetensors")
+
+    def refused(self):
+        raise AssertionError(f"hbmio started a Python thread: {self.name}")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    loaded = hbmio.load_file(tmp_path / "many.safetensors", progress=True)
+    assert list(loaded) == list(state)
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert "(100%)" in capfd.readouterr().err
+
+
 def test_progress_bar_on_stderr(tmp_path, capfd, counters_settle):
     loaded = hbmio.load_file(FIXTURES / "big.safetensors", progress=True)
     out, err = capfd.readouterr()
     total = hbmio._hbmio._tensor_bytes(str(FIXTURES / "big.safetensors")) / (1 << 20)
     assert out == "" and err.endswith("\n")
-    last = err.rstrip("\n").split("\r")[-1]
-    assert last.startswith(f"{total:.2f}/{total:.2f} MiB  ") and last.endswith(" GiB/s"), err
+    last = err.rstrip("\n").split("\r")[-1].rstrip()
+    assert re.fullmatch(rf"{total:.2f} MiB / {total:.2f} MiB  \(100%\)  [0-9.]+ GiB/s", last), err
     del loaded
     hbmio.read_into(FIXTURES / "big.safetensors", np.zeros(3 << 20, np.uint8), progress=True)
     err = capfd.readouterr().err
-    assert err.rstrip("\n").split("\r")[-1].startswith("3.00/3.00 MiB"), err
+    assert err.rstrip("\n").split("\r")[-1].startswith("3.00 MiB / 3.00 MiB  (100%)"), err
     hbmio.load_file(FIXTURES / "dtypes.safetensors")
     assert capfd.readouterr().err == "", "no output without progress=True"
 
@@ -746,7 +766,6 @@ def test_progress_bar_on_stderr(tmp_path, capfd, counters_settle):
 @pytest.mark.parametrize("max_shard_size", [None, 5000])
 def test_save_progress(tmp_path, capfd, max_shard_size):
     state = {f"t{i}": np.arange(1000 * (i + 1), dtype=np.float32) for i in range(4)}
-    total = sum(a.nbytes for a in state.values()) / (1 << 20)
     counter = hbmio._hbmio._Progress()
     hbmio._hbmio.save_file(state, str(tmp_path / "c.safetensors"), None, max_shard_size=max_shard_size or 0,
                            progress=counter)
@@ -755,7 +774,9 @@ def test_save_progress(tmp_path, capfd, max_shard_size):
     hbmio.save_file(state, tmp_path / "bar", max_shard_size=max_shard_size, progress=True)
     out, err = capfd.readouterr()
     assert out == "" and err.endswith("\n")
-    assert err.rstrip("\n").split("\r")[-1].startswith(f"{total:.2f}/{total:.2f} MiB  "), err
+    nbytes = sum(a.nbytes for a in state.values())
+    kib = f"{nbytes / 1024:.2f} KiB"  # hbmio::format_size's unit for these 39 KiB
+    assert err.rstrip("\n").split("\r")[-1].startswith(f"{kib} / {kib}  (100%)  "), err
     hbmio.save_file(state, tmp_path / "quiet", max_shard_size=max_shard_size)
     assert capfd.readouterr().err == "", "no output without progress=True"
 

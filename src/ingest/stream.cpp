@@ -309,7 +309,7 @@ struct BatchStream::State {
     Clock::time_point last_landed;                   // the read's start, then its last landing (under the mutex)
     std::vector<std::shared_ptr<const File>> files;  // what its requests read (trimmed from open_files meanwhile)
     std::exception_ptr failed;  // a shard that could not be opened: the batches before it are read first
-    Stats read;                 // the engine's account of the read (its paths go to the stream's stats)
+    std::vector<TransferPath> paths;  // which way the engine read each file (they go to the stream's stats)
     detail::Pending<void> reading;
     void landed(std::uint64_t request) noexcept override { state->landed(*this, batch_of[request]); }
   };
@@ -698,7 +698,7 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
       std::lock_guard lock(mutex);
       group->last_landed = Clock::now();
     }
-    if (!group->requests.empty()) group->read = engine.submit_batch(group->requests);
+    if (!group->requests.empty()) group->paths = engine.submit_batch(group->requests).paths;
   });
   return g;
 }
@@ -744,7 +744,7 @@ void BatchStream::State::finish_group(Group& g) {
   std::lock_guard lock(mutex);
   // The whole stream's only: a group may span two epochs, and finishes after its batches were
   // handed out (StreamStats::paths).
-  for (const TransferPath& path : g.read.paths) add_path(total_stats.paths, path);
+  for (const TransferPath& path : g.paths) add_path(total_stats.paths, path);
   if (g.failed) std::rethrow_exception(g.failed);
   for (std::size_t b = 0; b < g.unlanded.size(); ++b)
     if (g.unlanded[b] > 0)  // every batch after it would wait for it, and the caller for them

@@ -47,26 +47,6 @@ Options TuningFlags::resolve() const {
   return o;
 }
 
-ProgressLine::ProgressLine(std::string label, std::uint64_t total, const std::atomic<std::uint64_t>& done)
-    : label_(std::move(label)), total_(total), done_(done) {}
-
-bool ProgressLine::wanted(std::uint64_t total) { return total > 0 && ::isatty(STDERR_FILENO); }
-
-void ProgressLine::draw() {
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-  if (seconds < 0.2) return;
-  const auto done = done_.load();
-  fmt::print(stderr, "\r{}  {} / {}  ({:.0f}%)  {:.2f} GiB/s   ", label_, format_size(done), format_size(total_),
-             100.0 * static_cast<double>(done) / static_cast<double>(total_), static_cast<double>(done) / seconds / (1 << 30));
-  std::fflush(stderr);
-  shown_ = true;
-}
-
-void ProgressLine::clear() {
-  if (shown_) fmt::print(stderr, "\r\033[K");
-  shown_ = false;
-}
-
 void fill_random(std::byte* data, std::size_t size, std::uint64_t seed) {
   std::uint64_t state = seed;
   std::size_t i = 0;

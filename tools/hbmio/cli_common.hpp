@@ -26,48 +26,17 @@ struct TuningFlags {
   Options resolve() const;  // throws Error(EINVAL) on a bad value
 };
 
-// The line "label  1.2 GiB / 4.0 GiB  (30%)  3.1 GiB/s" on stderr, for with_progress().
-class ProgressLine {
- public:
-  ProgressLine(std::string label, std::uint64_t total, const std::atomic<std::uint64_t>& done);
-  void draw();   // from 200 ms after the start on (a short transfer shows nothing)
-  void clear();  // erases the line, where one was drawn
-  // Whether a line is shown at all: only where stderr is a terminal, so logs and pipes stay clean.
-  static bool wanted(std::uint64_t total);
-
- private:
-  std::string label_;
-  std::uint64_t total_;
-  const std::atomic<std::uint64_t>& done_;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  bool shown_ = false;
-};
-
 // Runs work(counter), where `counter` is the progress counter to hand to the transfer (the bytes
-// done of `total`), and shows the progress line meanwhile: the work runs on the library's pool
-// (run_interruptible) while this thread draws the line every 200 ms, so the command starts no
-// thread of its own. Returns what work returns; rethrows what it throws. Without a terminal, work
-// runs right here.
+// done of `total`), and shows the line "label  1.2 GiB / 4.0 GiB  (30%)  3.1 GiB/s" on stderr
+// meanwhile where stderr is a terminal (hbmio::ProgressLine: drawn by the library's pool, so the
+// command starts no thread of its own), erased at the end. Returns what work returns; rethrows
+// what it throws.
 template <typename Work>
 auto with_progress(const std::string& label, std::uint64_t total, Work&& work) {
-  using Result = decltype(work(static_cast<std::atomic<std::uint64_t>*>(nullptr)));
   std::atomic<std::uint64_t> done{0};
-  if (!ProgressLine::wanted(total)) return work(&done);
-  ProgressLine line(label, total, done);
-  std::conditional_t<std::is_void_v<Result>, bool, std::optional<Result>> result{};
-  const InterruptibleRun run = run_interruptible(
-      [&](const std::atomic<bool>&) {
-        if constexpr (std::is_void_v<Result>) work(&done);
-        else result.emplace(work(&done));
-      },
-      [&] {
-        line.draw();
-        return false;
-      },
-      std::chrono::milliseconds(200));
-  line.clear();
-  if (run.error) std::rethrow_exception(run.error);
-  if constexpr (!std::is_void_v<Result>) return std::move(*result);
+  std::optional<ProgressLine> line;
+  if (ProgressLine::wanted(total)) line.emplace(label, total, done);
+  return work(&done);  // the line, destroyed first, stops drawing before `done` goes
 }
 
 // Deterministic fast pseudo-random bytes (splitmix64): data that does not compress and that the
