@@ -53,10 +53,23 @@ run cmake --build "$prefix/example"
 head -c 5000000 /dev/urandom > "$prefix/sample.bin"
 run "$prefix/example/read_file" "$prefix/sample.bin"
 stage "python package"
-# pip builds the extension into build-python/ (incremental) with the venv's scikit-build-core and
-# nanobind (no isolated build environment to download); tests run from outside the tree, on the
-# installed package. An error, a failure or no tests collected (exit 5) all end the script.
-CMAKE_BUILD_PARALLEL_LEVEL=2 run python -m pip install -q --no-cache-dir --disable-pip-version-check --no-build-isolation --no-deps .
+# pip builds a wheel from build-python/ (incremental) with the venv's scikit-build-core and nanobind
+# (no isolated build environment to download), into build-python/dist: the prebuilt wheel a user
+# installs without compiling (README). Its extension links liburing statically and loads libcurl,
+# libcufile and libnccl at run time, so it needs only glibc and libstdc++: checked by installing it
+# into a bare venv and importing it there. The tests run from outside the tree, on the wheel
+# installed into the test venv. An error, a failure or no tests collected (exit 5) all end the script.
+rm -rf build-python/dist
+CMAKE_BUILD_PARALLEL_LEVEL=2 run python -m pip wheel -q --no-cache-dir --disable-pip-version-check --no-build-isolation --no-deps \
+  -w build-python/dist .
+wheel=$(ls build-python/dist/hbmio-*.whl)
+run python -m pip install -q --no-cache-dir --disable-pip-version-check --no-deps --force-reinstall "$wheel"
+bare=$(mktemp -d)
+"$(python -c 'import sys; print(sys._base_executable)')" -m venv "$bare/venv"
+run "$bare/venv/bin/python" -m pip install -q --no-cache-dir --disable-pip-version-check --no-deps "$wheel"
+(cd "$bare" && run venv/bin/python -c 'import hbmio; print("the wheel alone imports: hbmio", hbmio.__version__, hbmio.backends())')
+rm -rf "$bare"
+echo "prebuilt wheel: $wheel"
 (cd "$prefix" && run python -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests")
 stage "done"
 echo "all test stages passed; durations:"
