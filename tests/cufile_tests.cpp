@@ -477,7 +477,7 @@ class CufileGpu : public ::testing::Test {
   // with that reason: no data was moved, so nothing more can be checked.
   std::unique_ptr<hbmio::Engine> engine(hbmio::Options options, std::shared_ptr<hbmio::FaultInjector> faults = nullptr) {
     try {
-      return hbmio::make_engine("cufile", options, std::move(faults));
+      return hbmio::detail::make_engine_with_faults("cufile", options, std::move(faults));
     } catch (const hbmio::Error& e) {
       EXPECT_EQ(e.code(), hbmio::errno_code(ENOTSUP)) << e.what();
       const auto& session = hbmio::shim::DriverSession::acquire();

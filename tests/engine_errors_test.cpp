@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "io/engine_internal.hpp"
 #include "testing/fault_injection.hpp"
 #include "test_support.hpp"
 
@@ -89,7 +90,7 @@ TEST_P(Errors, FileEndsDuringRead) {
   // The injector makes an I/O find the end of the file, as if it shrank under us (posix reads
   // host memory with one pread, so its first I/O; uring's third of sixteen pieces).
   auto faults = std::make_shared<FaultInjector>(FaultPlan{.end_of_file_io = GetParam() == "posix" ? 1u : 3u});
-  auto engine = make_engine(GetParam(), small_options(DirectIo::off), faults);
+  auto engine = detail::make_engine_with_faults(GetParam(), small_options(DirectIo::off), faults);
   File file = File::open(path_, OpenMode::read);
   Buffer buffer = Buffer::allocate({MemoryKind::host}, 1 << 20);
   const Error e = expect_error([&] { engine->read(file, 0, buffer.span()); });
@@ -100,7 +101,7 @@ TEST_P(Errors, ShortTransfersAndRetriesStillDeliverEveryByte) {
   for (DirectIo direct : {DirectIo::off, DirectIo::on}) {
     auto faults = std::make_shared<FaultInjector>(
         FaultPlan{.seed = 99, .short_probability = 0.5, .eagain_count = 5, .eintr_count = 5});
-    auto engine = make_engine(GetParam(), small_options(direct), faults);
+    auto engine = detail::make_engine_with_faults(GetParam(), small_options(direct), faults);
     File file = File::open(path_, OpenMode::read);
     Buffer buffer = Buffer::allocate({MemoryKind::host}, (1 << 20) - 4097);
     engine->read(file, 4097, buffer.span());
@@ -111,7 +112,7 @@ TEST_P(Errors, ShortTransfersAndRetriesStillDeliverEveryByte) {
 
 TEST_P(Errors, ShortWritesStillWriteEveryByte) {
   auto faults = std::make_shared<FaultInjector>(FaultPlan{.seed = 5, .short_probability = 0.5, .eagain_count = 3});
-  auto engine = make_engine(GetParam(), small_options(DirectIo::on), faults);
+  auto engine = detail::make_engine_with_faults(GetParam(), small_options(DirectIo::on), faults);
   const auto data = random_bytes(700000, 3);
   Buffer buffer = Buffer::allocate({MemoryKind::pinned}, data.size());
   std::memcpy(buffer.data(), data.data(), data.size());
@@ -134,7 +135,7 @@ TEST_P(Errors, EveryCallFailingInTurnLeavesNoLeak) {
       SCOPED_TRACE(fmt::format("{} failing call {}", op == IoOp::read ? "read" : "write", n));
       {
         auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = n, .fail_errno = EIO});
-        auto engine = make_engine(GetParam(), small_options(DirectIo::on), faults);
+        auto engine = detail::make_engine_with_faults(GetParam(), small_options(DirectIo::on), faults);
         File file = File::open(path_, op == IoOp::read ? OpenMode::read : OpenMode::read_write);
         Buffer buffer = Buffer::allocate({MemoryKind::pinned}, (1 << 20) - 1);
         try {
@@ -199,7 +200,7 @@ TEST_P(Errors, BatchFailureNamesItsRequest) {
   for (std::uint64_t n = 1; n < 200; ++n) {
     SCOPED_TRACE(fmt::format("failing call {}", n));
     auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = n, .fail_errno = EIO});
-    auto engine = make_engine(GetParam(), small_options(DirectIo::on), faults);
+    auto engine = detail::make_engine_with_faults(GetParam(), small_options(DirectIo::on), faults);
     File a = File::open(path_, OpenMode::read), b = File::open(other, OpenMode::read);
     Buffer buffer = Buffer::allocate({MemoryKind::pinned}, 2 << 20);
     const std::vector<IoRequest> batch{{.op = IoOp::read, .file = &a, .offset = 3, .memory = buffer.span().subspan(0, (1 << 20) - 3)},

@@ -411,7 +411,7 @@ TEST(FaultReplay, ASeedReplaysTheSameFaultsWithAnyNumberOfWorkers) {
     Options options = small_options(DirectIo::off);
     options.workers = workers;
     auto faults = std::make_shared<FaultInjector>(plan);
-    auto engine = make_engine("uring", options, faults);
+    auto engine = detail::make_engine_with_faults("uring", options, faults);
     const File file = File::open(dir.file("f"), OpenMode::read);
     Buffer out = Buffer::allocate({MemoryKind::host}, data.size());
     std::string error;

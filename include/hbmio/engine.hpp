@@ -29,8 +29,6 @@
 
 namespace hbmio {
 
-class FaultHook;
-
 enum class IoOp { read, write };
 
 // Told as each read of a batch lands (IoRequest::landed), while the batch's later reads are still
@@ -95,10 +93,7 @@ class Engine {
 // (configured_backend(): HBMIO_BACKEND, else "auto"). Throws Error(EINVAL) for an unknown name
 // (naming HBMIO_BACKEND where the name came from it) and Error(ENOTSUP) with the reason when the
 // backend cannot run here.
-// `faults` (test support) makes the backend see injected failures: the testing layer's
-// FaultInjector (src/testing/fault_injection.hpp), which only tests link; production passes none.
-std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options = Options::from_env(),
-                                    std::shared_ptr<FaultHook> faults = nullptr);
+std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options = Options::from_env());
 
 // What each backend can do on this machine, and why not where it cannot.
 struct BackendStatus {

@@ -67,8 +67,8 @@ struct RemoteOptions {
   // what the connections deliver when nothing is done with the data.
   bool discard = false;
 
-  // The defaults with HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE ("8MiB"),
-  // HBMIO_REMOTE_ATTEMPTS, HBMIO_REMOTE_MIN_RATE ("256KiB", per second) and
+  // The defaults with HBMIO_REMOTE_CONNECTIONS, HBMIO_REMOTE_PART_SIZE (a size, e.g. "8MiB"),
+  // HBMIO_REMOTE_ATTEMPTS, HBMIO_REMOTE_MIN_RATE (bytes per second, e.g. "256KiB") and
   // HBMIO_REMOTE_STALL_TIMEOUT (seconds) applied where set; throws Error(EINVAL) naming the
   // variable, its value and what it accepts.
   static RemoteOptions from_env();

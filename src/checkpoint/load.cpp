@@ -313,21 +313,13 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   std::vector<ReadTensors> read_tensors;  // per read
   auto plan_read = [&](const Pick& pick, MemorySpan memory) {
     const std::uint64_t file_offset = files[pick.file].header.data_offset + pick.info->begin;
-    if (!reads.empty()) {
-      detail::RangeRead& last = reads.back();
-      if (last.file == pick.file && last.offset + last.into.size == file_offset && last.into.data + last.into.size == memory.data &&
-          memory.size > 0) {
-        last.into.size += memory.size;
-        // Through the tensor add_tensor appends next (empty tensors in between included: they
-        // take indices but no read).
-        read_tensors.back().count = result.tensors_.size() + 1 - read_tensors.back().first;
-        return;
-      }
-    }
-    // add_tensor appends the tensor after this: it gets the next index.
-    if (memory.size > 0) {
-      reads.push_back({pick.file, file_offset, memory});
-      read_tensors.push_back({result.tensors_.size(), 1});
+    const std::size_t ranges = reads.size();
+    if (detail::add_read(reads, pick.file, file_offset, memory)) {
+      // Through the tensor add_tensor appends next (empty tensors in between included: they
+      // take indices but no read).
+      read_tensors.back().count = result.tensors_.size() + 1 - read_tensors.back().first;
+    } else if (reads.size() > ranges) {
+      read_tensors.push_back({result.tensors_.size(), 1});  // add_tensor appends it next: the next index
     }
   };
   auto add_tensor = [&](const Pick& pick, MemorySpan memory) {

@@ -73,21 +73,15 @@ Stats OpenedCheckpoint::read(const std::vector<TensorRead>& reads, Engine& engin
     check(r);
     if (r.length == 0) continue;
     const Tensor& t = tensors_[r.tensor];
-    const std::uint64_t offset = t.file_offset + r.offset;
-    if (!ranges.empty()) {
-      detail::RangeRead& last = ranges.back();
-      // Adjacent addresses alone do not make one allocation (TensorRead::allocation).
-      if (r.allocation != 0 && reads[members.back().read].allocation == r.allocation && last.file == t.file &&
-          last.offset + last.into.size == offset && last.into.location == r.into.location &&
-          last.into.data + last.into.size == r.into.data) {
-        members.push_back({i, last.into.size, r.length});
-        last.into.size += static_cast<std::size_t>(r.length);
-        continue;
-      }
+    // Adjacent addresses alone do not make one allocation (TensorRead::allocation).
+    const bool one_allocation = r.allocation != 0 && !members.empty() && reads[members.back().read].allocation == r.allocation;
+    const std::uint64_t size_before = ranges.empty() ? 0 : ranges.back().into.size;
+    if (detail::add_read(ranges, t.file, t.file_offset + r.offset, r.into.subspan(0, static_cast<std::size_t>(r.length)), one_allocation)) {
+      members.push_back({i, size_before, r.length});
+      continue;
     }
     first_member.push_back(members.size());
     members.push_back({i, 0, r.length});
-    ranges.push_back({t.file, offset, r.into.subspan(0, static_cast<std::size_t>(r.length))});
   }
   first_member.push_back(members.size());
   // Objects at URLs with the options they were opened with (OpenedCheckpoint's `remote`).

@@ -100,9 +100,13 @@ std::future<Stats> Engine::submit_async(IoRequest request) {
 
 std::vector<std::string> backend_names() { return {"posix", "uring", "cufile", "auto"}; }
 
-std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options,
-                                    std::shared_ptr<FaultHook> faults) {
-  if (backend.empty()) return make_engine(configured_backend(), options, std::move(faults));
+std::unique_ptr<Engine> make_engine(std::string_view backend, const Options& options) {
+  return detail::make_engine_with_faults(backend, options, nullptr);
+}
+
+std::unique_ptr<Engine> detail::make_engine_with_faults(std::string_view backend, const Options& options,
+                                                        std::shared_ptr<FaultHook> faults) {
+  if (backend.empty()) return make_engine_with_faults(configured_backend(), options, std::move(faults));
   options.validate();
   if (backend == "posix") return detail::make_posix_engine(options, std::move(faults));
   if (backend == "uring") return detail::make_uring_engine(options, std::move(faults));

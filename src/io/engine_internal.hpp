@@ -15,6 +15,10 @@
 
 namespace hbmio::detail {
 
+// make_engine() whose backend sees injected failures: the testing layer's FaultInjector
+// (src/testing/fault_injection.hpp), which only tests link. Production code calls make_engine().
+std::unique_ptr<Engine> make_engine_with_faults(std::string_view backend, const Options& options, std::shared_ptr<FaultHook> faults);
+
 // Context for errors about `request` in `backend`.
 ErrorContext context_of(const IoRequest& request, std::string_view backend);
 const char* op_name(IoOp op) noexcept;

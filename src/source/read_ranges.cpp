@@ -7,6 +7,20 @@
 
 namespace hbmio::detail {
 
+bool add_read(std::vector<RangeRead>& ranges, std::size_t file, std::uint64_t offset, MemorySpan into, bool may_join) {
+  if (into.size == 0) return false;
+  if (may_join && !ranges.empty()) {
+    RangeRead& last = ranges.back();
+    if (last.file == file && last.offset + last.into.size == offset && last.into.location == into.location &&
+        last.into.data + last.into.size == into.data) {
+      last.into.size += into.size;
+      return true;
+    }
+  }
+  ranges.push_back({file, offset, into});
+  return false;
+}
+
 Stats read_ranges(const std::vector<CheckpointFile>& files, std::span<const RangeRead> reads, const ReadRangesOptions& options) {
   LocalFiles local;
   RemoteObjects remote;

@@ -137,6 +137,13 @@ SharedFiles shared_copies(const std::vector<CheckpointFile>& files, const std::v
 // "; 3 of 17 files from the resident cache (host memory)" and the like, for a load's note.
 std::string resident_note(const ResidentCopies& copies);
 
+// Adds the read of bytes [offset, offset + into.size) of files[file] into `into` to `ranges`: joined
+// to the last range where it continues that range both in the file and in memory (and `may_join`:
+// memory adjacent by address alone may be two allocations, which one copy must not span), so that
+// many small tensors are read as one request. Returns whether it was joined. A read of no bytes
+// adds nothing and returns false.
+bool add_read(std::vector<RangeRead>& ranges, std::size_t file, std::uint64_t offset, MemorySpan into, bool may_join = true);
+
 // Every read, each by the first source that serves it (ResidentDma, RemoteObjects, LocalFiles),
 // at once where the source allows: the local reads as engine batches (the whole load one batch
 // without `landed`; files that open_checkpoint did not keep open are opened again, a bounded number

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "hbmio/engine.hpp"
+#include "io/engine_internal.hpp"
 
 namespace hbmio {
 
@@ -43,7 +44,7 @@ int FaultInjectionFileSystem::make_directory(const std::string& path) { return b
 void FaultInjectionFileSystem::remove_all(const std::string& path) noexcept { base_->remove_all(path); }
 
 std::unique_ptr<Engine> FaultInjectionFileSystem::make_engine(std::string_view backend, const std::optional<Options>& options) {
-  return hbmio::make_engine(backend, options.value_or(Options::from_env()), faults_);
+  return detail::make_engine_with_faults(backend, options.value_or(Options::from_env()), faults_);
 }
 
 }  // namespace hbmio
