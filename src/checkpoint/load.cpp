@@ -108,6 +108,11 @@ std::vector<CheckpointFile> open_checkpoint_once(const std::string& path) {
 
   std::vector<CheckpointFile> files;
   if (!name.ends_with(".json")) {
+    // A directory listed while a sharded save emptied it (after swapping a new one in) may show
+    // one shard left and no index: that is no checkpoint, and loading it as one would give a
+    // shard's tensors for the whole. A directory still under the name after it was listed was
+    // not being emptied (a swapped-out directory never comes back).
+    if (S_ISDIR(info.st_mode) && !still_named(*dir, dir_path)) throw DirectorySwapped{};
     open_one(name, target, files);
     return files;
   }
