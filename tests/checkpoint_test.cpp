@@ -544,7 +544,8 @@ TEST(Source, ALoadStartedOnThePoolIsALoad) {
     const LoadedTensor* got = loaded.find(t.name);
     ASSERT_NE(got, nullptr) << t.name;
     ASSERT_EQ(got->data.size, t.data.size) << t.name;
-    EXPECT_EQ(std::memcmp(got->data.data, t.data.data, t.data.size), 0) << t.name << ": the bytes saved";
+    if (t.data.size > 0)  // an empty tensor has no bytes (and may have no address)
+      EXPECT_EQ(std::memcmp(got->data.data, t.data.data, t.data.size), 0) << t.name << ": the bytes saved";
   }
   EXPECT_THROW(started.wait(), Error) << "waited for once";
   const LoadRequest missing{.path = dir.file("none.safetensors")};
