@@ -43,10 +43,10 @@ Stats ResidentDma::read(const std::vector<CheckpointFile>& files, std::span<cons
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   Stats stats;
-  std::uint64_t bytes = 0;
+  stats.backend = "cache";
   for (const std::size_t i : which) {
     const RangeRead& read = reads[i];
-    bytes += read.into.size;
+    stats.bytes += read.into.size;
     const bool on_gpu = outcome.files_on_gpu.contains({read.into.location.device, fd_of.at(read.file)});
     stats.add_path({.file = files[read.file].path,
                     .path = on_gpu ? DataPath::cache_device : DataPath::cache_host,
@@ -57,22 +57,18 @@ Stats ResidentDma::read(const std::vector<CheckpointFile>& files, std::span<cons
                     .bytes = read.into.size,
                     .bytes_direct = read.into.size});
   }
-  stats.bytes += bytes;
-  stats.bytes_direct += bytes;
-  if (stats.backend.empty()) stats.backend = "cache";
-  if (options.progress) *options.progress += bytes;
+  stats.bytes_direct = stats.bytes;
+  if (options.progress) *options.progress += stats.bytes;
   // The server's share of the time, so that a slow hit says where it went.
   stats.note = fmt::format("{} of GPU memory DMA'd by the resident cache's server in {:.3f} s ({} of it from its copy in the GPU's "
                      "memory; the server: {:.3f} s opening the destination's IPC handles, {:.3f} s copying)",
-                     format_size(bytes), seconds, format_size(outcome.gpu_bytes), outcome.open_seconds, outcome.copy_seconds);
+                     format_size(stats.bytes), seconds, format_size(outcome.gpu_bytes), outcome.open_seconds, outcome.copy_seconds);
   if (options.landed)
     Executor::shared().run(which.size(), landed_width(which.size()), [&](std::size_t k) {
       options.landed(which[k], 0, reads[which[k]].into.size);
     });
   return stats;
 }
-
-
 
 ResidentCopies resident_copies(const std::vector<CheckpointFile>& files, CacheUse use, const std::string& socket) {
   ResidentCopies out;
