@@ -680,6 +680,28 @@ class _Slice:
 
     def __getitem__(self, key):
         owner = self._owner
+        if type(key) is slice and owner._resolved == "torch" and not owner._mmap and self._shape and self._dtype != "F4" \
+                and key.step in (None, 1):
+            # Rows [a:b], a tensor-parallel rank's part of every tensor in a walk: straight to the
+            # read-ahead of rows. The general path below (checks per dimension) costs as much per
+            # call as the reference's whole get_slice, which a walk of thousands of small tensors
+            # pays thousands of times (bench/RESULTS.md, "Whole-file prefetch and row plans").
+            try:
+                a, b, _ = key.indices(self._shape[0])  # torch's reading of [a:b]: bounds clamped
+            except TypeError:
+                a = None  # bounds that are not ints: the general path names the error
+            if a is not None and 0 < b - a < self._shape[0]:
+                target = owner._own_target()
+                if target.can(self._dtype):
+                    with owner._lock:
+                        array = owner._rows_ahead(self._index, a, b, target)
+                    if array is None:  # not (yet) a walk: the rows, one byte range
+                        row = self._nbytes // self._shape[0]
+                        array, raw = target.make(self._dtype, [b - a] + list(self._shape[1:]), (b - a) * row)
+                        target.before_reads()
+                        owner._read([self._index], [target.address(raw)], offsets=[a * row], lengths=[(b - a) * row],
+                                    backend=owner._backend, location=target.location)
+                    return array
         if owner._mmap and (key is Ellipsis or _whole_slice(key) and self._shape) and owner._resolved == "torch":
             # The whole tensor of a mapped handle, as transformers 5 asks for every tensor: the
             # view itself, without the general path's per-dimension work (tens of microseconds a

@@ -83,12 +83,17 @@ def _batch_memory(target, batch):
     raw = torch.empty(max(-(-at // 16) * 16, 16), dtype=torch.uint8, device=target.dev)
     base = raw.data_ptr()
     views = {}  # dtype -> the allocation seen as that dtype
+    strides = {}  # shape -> its C-order strides (a model repeats a few shapes thousands of times)
     made, addresses = {}, []
     for (_, name, dtype, shape, _, _), at in zip(batch, places):
         view = views.get(dtype)
         if view is None:
             view = views[dtype] = raw.view(dtype)
-        made[name] = view.as_strided(shape, _contiguous_strides(shape), at // dtype.itemsize)
+        key = tuple(shape)
+        step = strides.get(key)
+        if step is None:
+            step = strides[key] = _contiguous_strides(shape)
+        made[name] = view.as_strided(shape, step, at // dtype.itemsize)
         addresses.append(base + at)
     return raw, made, addresses
 

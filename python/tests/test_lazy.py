@@ -473,6 +473,40 @@ def test_a_walk_of_tensor_parallel_slices_is_read_ahead_and_equals_safe_open(tmp
             assert same(f.get_slice(key)[part], ref.get_slice(key)[part]), key
 
 
+def test_torch_row_slices_take_the_short_path_and_equal_safe_open(tmp_path):
+    """framework "pt": `[a:b]` of rows goes straight to the read of rows (no per-dimension checks).
+    Every bound torch accepts (negative, past either end, a stop before the start, numpy ints)
+    gives safe_open's tensor, in a tensor-parallel walk (read ahead) and out of order (read
+    alone); bounds that are not ints are refused as safe_open refuses them."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(64, 48), (32, 8), (128,), (64, 3, 5), (16, 16), (7, 4), (1, 9)] * 3
+    tensors = {f"w{i:03d}": torch.randint(0, 255, s, generator=gen).to(torch.bfloat16) for i, s in enumerate(shapes)}
+    path = tmp_path / "rows.safetensors"
+    save_file(tensors, str(path))
+    with safe_open(path, "pt") as ref, hbmio.open(path, framework="pt", readahead=64 << 10) as f:
+        keys = f.offset_keys()
+        for t in (2, 4):
+            for r in range(t):
+                engaged = 0
+                for key in keys:
+                    n = f.get_slice(key).get_shape()[0]
+                    part = slice(r * n // t, (r + 1) * n // t)
+                    got = f.get_slice(key)[part]
+                    assert torch.equal(got, ref.get_slice(key)[part]), (t, r, key)
+                    engaged += f._slices is not None
+                assert engaged > len(keys) // 3, f"t={t} r={r}: the slices were hardly read ahead ({engaged})"
+        bounds = [None, 0, 1, 3, -1, -3, 6, 7, 8, 200, -200, np.int64(2), np.int32(-2)]
+        for key in random.Random(4).sample(keys, 6) + keys[:2]:
+            for a in bounds:
+                for b in bounds:
+                    index = slice(a, b)
+                    assert torch.equal(f.get_slice(key)[index], ref.get_slice(key)[index]), (key, index)
+        for index in (slice(1.5, 3), slice("a", None), slice(0, 4, 2), slice(0, 4, -1)):
+            assert check_index(ref, f, keys[0], index) in ("equal", "refused")
+
+
 def test_an_error_read_ahead_reaches_the_caller_at_its_tensor(tmp_path):
     path = tmp_path / "cut.safetensors"
     hbmio.save_file({f"t{i:03d}": np.full(64 << 10, i, dtype=np.uint8) for i in range(32)}, path)
