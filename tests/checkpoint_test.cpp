@@ -494,6 +494,32 @@ INSTANTIATE_TEST_SUITE_P(Backends, SourceLanded,
                            return std::get<0>(info.param) + (std::get<1>(info.param) ? "_quick" : "_on_pool");
                          });
 
+// A directory opens as its index, or as its one .safetensors file, except where that file names
+// itself one shard of several (model-00001-of-00004.safetensors without the index: a sharded
+// checkpoint another tool is still writing, or copied in part): then an error naming it, never
+// a quarter of the model loaded as the whole.
+TEST(Directories, OneShardOfSeveralWithoutItsIndexIsRefused) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string partial = dir.file("partial");
+  fs::create_directories(partial);
+  save_checkpoint(partial + "/model-00001-of-00004.safetensors", sample.tensors);
+  try {
+    (void)open_checkpoint(partial);
+    ADD_FAILURE() << "one shard of 4 opened as a whole checkpoint";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code().value(), EINVAL);
+    EXPECT_NE(std::string(e.what()).find("model-00001-of-00004.safetensors, shard 00001 of 00004"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(open_checkpoint(partial + "/model-00001-of-00004.safetensors").size(), 1u) << "named, it opens alone";
+  for (const char* name : {"model-00001-of-00001.safetensors", "model.safetensors", "weights-v2.safetensors", "a-1-of-x.safetensors"}) {
+    const std::string one = dir.file(std::string("one-") + name);
+    fs::create_directories(one);
+    save_checkpoint(one + "/" + name, sample.tensors);
+    EXPECT_EQ(open_checkpoint(one).size(), 1u) << name << ": the directory's one file";
+  }
+}
+
 // Which source reads what: read_ranges hands each read to the first source that serves it. A local
 // file is the engine's (LocalFiles); the resident cache's DMA (ResidentDma) takes only reads into
 // GPU memory of files the cache holds; objects at URLs are RemoteObjects' alone.
@@ -557,6 +583,26 @@ TEST(Source, ALoadStartedOnThePoolIsALoad) {
     EXPECT_EQ(e.code().value(), ENOENT) << e.what();
   }
   { LoadInProgress dropped = load_started(request); }  // waits: `dest` is not written after this
+  // A load told to stop (LoadOptions::cancel) throws ECANCELED, on each backend.
+  for (const char* backend : {"posix", "uring"}) {
+    std::atomic<bool> cancel{true};
+    try {
+      load({.path = path, .options = {.backend = backend, .destination = dest.span(), .cancel = &cancel}});
+      ADD_FAILURE() << backend << ": a cancelled load returned";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code().value(), ECANCELED) << backend << ": " << e.what();
+    }
+  }
+  // A temporary request: the job reads its own copy (under ASan, a job that kept a reference
+  // would read a request gone out of scope).
+  std::memset(dest.span().data, 0, dest.span().size);
+  LoadInProgress from_temporary = load_started(LoadRequest{.path = path, .options = {.destination = dest.span()}});
+  const LoadResult again = from_temporary.wait();
+  for (const auto& t : sample.tensors) {
+    const LoadedTensor* got = again.locations.front().find(t.name);
+    ASSERT_NE(got, nullptr) << t.name;
+    if (t.data.size > 0) EXPECT_EQ(std::memcmp(got->data.data, t.data.data, t.data.size), 0) << t.name;
+  }
 }
 
 // A verified load of one file whose tensors lie back to back in one read is checked piece by
@@ -1237,6 +1283,77 @@ class CountingEngine final : public Engine {
  private:
   Engine& inner_;
 };
+
+// Reads join where they continue each other in one file and in one allocation, never across
+// allocations that merely lie next to each other (one copy into a GPU must not span two
+// cudaMalloc'd blocks): the per-tensor layout reads each tensor on its own, the single allocation
+// joins neighbours.
+TEST(Source, ReadsJoinOnlyWithinOneAllocation) {
+  std::vector<std::byte> memory(4096);
+  const MemorySpan all{memory.data(), memory.size(), {MemoryKind::host}};
+  std::vector<detail::RangeRead> ranges;
+  EXPECT_FALSE(detail::add_read(ranges, 0, 100, all.subspan(0, 1024), true));
+  EXPECT_TRUE(detail::add_read(ranges, 0, 1124, all.subspan(1024, 1024), true)) << "next in the file and in one allocation";
+  EXPECT_FALSE(detail::add_read(ranges, 0, 2148, all.subspan(2048, 1024), false)) << "next, but another allocation";
+  EXPECT_FALSE(detail::add_read(ranges, 1, 3172, all.subspan(3072, 512), true)) << "another file";
+  EXPECT_FALSE(detail::add_read(ranges, 1, 4000, all.subspan(3584, 512), true)) << "a gap in the file";
+  EXPECT_FALSE(detail::add_read(ranges, 1, 4512, all.subspan(0, 0), true)) << "no bytes: nothing added";
+  ASSERT_EQ(ranges.size(), 4u);
+  EXPECT_EQ(ranges[0].into.size, 2048u);
+
+  TempDir dir;
+  const std::string path = dir.file("j.safetensors");
+  const Sample sample = make_sample({MemoryKind::host});
+  save_checkpoint(path, sample.tensors);
+  std::size_t non_empty = 0;
+  for (const auto& b : sample.bytes) non_empty += !b.empty();
+  for (const TensorLayout layout : {TensorLayout::per_tensor, TensorLayout::single_allocation}) {
+    auto inner = make_engine("posix", small_options());
+    CountingEngine engine(*inner);
+    const LoadedCheckpoint loaded = load_checkpoint(path, {.into = {MemoryKind::host}, .layout = layout, .engine = &engine});
+    if (layout == TensorLayout::per_tensor)
+      EXPECT_EQ(engine.requests.load(), non_empty) << "one read per tensor: each is an allocation of its own";
+    else
+      EXPECT_LT(engine.requests.load(), non_empty) << "neighbours in the one allocation are read together";
+    for (std::size_t k = 0; k < sample.tensors.size(); ++k) {
+      const LoadedTensor* t = loaded.find(sample.tensors[k].name);
+      ASSERT_NE(t, nullptr);
+      ASSERT_EQ(t->data.size, sample.bytes[k].size());
+      if (t->data.size) EXPECT_EQ(std::memcmp(t->data.data, sample.bytes[k].data(), t->data.size), 0) << t->name;
+    }
+  }
+}
+
+// On a GPU, allocations of a few hundred KiB made one after another usually lie back to back
+// (where host ones never do, which leaves the test above unable to see a join across them): the
+// per-tensor layout of 64 such tensors must load, each tensor right, through every backend.
+TEST(Source, PerTensorLoadsIntoAdjacentGpuAllocations) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  TempDir dir;
+  const std::string path = dir.file("adjacent.safetensors");
+  std::vector<std::vector<std::byte>> bytes(64, std::vector<std::byte>(512 << 10));
+  std::vector<TensorToSave> tensors;
+  for (std::size_t k = 0; k < bytes.size(); ++k) {
+    for (std::size_t i = 0; i < bytes[k].size(); ++i) bytes[k][i] = static_cast<std::byte>((i * 131 + k * 7) >> 3);
+    tensors.push_back({fmt::format("t{:02}", k), st::Dtype::U8, {bytes[k].size()},
+                       {bytes[k].data(), bytes[k].size(), {MemoryKind::host}}});
+  }
+  save_checkpoint(path, tensors);
+  for (const char* backend : {"posix", "uring", "auto"}) {
+    SCOPED_TRACE(backend);
+    const LoadedCheckpoint loaded = load_checkpoint(path, {.into = {MemoryKind::device, 0}, .backend = backend, .layout = TensorLayout::per_tensor});
+    std::size_t adjacent = 0;
+    const std::byte* end = nullptr;
+    for (std::size_t k = 0; k < bytes.size(); ++k) {
+      const LoadedTensor* t = loaded.find(fmt::format("t{:02}", k));
+      ASSERT_NE(t, nullptr);
+      adjacent += t->data.data == end;
+      end = t->data.data + t->data.size;
+      EXPECT_EQ(first_mismatch(to_host(t->data), bytes[k]), -1) << t->name;
+    }
+    RecordProperty(std::string("adjacent_allocations_") + backend, static_cast<int>(adjacent));
+  }
+}
 
 TEST(OpenedCheckpoints, ReadsAdjacentInFileAndMemoryAreReadTogetherAndEachToldLanded) {
   TempDir dir;

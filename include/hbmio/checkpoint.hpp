@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -72,6 +73,11 @@ struct LoadOptions {
   // an NCCL group (Error EINVAL). Shared tensors lie where their file puts them (at least 8-byte
   // aligned in files hbmio or safetensors wrote), not on `alignment`.
   bool share = false;
+  // Once set (by another thread: a Ctrl-C, a job given up), local reads not started yet stop and
+  // the load throws Error(ECANCELED), its memory freed (a caller's destination holds part of the
+  // checkpoint). The load sets it too when it fails part-way, to stop its other reads: give each
+  // load a flag of its own.
+  std::atomic<bool>* cancel = nullptr;
 };
 
 struct LoadedTensor {
@@ -326,21 +332,25 @@ LoadResult load(const LoadRequest& request);
 // load(request) started on the library's pool, for a caller with other work to do meanwhile
 // (Python builds its tensors' views while the bytes are read): wait() returns load's result or
 // rethrows what it threw; the destructor waits too, since the load writes the caller's memory
-// until it returns. `request`, and what it points to, must outlive the wait.
+// until it returns. The job keeps its own copy of `request`; what the request points to (its
+// files, engines, the destination, a progress counter) must outlive the wait.
 class LoadInProgress {
  public:
   LoadInProgress(LoadInProgress&&) noexcept;
   LoadInProgress& operator=(LoadInProgress&&) noexcept;
   ~LoadInProgress();
   LoadResult wait();  // once
+  // Waits up to `timeout`; true once the load has returned (wait() then returns at once). Lets a
+  // caller stay responsive (Python checks for Ctrl-C) while the load runs.
+  bool wait_for(std::chrono::milliseconds timeout) const;
 
  private:
   struct State;
   explicit LoadInProgress(std::unique_ptr<State> state) noexcept;
-  friend LoadInProgress load_started(const LoadRequest& request);
+  friend LoadInProgress load_started(LoadRequest request);
   std::unique_ptr<State> state_;
 };
-LoadInProgress load_started(const LoadRequest& request);
+LoadInProgress load_started(LoadRequest request);
 
 // load({.path = path, .options = options}) into its one location: the common case.
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options = {});

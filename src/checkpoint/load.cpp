@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <regex>
 #include <set>
 #include <optional>
 
@@ -51,7 +52,21 @@ std::string resolve_directory(const CheckpointDirectory& dir, const std::string&
   if (indexes.size() == 1) return indexes.front();
   if (indexes.size() > 1)
     throw checkpoint_error(EINVAL, path, fmt::format("holds {} index files; name the one to load", indexes.size()));
-  if (files.size() == 1) return files.front();
+  if (files.size() == 1) {
+    // "model-00001-of-00004.safetensors" alone names itself one shard of several: the directory
+    // is a sharded checkpoint whose other shards and index are missing (another tool is writing
+    // it, shards first and the index last, or it was copied in part). Loading the one shard as the
+    // whole would give a model with most of its tensors missing, without an error.
+    static const std::regex kShardName(R"(.*-([0-9]+)-of-([0-9]+)\.safetensors)");
+    const std::string& only = files.front();
+    std::smatch m;
+    if (std::regex_match(only, m, kShardName) && (m[2].length() > 9 || std::stoul(m[2].str()) > 1))
+      throw checkpoint_error(EINVAL, path,
+                             fmt::format("holds only {}, shard {} of {}, and no *.safetensors.index.json: an incomplete sharded "
+                                         "checkpoint (still being written, or copied in part); name the file to load it alone",
+                                         only, m[1].str(), m[2].str()));
+    return only;
+  }
   throw checkpoint_error(files.empty() ? ENOENT : EINVAL, path,
                          files.empty() ? "holds no .safetensors file and no *.safetensors.index.json"
                                        : fmt::format("holds {} .safetensors files and no index; name the file to load", files.size()));
@@ -290,15 +305,22 @@ LoadInProgress::LoadInProgress(LoadInProgress&&) noexcept = default;
 LoadInProgress& LoadInProgress::operator=(LoadInProgress&&) noexcept = default;  // State's Pending waits for the old job
 LoadInProgress::~LoadInProgress() = default;  // State's Pending waits
 
+bool LoadInProgress::wait_for(std::chrono::milliseconds timeout) const {
+  return !state_ || !state_->job.valid() || state_->job.wait_for(timeout);
+}
+
 LoadResult LoadInProgress::wait() {
   if (!state_ || !state_->job.valid()) throw Error(errno_code(EINVAL), {.op = "load"}, "LoadInProgress::wait() of a load waited for already");
   return state_->job.get();
 }
 
-LoadInProgress load_started(const LoadRequest& request) {
-  return LoadInProgress(std::make_unique<LoadInProgress::State>(LoadInProgress::State{detail::Executor::shared().start([&request] {
-    return load(request);  // what touches CUDA there holds a DeviceGuard of its own
-  })}));
+LoadInProgress load_started(LoadRequest request) {
+  // The request moves into the job: a temporary request, or one that goes out of scope before
+  // the wait, is still the job's to read.
+  return LoadInProgress(std::make_unique<LoadInProgress::State>(
+      LoadInProgress::State{detail::Executor::shared().start([request = std::move(request)] {
+        return load(request);  // what touches CUDA there holds a DeviceGuard of its own
+      })}));
 }
 
 LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& options) {
@@ -313,13 +335,15 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
   LoadedCheckpoint result;
   result.metadata_ = files.front().header.metadata;
 
-  // One read per run of tensors that lie back to back both in a file and in memory.
+  // One read per run of tensors that lie back to back both in a file and in one allocation (never
+  // across the allocations of the per-tensor layout, however close their addresses).
   std::vector<detail::RangeRead> reads;
   std::vector<ReadTensors> read_tensors;  // per read
+  const bool one_allocation = options.layout == TensorLayout::single_allocation;
   auto plan_read = [&](const Pick& pick, MemorySpan memory) {
     const std::uint64_t file_offset = files[pick.file].header.data_offset + pick.info->begin;
     const std::size_t ranges = reads.size();
-    if (detail::add_read(reads, pick.file, file_offset, memory)) {
+    if (detail::add_read(reads, pick.file, file_offset, memory, one_allocation)) {
       // Through the tensor add_tensor appends next (empty tensors in between included: they
       // take indices but no read).
       read_tensors.back().count = result.tensors_.size() + 1 - read_tensors.back().first;
@@ -456,6 +480,7 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
       .landed = check && std::any_of(files.begin(), files.end(), [](const CheckpointFile& f) { return has_checksums(f.header.metadata); })
                     ? LandedFunction(landed)
                     : nullptr,
+      .cancel = options.cancel,
       .resident = &copies};
   result.stats_ = detail::read_ranges(files, reads, source);
   std::string share_note;

@@ -50,9 +50,15 @@ struct ProgressLine::State {
     }
   }
 
+  // Draws outside the lock: a writer may block (Python's takes the GIL), and stop() must be able
+  // to say "stop" meanwhile.
   void run() {
     std::unique_lock lock(mutex);
-    while (!changed.wait_for(lock, std::chrono::milliseconds(200), [&] { return stopping; })) draw();
+    while (!changed.wait_for(lock, std::chrono::milliseconds(200), [&] { return stopping; })) {
+      lock.unlock();
+      draw();
+      lock.lock();
+    }
   }
 };
 

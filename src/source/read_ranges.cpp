@@ -7,9 +7,9 @@
 
 namespace hbmio::detail {
 
-bool add_read(std::vector<RangeRead>& ranges, std::size_t file, std::uint64_t offset, MemorySpan into, bool may_join) {
+bool add_read(std::vector<RangeRead>& ranges, std::size_t file, std::uint64_t offset, MemorySpan into, bool same_allocation) {
   if (into.size == 0) return false;
-  if (may_join && !ranges.empty()) {
+  if (same_allocation && !ranges.empty()) {
     RangeRead& last = ranges.back();
     if (last.file == file && last.offset + last.into.size == offset && last.into.location == into.location &&
         last.into.data + last.into.size == into.data) {

@@ -138,11 +138,11 @@ SharedFiles shared_copies(const std::vector<CheckpointFile>& files, const std::v
 std::string resident_note(const ResidentCopies& copies);
 
 // Adds the read of bytes [offset, offset + into.size) of files[file] into `into` to `ranges`: joined
-// to the last range where it continues that range both in the file and in memory (and `may_join`:
-// memory adjacent by address alone may be two allocations, which one copy must not span), so that
-// many small tensors are read as one request. Returns whether it was joined. A read of no bytes
-// adds nothing and returns false.
-bool add_read(std::vector<RangeRead>& ranges, std::size_t file, std::uint64_t offset, MemorySpan into, bool may_join = true);
+// to the last range where it continues that range both in the file and in memory and `same_allocation`
+// says the two lie in one allocation (memory adjacent by address alone may be two allocations, which
+// one copy into a GPU must not span: cudaErrorInvalidValue), so that many small tensors are read as
+// one request. Returns whether it was joined. A read of no bytes adds nothing and returns false.
+bool add_read(std::vector<RangeRead>& ranges, std::size_t file, std::uint64_t offset, MemorySpan into, bool same_allocation);
 
 // Every read, each by the first source that serves it (ResidentDma, RemoteObjects, LocalFiles),
 // at once where the source allows: the local reads as engine batches (the whole load one batch
