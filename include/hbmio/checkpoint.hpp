@@ -6,7 +6,6 @@
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -340,9 +339,6 @@ class LoadInProgress {
   LoadInProgress& operator=(LoadInProgress&&) noexcept;
   ~LoadInProgress();
   LoadResult wait();  // once
-  // Waits up to `timeout`; true once the load has returned (wait() then returns at once). Lets a
-  // caller stay responsive (Python checks for Ctrl-C) while the load runs.
-  bool wait_for(std::chrono::milliseconds timeout) const;
 
  private:
   struct State;

@@ -299,10 +299,16 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
                                 report=report, cache=cache, background=True)
         try:
             out = make_views()
-        finally:
-            # `dest` is written until the load returns, on every path: wait for it (a Ctrl-C
-            # meanwhile is raised once it has), and raise what it raised.
-            job.wait()
+        except BaseException:
+            # No views, no load: stop its reads and wait for those in flight (`dest` is written
+            # until the load returns), then raise what stopped the views, not the load's ECANCELED.
+            job.cancel()
+            try:
+                job.wait()
+            except Exception:
+                pass
+            raise
+        job.wait()  # raises what the load raised; a Ctrl-C meanwhile stops it and is raised
         return out
 
 

@@ -335,7 +335,9 @@ class SafeOpen(_hbmio.SafeOpen):
         tensor = self._ready.pop(i, None)
         if tensor is not None:
             return tensor
-        if sequential and self._budget > 0 and target.can(self._entries_list[i][1]):
+        # Past its `with` block (a slice object kept from inside it reads on): nothing read ahead,
+        # which nothing would free until the handle itself is collected.
+        if sequential and self._budget > 0 and not self._closed and target.can(self._entries_list[i][1]):
             rest = self._small_rest(i, target)
             if rest is not None:  # the rest of a small checkpoint: one request, no reader thread
                 made = self._read_now(rest, target, _small_backend(backend))
@@ -348,7 +350,7 @@ class SafeOpen(_hbmio.SafeOpen):
             self._ready.clear()
             self._ahead = _ReadAhead(self, i, target, backend)
             return self._ahead.take(i, walk=True)
-        if backwards and self._budget > 0:
+        if backwards and self._budget > 0 and not self._closed:
             for k in [k for k in self._ready if k > i + 8]:
                 del self._ready[k]
             batch = self._batch_back(i, target)
@@ -386,7 +388,7 @@ class SafeOpen(_hbmio.SafeOpen):
             ahead.stop()
             self._slices = None
         last, self._last_rows = self._last_rows, (i, start, stop)
-        if self._budget <= 0 or last is None:
+        if self._budget <= 0 or last is None or self._closed:  # closed: as in _get
             return None
         j, a, b = last
         rows_j = self._entries_list[j][2][0]

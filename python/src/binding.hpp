@@ -97,6 +97,19 @@ class EngineLease {
 struct Progress {
   std::atomic<std::uint64_t> done{0};
   std::unique_ptr<hbmio::ProgressLine> line;  // while Python's progress=True shows the bar (_show)
+
+  Progress() = default;
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+  // Called with the GIL held (Python drops the object): a bar still shown is stopped without it,
+  // as _hide does, since its drawing job takes the GIL to write and stop() waits for that job.
+  ~Progress() { hide(); }
+  void hide() {
+    if (!line) return;
+    std::unique_ptr<hbmio::ProgressLine> shown = std::move(line);
+    nb::gil_scoped_release release;
+    shown.reset();
+  }
 };
 
 // verify=: False/None (off), True or "checksums" (files without checksums load, with a
@@ -126,6 +139,11 @@ struct RawArray {
   hbmio::MemorySpan span;
 };
 RawArray raw_array(nb::handle value, bool writable, const char* what);
+
+// For hbmio::run_interruptible, from a thread that released the GIL: takes it to ask whether a
+// signal came (save.cpp). The exception (KeyboardInterrupt for Ctrl-C) stays set, for the caller to
+// raise once the work has ended.
+bool interrupted_by_signal();
 
 // hbmio.DtypeError (errors.cpp).
 PyObject* dtype_error_type();

@@ -27,7 +27,8 @@ NB_MODULE(_hbmio, m) {
       .def_prop_ro("done", [](const Progress& p) { return p.done.load(std::memory_order_relaxed); })
       .def("_show", [](Progress& p, std::uint64_t total) {
         // The library's pool draws the bar (no thread of Python's own), into sys.stderr: a
-        // notebook's stderr is not the process's.
+        // notebook's stderr is not the process's. A bar shown already is stopped first.
+        p.hide();
         p.line = std::make_unique<hbmio::ProgressLine>("", total, p.done, hbmio::ProgressLine::Ending::keep, [](const std::string& text) {
           nb::gil_scoped_acquire acquire;
           try {
@@ -39,11 +40,7 @@ NB_MODULE(_hbmio, m) {
           }
         });
       }, nb::arg("total"), "Draws '\\r1.20 GiB / 4.00 GiB  (30%)  3.10 GiB/s' on sys.stderr every 200 ms until _hide().")
-      .def("_hide", [](Progress& p) {
-        std::unique_ptr<hbmio::ProgressLine> line = std::move(p.line);
-        nb::gil_scoped_release release;  // the drawing job takes the GIL to write
-        line.reset();
-      }, "Stops the bar, drawing its last line and a newline.");
+      .def("_hide", [](Progress& p) { p.hide(); }, "Stops the bar, drawing its last line and a newline.");
 
   m.def("_release_engines", [] {
     nb::gil_scoped_release release;

@@ -4,6 +4,17 @@
 
 namespace hbmio_py {
 
+// For run_interruptible around a load: a Ctrl-C (interrupted_by_signal) also tells the load to
+// stop its reads (`cancel`, its LoadOptions::cancel), so a load of hundreds of GiB ends within
+// a chunk rather than at its last byte; KeyboardInterrupt is raised once it has returned.
+std::function<bool()> interrupted_stopping(std::atomic<bool>& cancel) {
+  return [&cancel] {
+    if (!interrupted_by_signal()) return false;
+    cancel = true;
+    return true;
+  };
+}
+
 // Loads and wraps every tensor as a DLPack array owned by one capsule.
 nb::dict load(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
               std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report, const std::string& cache,
@@ -11,15 +22,22 @@ nb::dict load(const std::string& path, const std::string& device, const std::str
   hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress, cache);
   options.into = parse_device(device);
   options.share = share;
+  std::atomic<bool> cancel{false};
+  options.cancel = &cancel;
   auto* loaded = new hbmio::LoadedCheckpoint();
-  try {
+  hbmio::InterruptibleRun run;
+  {
     nb::gil_scoped_release release;
     EngineLease engine(backend);
     options.engine = engine.get();
-    *loaded = hbmio::load_checkpoint(path, options);
-  } catch (...) {
+    // On the library's pool, while this thread checks for Ctrl-C every 50 ms.
+    run = hbmio::run_interruptible([&](const std::atomic<bool>&) { *loaded = hbmio::load_checkpoint(path, options); },
+                                   interrupted_stopping(cancel));
+  }
+  if (run.interrupted || run.error) {
     delete loaded;
-    throw;
+    if (run.interrupted) throw nb::python_error();  // KeyboardInterrupt (the load's ECANCELED says less)
+    std::rethrow_exception(run.error);
   }
   // From here the capsule owns the checkpoint (its destructor runs when the last array goes).
   nb::capsule owner(loaded, [](void* p) noexcept { delete static_cast<hbmio::LoadedCheckpoint*>(p); });
@@ -168,7 +186,12 @@ Target target_of(nb::handle h) {
 // A load _load_into(background=True) started on the library's pool (hbmio::load_started): Python
 // builds its tensors' views meanwhile, then calls wait(). Holds what the load reads and writes.
 struct LoadJob {
-  nb::object checkpoint, dest, report;  // alive while the load runs: its files, its memory
+  // Alive while the load runs: its files, its memory (the object given and the array exported
+  // from it, which holds the memory even if the object's storage is replaced meanwhile), where
+  // its report goes and the counter it advances.
+  nb::object checkpoint, dest, report, progress;
+  nb::ndarray<nb::ro> memory;
+  std::atomic<bool> cancel{false};  // LoadOptions::cancel: set by a Ctrl-C in wait(), or cancel()
   hbmio::LoadRequest request;
   std::optional<EngineLease> engine;
   std::optional<hbmio::LoadInProgress> running;
@@ -186,15 +209,18 @@ struct LoadJob {
 
   void wait() {
     if (!running) throw nb::value_error("_LoadJob.wait(): waited for already");
+    std::optional<hbmio::LoadInProgress> job = std::move(running);
+    running.reset();
     hbmio::LoadResult result;
+    hbmio::InterruptibleRun run;
     {
       nb::gil_scoped_release release;
-      std::optional<hbmio::LoadInProgress> job = std::move(running);
-      running.reset();
-      result = job->wait();
+      run = hbmio::run_interruptible([&](const std::atomic<bool>&) { result = job->wait(); }, interrupted_stopping(cancel));
       job.reset();
       engine.reset();
     }
+    if (run.interrupted) throw nb::python_error();  // KeyboardInterrupt, once the load has stopped
+    if (run.error) std::rethrow_exception(run.error);
     const hbmio::LoadedCheckpoint& loaded = result.locations.front();
     warn_unverified(loaded);
     report_into(report, loaded.stats());
@@ -219,11 +245,14 @@ nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& 
     auto job = std::make_unique<LoadJob>();
     job->checkpoint = nb::borrow(checkpoint);
     job->dest = nb::borrow(dest);
+    job->memory = to.array;
     job->report = nb::borrow(report);
+    if (progress != nullptr) job->progress = nb::find(progress);
     {
       nb::gil_scoped_release release;
       job->engine.emplace(backend);
       options.engine = job->engine->get();
+      options.cancel = &job->cancel;
       job->request = {.path = target.path, .files = target.files, .options = std::move(options)};
       job->running.emplace(hbmio::load_started(job->request));
     }
@@ -301,7 +330,10 @@ void bind_load(nb::module_& m) {
         "returns once it is done (and fills `report`).");
 
   nb::class_<LoadJob>(m, "_LoadJob", "A load started by _load_into(background=True); dropping it waits for the load.")
-      .def("wait", &LoadJob::wait, "Waits for the load; raises what it raised, fills its report.");
+      .def("wait", &LoadJob::wait, "Waits for the load; raises what it raised, fills its report. A signal meanwhile "
+           "(Ctrl-C) stops the load's reads, waits for those in flight and raises the signal's exception.")
+      .def("cancel", [](LoadJob& job) { job.cancel = true; },
+           "Tells the load to stop: reads not started are skipped, and wait() raises hbmio.Error (ECANCELED).");
 
   m.def("_tensor_bytes", [](const std::string& path, std::optional<std::vector<std::string>> names) {
     // The bytes a load reads (what its progress counter reaches), without alignment padding.

@@ -175,9 +175,7 @@ hbmio::SaveOptions save_options(std::optional<std::map<std::string, std::string>
   return options;
 }
 
-// For run_interruptible, from a thread that released the GIL: takes it to ask whether a signal
-// came (Python's handler only sets a flag, which PyErr_CheckSignals turns into the exception,
-// KeyboardInterrupt for Ctrl-C). The exception stays set, raised by the caller once the work ended.
+// Python's handler only sets a flag, which PyErr_CheckSignals turns into the exception.
 bool interrupted_by_signal() {
   nb::gil_scoped_acquire acquire;
   return PyErr_CheckSignals() != 0;

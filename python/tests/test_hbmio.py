@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import pathlib
+import textwrap
 import threading
 
 import numpy as np
@@ -746,6 +747,67 @@ def test_loads_and_the_progress_bar_start_no_python_thread(tmp_path, capfd, monk
     for name, tensor in state.items():
         assert torch.equal(loaded[name], tensor), name
     assert "(100%)" in capfd.readouterr().err
+
+
+def test_a_background_load_told_to_stop_raises_ecanceled_and_the_next_load_is_whole(tmp_path):
+    # _load_into(background=True) (a torch load into a GPU builds its views meanwhile): cancel()
+    # stops its reads; wait() then raises ECANCELED, the destination is not written after it
+    # returns, and a load right after (same pooled engine) gives every byte.
+    state = {f"t{i:02d}": np.full(16 << 20, i + 1, dtype=np.uint8) for i in range(64)}  # 1 GiB
+    path = tmp_path / "big.safetensors"
+    hbmio.save_file(state, path)
+    opened = hbmio._hbmio.SafeOpen(str(path), cache="off")
+    plan = hbmio._hbmio._plan(opened, None)
+    dest = np.zeros(plan[-1].offset + plan[-1].size, dtype=np.uint8)
+    job = hbmio._hbmio._load_into(opened, dest, backend="auto", entries=False, background=True)
+    job.cancel()
+    with pytest.raises(hbmio.Error) as stopped:
+        job.wait()
+    assert stopped.value.errno == errno.ECANCELED, stopped.value
+    after = dest.copy()
+    gc.collect()
+    assert np.array_equal(dest, after), "the destination was written after wait() returned"
+    job = hbmio._hbmio._load_into(opened, dest, backend="auto", entries=False, background=True)
+    job.wait()
+    for t in plan:
+        assert (dest[t.offset:t.offset + t.size] == int(t.name[1:]) + 1).all(), t.name
+
+
+LOAD_CHILD = textwrap.dedent("""
+    import os, signal, sys, threading, time, numpy as np, hbmio
+    path, total = sys.argv[1], int(sys.argv[2])
+    counter = hbmio._hbmio._Progress()
+
+    def interrupt_once_reading():  # Ctrl-C, as the terminal sends it, once the load has begun
+        while counter.done == 0:
+            time.sleep(0.0005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_once_reading, daemon=True).start()
+    try:
+        hbmio._hbmio.load_file(path, "cpu", backend="posix", progress=counter)
+        print("loaded", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", "stopped" if counter.done < total else "finished", flush=True)
+    got = hbmio.load_file(path, framework="numpy")
+    ok = sorted(got) == [f"t{i:02d}" for i in range(32)] and all((got[f"t{i:02d}"] == i + 1).all() for i in range(32))
+    print("ok" if ok else "wrong bytes", flush=True)
+""")
+
+
+def test_ctrl_c_during_a_load_stops_it_and_hbmio_keeps_working(tmp_path):
+    # Ctrl-C in the middle of load_file (the GIL released, the load on the library's pool): the
+    # load is told to stop, so it ends before its last byte (2 GiB through one thread's preads
+    # take hundreds of milliseconds; the signal is looked for every 50), KeyboardInterrupt reaches
+    # the caller, and the next load is whole.
+    import subprocess
+    import sys
+    path = tmp_path / "big.safetensors"
+    hbmio.save_file({f"t{i:02d}": np.full(64 << 20, i + 1, dtype=np.uint8) for i in range(32)}, path)
+    total = 32 * (64 << 20)
+    child = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(path), str(total)], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and child.stdout.split() == ["interrupted", "stopped", "ok"], (child.returncode, child.stdout,
+                                                                                              child.stderr[-2000:])
 
 
 def test_progress_bar_on_stderr(tmp_path, capfd, counters_settle):

@@ -507,6 +507,21 @@ def test_torch_row_slices_take_the_short_path_and_equal_safe_open(tmp_path):
             assert check_index(ref, f, keys[0], index) in ("equal", "refused")
 
 
+def test_slices_kept_past_the_with_block_read_their_rows_and_nothing_ahead(tmp_path):
+    # A slice object taken inside the `with` block still reads after it (as safe_open's do), but
+    # starts no read-ahead: nothing would free it until the handle itself is collected.
+    from safetensors.numpy import save_file
+    tensors = {f"w{i:02d}": np.arange(64 * 16, dtype=np.float32).reshape(64, 16) + i for i in range(24)}
+    path = tmp_path / "kept.safetensors"
+    save_file(tensors, str(path))
+    with hbmio.open(path, framework="np") as f:
+        kept = [f.get_slice(k) for k in f.offset_keys()]
+    for i, s in enumerate(kept):
+        assert same(s[8:16], tensors[f"w{i:02d}"][8:16]), i
+        assert same(s[:], tensors[f"w{i:02d}"]), i
+    assert f._slices is None and f._ahead is None and not f._ready, "read ahead past the with block"
+
+
 def test_an_error_read_ahead_reaches_the_caller_at_its_tensor(tmp_path):
     path = tmp_path / "cut.safetensors"
     hbmio.save_file({f"t{i:03d}": np.full(64 << 10, i, dtype=np.uint8) for i in range(32)}, path)

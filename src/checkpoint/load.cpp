@@ -305,10 +305,6 @@ LoadInProgress::LoadInProgress(LoadInProgress&&) noexcept = default;
 LoadInProgress& LoadInProgress::operator=(LoadInProgress&&) noexcept = default;  // State's Pending waits for the old job
 LoadInProgress::~LoadInProgress() = default;  // State's Pending waits
 
-bool LoadInProgress::wait_for(std::chrono::milliseconds timeout) const {
-  return !state_ || !state_->job.valid() || state_->job.wait_for(timeout);
-}
-
 LoadResult LoadInProgress::wait() {
   if (!state_ || !state_->job.valid()) throw Error(errno_code(EINVAL), {.op = "load"}, "LoadInProgress::wait() of a load waited for already");
   return state_->job.get();
