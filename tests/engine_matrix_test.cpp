@@ -291,6 +291,35 @@ TEST(GpuDefaultOptions, UringReadsAndWritesDeviceMemory) {
   default_options_round_trip("cuda:0");
 }
 
+// Where a transfer's time went (Stats::wake_seconds, drain_seconds, copy_wait_seconds): uring
+// says it, each within the transfer's wall time (copy waits summed over its workers: within wall
+// time times workers; none into host memory, which takes no copy to a GPU); posix says none.
+void time_breakdown(const std::string& where) {
+  TempDir dir;
+  const std::string path = dir.file("t.bin");
+  const std::size_t size = 48u << 20;
+  write_file(path, random_bytes(size, 9));
+  Buffer buffer = Buffer::allocate(MemoryLocation::parse(where), size + 1);
+  const MemorySpan span = buffer.span().subspan(1, size);  // unaligned: through the slots
+  File file = File::open(path, OpenMode::read);
+  const Stats uring = make_engine("uring", Options{})->read(file, 0, span);
+  EXPECT_EQ(uring.bytes, size);
+  EXPECT_GE(uring.wake_seconds, 0.0);
+  EXPECT_LE(uring.wake_seconds, uring.seconds);
+  EXPECT_GE(uring.drain_seconds, 0.0);
+  EXPECT_LE(uring.drain_seconds, uring.seconds);
+  EXPECT_LE(uring.copy_wait_seconds, uring.seconds * uring.workers);
+  if (where == "host") EXPECT_EQ(uring.copy_wait_seconds, 0.0) << "no copy to a GPU";
+  ASSERT_EQ(first_mismatch(to_host(span), pread_range(path, 0, size)), -1);
+  const Stats posix = make_engine("posix", Options{})->read(file, 0, span);
+  EXPECT_EQ(posix.wake_seconds + posix.drain_seconds + posix.copy_wait_seconds, 0.0);
+}
+TEST(Stats, UringSaysWhereItsTimeWent) { time_breakdown("host"); }
+TEST(GpuStats, UringSaysWhereItsTimeWent) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << cuda_unavailable_reason();
+  time_breakdown("cuda:0");
+}
+
 // One write batch laid end to end whose requests come in runs of GPU, pageable and pinned host
 // memory (a save of tensors from all three): uring gathers each run of one kind into a range of
 // its own, so however small its tensors, only the two ends of each run can go through the page

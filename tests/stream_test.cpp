@@ -127,6 +127,13 @@ TEST(Stream, EveryRecordOncePerEpochAcrossRanks) {
           EXPECT_EQ(stats.records, 2 * ids[0].size());
           EXPECT_EQ(stats.epoch, 2u);
           EXPECT_EQ(stream.epoch_stats().size(), 2u);
+          // The engine requests behind the batches: at least one group per epoch with records,
+          // each part of the time within the groups' time.
+          if (!ids[0].empty()) {
+            EXPECT_GE(stats.groups, 1u);
+            EXPECT_GT(stats.group_seconds, 0.0);
+            EXPECT_LE(stats.wake_seconds + stats.drain_seconds, 2 * stats.group_seconds);
+          }
         }
         for (std::size_t e = 0; e < 2; ++e) {
           for (const auto& [id, times] : seen[e]) {

@@ -143,7 +143,10 @@ def hbmio_pass(torch, a, files, step):
     value = consume(torch, s, step, a.device, out)
     stats = s.stats()
     s.close()
-    return out[0], value, dict(wait_s=round(stats["wait_seconds"], 3), read_s=round(stats["read_seconds"], 3))
+    g = stats.get("groups", {})
+    return out[0], value, dict(wait_s=round(stats["wait_seconds"], 3), read_s=round(stats["read_seconds"], 3),
+                               groups=g.get("count"), group_s=round(g.get("seconds", 0), 4), wake_s=round(g.get("wake_seconds", 0), 4),
+                               drain_s=round(g.get("drain_seconds", 0), 4), copy_wait_s=round(g.get("copy_wait_seconds", 0), 4))
 
 
 def dataloader_pass(torch, a, files, step, np):

@@ -131,6 +131,13 @@ struct Stats {
   std::uint64_t bytes_buffered = 0;    // of `bytes`, through the page cache
   std::uint64_t bounce_copies = 0;     // staging copies through bounce buffers
   unsigned workers = 0;                // threads that took part
+  // Where a uring transfer's time went besides moving bytes (other backends leave them 0): from
+  // the submit to the last worker's start (threads waking), from the first worker out of work to
+  // the last one done (the tail, when fewer and fewer workers run), and the workers' time blocked
+  // on copies to the GPU (a slot to reuse, or the last copies), summed over workers.
+  double wake_seconds = 0;
+  double drain_seconds = 0;
+  double copy_wait_seconds = 0;
   std::string note;                    // e.g. why auto picked this backend, a fallback made
   // Per file, the way its bytes moved and why, in the order the files were first met. Every
   // engine, remote read and upload fills it, so a load's, save's or read's Stats say it too.
@@ -138,8 +145,8 @@ struct Stats {
 
   double gib_per_second() const noexcept;
   // Adds the counts of a part of a larger transfer (one of several requests): bytes, direct and
-  // buffered bytes, bounce copies, paths (add_path); keeps the largest worker count and the part's
-  // backend. Time and CPU are the caller's to measure over the whole.
+  // buffered bytes, bounce copies, the wake, drain and copy-wait times, paths (add_path); keeps the
+  // largest worker count and the part's backend. Time and CPU are the caller's to measure over the whole.
   void add_part(const Stats& part);
   void add_path(const TransferPath& path) { hbmio::add_path(paths, path); }  // the free add_path
   bool used_direct_io() const noexcept { return bytes_direct > 0; }

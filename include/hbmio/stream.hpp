@@ -122,6 +122,12 @@ struct StreamStats {
   // (and equal it once the stream has ended). stats() only: an epoch's (epoch_stats) has none, as
   // a group of batches may span two epochs.
   std::vector<TransferPath> paths;
+  // The engine requests behind the batches (stats() only, as `paths`): how many groups of batches
+  // were read as one request, their summed wall time, and of it (Stats) the workers' waking, the
+  // requests' tails and the time blocked on copies to the GPU: where a stream below the page
+  // cache's rate loses it.
+  std::uint64_t groups = 0;
+  double group_seconds = 0, wake_seconds = 0, drain_seconds = 0, copy_wait_seconds = 0;
   double records_per_second() const noexcept { return seconds > 0 ? static_cast<double>(records) / seconds : 0; }
   double gib_per_second() const noexcept { return seconds > 0 ? static_cast<double>(bytes) / seconds / (1u << 30) : 0; }
 };

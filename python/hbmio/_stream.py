@@ -433,7 +433,10 @@ class Stream:
         data: near 0 when reading keeps up with the steps), records_per_second, gib_per_second,
         epoch (epochs completed), and paths: per shard, the way its bytes took and why (as
         load_file's report; a group of batches counts once its whole read is done, so the paths
-        trail the bytes a little until the stream ends)."""
+        trail the bytes a little until the stream ends), and groups: the engine requests that read
+        the batches (count, seconds, and of those the workers' wake_seconds, the requests' tails
+        drain_seconds and the time blocked on copies to the GPU copy_wait_seconds, summed; the
+        uring backend's, 0 for the others): where a stream below the page cache's rate loses it."""
         return self._stream.stats()
 
     @property

@@ -63,7 +63,16 @@ class PyStream {
     d["wait_seconds"] = s.wait_seconds;
     d["records_per_second"] = s.records_per_second();
     d["gib_per_second"] = s.gib_per_second();
-    if (with_paths) d["paths"] = paths_list(s.paths);  // the whole stream's only (StreamStats::paths)
+    if (with_paths) {  // the whole stream's only (StreamStats::paths and the engine's groups)
+      d["paths"] = paths_list(s.paths);
+      nb::dict groups;
+      groups["count"] = s.groups;
+      groups["seconds"] = s.group_seconds;
+      groups["wake_seconds"] = s.wake_seconds;
+      groups["drain_seconds"] = s.drain_seconds;
+      groups["copy_wait_seconds"] = s.copy_wait_seconds;
+      d["groups"] = groups;
+    }
     return d;
   }
   nb::dict stats() const { return to_dict(stream_->stats()); }

@@ -70,6 +70,9 @@ void Stats::add_part(const Stats& part) {
   bytes_direct += part.bytes_direct;
   bytes_buffered += part.bytes_buffered;
   bounce_copies += part.bounce_copies;
+  wake_seconds += part.wake_seconds;
+  drain_seconds += part.drain_seconds;
+  copy_wait_seconds += part.copy_wait_seconds;
   workers = std::max(workers, part.workers);
   for (const TransferPath& path : part.paths) add_path(path);
 }

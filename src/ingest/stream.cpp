@@ -309,7 +309,7 @@ struct BatchStream::State {
     Clock::time_point last_landed;                   // the read's start, then its last landing (under the mutex)
     std::vector<std::shared_ptr<const File>> files;  // what its requests read (trimmed from open_files meanwhile)
     std::exception_ptr failed;  // a shard that could not be opened: the batches before it are read first
-    std::vector<TransferPath> paths;  // which way the engine read each file (they go to the stream's stats)
+    Stats read;  // what the engine did: which way it read each file, and where its time went (to the stream's stats)
     detail::Pending<void> reading;
     void landed(std::uint64_t request) noexcept override { state->landed(*this, batch_of[request]); }
   };
@@ -698,7 +698,7 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
       std::lock_guard lock(mutex);
       group->last_landed = Clock::now();
     }
-    if (!group->requests.empty()) group->paths = engine.submit_batch(group->requests).paths;
+    if (!group->requests.empty()) group->read = engine.submit_batch(group->requests);
   });
   return g;
 }
@@ -744,7 +744,14 @@ void BatchStream::State::finish_group(Group& g) {
   std::lock_guard lock(mutex);
   // The whole stream's only: a group may span two epochs, and finishes after its batches were
   // handed out (StreamStats::paths).
-  for (const TransferPath& path : g.paths) add_path(total_stats.paths, path);
+  for (const TransferPath& path : g.read.paths) add_path(total_stats.paths, path);
+  if (!g.requests.empty()) {
+    ++total_stats.groups;
+    total_stats.group_seconds += g.read.seconds;
+    total_stats.wake_seconds += g.read.wake_seconds;
+    total_stats.drain_seconds += g.read.drain_seconds;
+    total_stats.copy_wait_seconds += g.read.copy_wait_seconds;
+  }
   if (g.failed) std::rethrow_exception(g.failed);
   for (std::size_t b = 0; b < g.unlanded.size(); ++b)
     if (g.unlanded[b] > 0)  // every batch after it would wait for it, and the caller for them

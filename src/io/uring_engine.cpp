@@ -124,6 +124,15 @@ struct Op {
   unsigned retries = 0;
 };
 
+void atomic_max(std::atomic<std::uint64_t>& a, std::uint64_t v) noexcept {
+  for (std::uint64_t seen = a.load(); seen < v && !a.compare_exchange_weak(seen, v);) {
+  }
+}
+void atomic_min(std::atomic<std::uint64_t>& a, std::uint64_t v) noexcept {
+  for (std::uint64_t seen = a.load(); seen > v && !a.compare_exchange_weak(seen, v);) {
+  }
+}
+
 // State of one job (a request, or a batch of them), shared by its workers.
 struct Job {
   std::vector<Part> parts;
@@ -140,6 +149,12 @@ struct Job {
   // First-use set-up inside this job (rings, bounce buffers, streams), summed over workers, ns.
   std::atomic<std::uint64_t> setup_ns{0}, pinning_ns{0}, registering_ns{0};
   std::atomic<unsigned> workers_set_up{0};
+  // Stats::wake_seconds, drain_seconds, copy_wait_seconds: ns since `start`, and summed waits.
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::atomic<std::uint64_t> last_start_ns{0}, first_end_ns{UINT64_MAX}, last_end_ns{0}, copy_wait_ns{0};
+  std::uint64_t since_start() const {
+    return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+  }
   // Per part (same index as `parts`): how its bytes went, for Stats::paths.
   struct PartBytes {
     std::atomic<std::uint64_t> direct{0};
@@ -178,6 +193,7 @@ class Worker {
   // Runs chunks of `job` until none are left or the job failed. Throws nothing: failures go to
   // job.fail(), after every I/O of this worker has completed and every copy has finished.
   void run(Job& job) noexcept {
+    atomic_max(job.last_start_ns, job.since_start());
     job_ = &job;
     // Nothing of an earlier request may carry over (a request that failed elsewhere leaves
     // this worker's chunk half done).
@@ -194,6 +210,9 @@ class Worker {
       job.fail(std::current_exception());
       drain();  // frees every slot (staging_.reset()); a job that ends well has given each back
     }
+    const std::uint64_t end = job.since_start();
+    atomic_min(job.first_end_ns, end);
+    atomic_max(job.last_end_ns, end);
     job_ = nullptr;
     part_ = nullptr;
     device_guard_.reset();
@@ -488,7 +507,9 @@ class Worker {
   // The oldest copy's slot freed and its bytes landed. A small copy is done within microseconds:
   // poll for it a short while before sleeping in the driver (StagingRing::reclaim_oldest).
   void wait_for_oldest_copy() {
+    const std::uint64_t from = job_->since_start();
     const Landing landing = landing_[static_cast<std::size_t>(staging_.reclaim_oldest(std::chrono::microseconds(30), context()))];
+    job_->copy_wait_ns += job_->since_start() - from;
     land(*landing.part, landing.bytes);
   }
 
@@ -681,6 +702,7 @@ class UringEngine final : public Engine {
         {workers_.size(), job.chunks, std::max<std::uint64_t>(1, (stats.bytes + kBytesPerWorker - 1) / kBytesPerWorker)}));
     for (unsigned i = 0; i < count; ++i)
       if (!workers_[i]) workers_[i] = std::make_unique<Worker>(options_, faults_.get(), i == 0);
+    job.start = std::chrono::steady_clock::now();
     threads_.run(count, [&](unsigned i) { workers_[i]->run(job); });
     if (job.error) std::rethrow_exception(job.error);
     write_edges(job);
@@ -689,6 +711,9 @@ class UringEngine final : public Engine {
     stats.bytes_buffered = job.bytes_buffered;
     stats.bounce_copies = job.bounce_copies;
     stats.workers = count;
+    stats.wake_seconds = static_cast<double>(job.last_start_ns.load()) * 1e-9;
+    stats.drain_seconds = static_cast<double>(job.last_end_ns.load() - std::min(job.first_end_ns.load(), job.last_end_ns.load())) * 1e-9;
+    stats.copy_wait_seconds = static_cast<double>(job.copy_wait_ns.load()) * 1e-9;
     if (job.chunks_cached + job.chunks_cold > 0)
       note += fmt::format("{}O_DIRECT auto: {} of {} chunks cold ({})", note.empty() ? "" : "; ", job.chunks_cold.load(),
                           job.chunks_cached + job.chunks_cold, job.residency_method.load());
