@@ -178,6 +178,9 @@ void fill_stats(nb::dict into, const hbmio::Stats& s) {
   into["gib_per_second"] = s.gib_per_second();
   into["backend"] = s.backend;
   into["bytes_direct"] = s.bytes_direct;
+  into["wake_seconds"] = s.wake_seconds;
+  into["drain_seconds"] = s.drain_seconds;
+  into["copy_wait_seconds"] = s.copy_wait_seconds;
   into["note"] = s.note;
   into["paths"] = paths_list(s.paths);
 }

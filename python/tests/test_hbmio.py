@@ -650,7 +650,9 @@ def test_read_into_matches_fromfile(tmp_path, backend, counters_settle):
         stats = hbmio.read_into(path, out, offset, backend=backend)
         np.testing.assert_array_equal(out, np.fromfile(path, dtype=np.uint8, count=count, offset=offset))
         assert stats["bytes"] == count
-        assert set(stats) == {"bytes", "seconds", "gib_per_second", "backend", "bytes_direct", "note", "paths"}
+        assert set(stats) == {"bytes", "seconds", "gib_per_second", "backend", "bytes_direct", "wake_seconds", "drain_seconds",
+                              "copy_wait_seconds", "note", "paths"}
+        assert 0 <= stats["wake_seconds"] <= stats["seconds"] and 0 <= stats["drain_seconds"] <= stats["seconds"]
         # The way the file's bytes took (none for an empty read), and why.
         assert [(p["file"], p["bytes"]) for p in stats["paths"]] == ([(str(path), count)] if count else [])
         assert all(p["path"] in ("uring", "posix") and p["reason"] for p in stats["paths"])

@@ -99,6 +99,9 @@ nlohmann::json to_json(const Stats& s) {
           {"direct_io", s.used_direct_io()},
           {"bounce_copies", s.bounce_copies},
           {"workers", s.workers},
+          {"wake_seconds", s.wake_seconds},
+          {"drain_seconds", s.drain_seconds},
+          {"copy_wait_seconds", s.copy_wait_seconds},
           {"note", s.note},
           {"paths", to_json(s.paths)}};
 }
