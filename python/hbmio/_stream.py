@@ -387,9 +387,16 @@ class Stream:
         return self
 
     def _cuda_stream(self) -> int:
-        if self._torch is None or not self._device.startswith("cuda") or not self._held:
+        """The stream whose queued work may still read the batch given back: its buffer is read
+        into again only after that work. Pinned batches: the current device's current stream (a
+        copy to the GPU with non_blocking=True runs there later), where CUDA is in use at all."""
+        if self._torch is None or not self._held:
             return 0
-        return self._torch.cuda.current_stream(self._torch.device(self._device)).cuda_stream
+        if self._device.startswith("cuda"):
+            return self._torch.cuda.current_stream(self._torch.device(self._device)).cuda_stream
+        if self._device == "pinned" and self._torch.cuda.is_initialized():
+            return self._torch.cuda.current_stream().cuda_stream
+        return 0
 
     def _convert(self, arrays):
         if self._framework == "torch":

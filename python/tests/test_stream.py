@@ -6,6 +6,7 @@ import ast
 import errno
 import gc
 import os
+import time
 import re
 
 import numpy as np
@@ -313,6 +314,32 @@ def test_a_shard_renamed_over_is_read_as_the_file_its_header_came_from(tmp_path,
     rename_over(paths[2], REPLACEMENTS[replacement](np.load(paths[2])))
     got = np.concatenate(list(s))
     assert got.tobytes() == rows.tobytes()
+
+
+def rewrite_in_place(path, data):
+    with open(path, "r+b") as f:  # np.save to the same path: the same inode, truncated and rewritten
+        f.truncate(0)
+        f.write(data)
+
+
+@pytest.mark.parametrize("replacement", REPLACEMENTS)
+def test_a_shard_rewritten_in_place_is_refused_never_misread(tmp_path, replacement):
+    # A shard kept open (one of the first 64) rewritten in place after its header was read: the
+    # descriptor sees the new bytes, which the old header would misread. The stream raises naming
+    # it before any of its records (every batch handed out is the original's).
+    paths, rows = npy_shards(tmp_path, [4, 4, 4])
+    s = hbmio.stream(paths, batch_size=4, read_ahead=1, framework="numpy", copy=True)
+    assert s.fields
+    first = next(s)
+    assert first.tobytes() == rows[:4].tobytes()
+    time.sleep(0.02)  # the same size: only the times tell (a timestamp tick later than the scan's)
+    rewrite_in_place(paths[2], REPLACEMENTS[replacement](np.load(paths[2])))
+    delivered = 1
+    with pytest.raises(hbmio.Error, match=rf"{re.escape(paths[2])}.*changed"):
+        for batch in s:
+            assert batch.tobytes() == rows[delivered * 4:delivered * 4 + 4].tobytes(), delivered
+            delivered += 1
+    assert delivered == 2
 
 
 @pytest.mark.parametrize("replacement", REPLACEMENTS)
@@ -643,3 +670,24 @@ def test_a_state_of_other_shards_or_options_is_refused(id_shards, tmp_path):
         (copy / os.path.basename(p)).write_bytes(open(p, "rb").read())
     rest = [batch_ids(b) for b in s]
     assert resumed(sorted(str(p) for p in copy.iterdir()), state, 0, 1, shuffle=True) == rest
+
+
+@needs_gpu
+def test_a_pinned_batch_is_not_read_into_before_its_copy_to_the_gpu_has_run(tmp_path):
+    # The usual pinned-loader step: batch.to("cuda", non_blocking=True), then the next batch. The
+    # copy runs later, behind the work already queued on the stream (here a long one): the batch's
+    # buffer must not be read into again before it has, or the GPU gets another batch's bytes.
+    torch = pytest.importorskip("torch")
+    paths, rows = npy_shards(tmp_path, [64] * 16, record_shape=(4096,))
+    s = hbmio.stream(paths, "pinned", batch_size=64, read_ahead=1)
+    a = torch.randn(4096, 4096, device="cuda")
+    copies = []
+    for batch in s:
+        for _ in range(8):  # keep the stream busy, so the copy below waits
+            a = a @ a
+            a /= a.norm()
+        copies.append(batch.to("cuda", non_blocking=True))
+    torch.cuda.synchronize()
+    got = torch.cat(copies).cpu().numpy()
+    assert got.shape == rows.shape
+    assert np.array_equal(got, rows), "a copy to the GPU read a buffer already read into again"

@@ -283,7 +283,12 @@ struct CacheServer::State {
     try {
       const ErrorContext context{.op = "cache: place on a GPU", .path = entry->path};
       cuda::DeviceGuard guard(device, context);
-      copy = std::make_shared<Buffer>(Buffer::allocate({MemoryKind::device, device}, std::max<std::uint64_t>(size, 1)));
+      // A whole number of 2 MiB: cudaMalloc may carve a smaller block out of a larger one, and a
+      // CUDA IPC handle (share=True) then exports the whole block, other files' copies with it
+      // (the CUDA programming guide's advice: share only allocations of a 2 MiB-aligned size).
+      constexpr std::uint64_t kIpcGranule = 2ull << 20;
+      const std::uint64_t allocated = (std::max<std::uint64_t>(size, 1) + kIpcGranule - 1) / kIpcGranule * kIpcGranule;
+      copy = std::make_shared<Buffer>(Buffer::allocate({MemoryKind::device, device}, allocated));
       Lane& lane = lane_of(device, context);
       std::lock_guard turn(lane.mutex);
       if (size > 0) lane.stream.copy_async(copy->data(), entry->pinned.data(), size, context);

@@ -92,9 +92,13 @@ class Random {
   std::uint64_t state_;
 };
 
-// What fstat said of a shard when its header was read. A path opened again must give the same
-// file unchanged: a shard renamed over (another inode) or rewritten (another size or mtime) would
-// have its records read at the old header's offsets, as the old header's dtype.
+// What fstat said of a shard when its header was read. A path opened again, and a descriptor
+// kept open, must give the same file unchanged: a shard renamed over (another inode) or rewritten
+// in place (np.save to the same path: the same inode, another size or mtime) would have its
+// records read at the old header's offsets, as the old header's dtype. Not the ctime: it moves
+// for what leaves the bytes alone (a rename over the path unlinks the file a descriptor still
+// reads whole; chmod, a hard link), and a stream must not stop for those. A writer that puts the
+// mtime back after changing the bytes in place is not seen.
 struct ShardIdentity {
   std::uint64_t device = 0, inode = 0, size = 0;
   std::int64_t mtime_ns = 0;
@@ -112,6 +116,13 @@ ShardIdentity identity_of(const File& file) {
 std::string identity_text(const ShardIdentity& id) {
   return fmt::format("device {}, inode {}, {} bytes, mtime {}.{:09}", id.device, id.inode, id.size, id.mtime_ns / 1'000'000'000,
                      id.mtime_ns % 1'000'000'000);
+}
+
+Error shard_changed(const std::string& path, const ShardIdentity& then, const ShardIdentity& now, const char* when) {
+  return Error(errno_code(ESTALE), {.op = "read shard", .path = path},
+               fmt::format("the file was replaced or changed {} ({} then; {} now): its records are not the ones the "
+                           "stream planned; restart the stream",
+                           when, identity_text(then), identity_text(now)));
 }
 
 struct Shard {
@@ -257,6 +268,7 @@ struct BatchStream::State {
     Buffer buffer;
     std::vector<std::size_t> field_offset;
     std::optional<cuda::Event> released;  // recorded on the caller's stream when given back
+    int released_device = -1;             // the device `released` was made on
     bool event_pending = false;
   };
   struct Ready {
@@ -308,6 +320,7 @@ struct BatchStream::State {
     std::uint64_t first_number = 0;                  // the stream's number of done[0]
     Clock::time_point last_landed;                   // the read's start, then its last landing (under the mutex)
     std::vector<std::shared_ptr<const File>> files;  // what its requests read (trimmed from open_files meanwhile)
+    std::vector<std::size_t> file_shards;            // per file: its shard
     std::exception_ptr failed;  // a shard that could not be opened: the batches before it are read first
     Stats read;  // what the engine did: which way it read each file, and where its time went (to the stream's stats)
     detail::Pending<void> reading;
@@ -316,6 +329,13 @@ struct BatchStream::State {
   std::unique_ptr<Group> start_group(std::vector<std::pair<int, BatchPlan>>& group, Engine& engine);
   void finish_group(Group& group);
   void landed(Group& group, std::size_t batch) noexcept;
+  void check_shards(const Group& group, const char* when) const {
+    for (std::size_t i = 0; i < group.files.size(); ++i) {
+      const Shard& shard = shards[group.file_shards[i]];
+      if (const ShardIdentity now = identity_of(*group.files[i]); now != shard.identity)
+        throw shard_changed(shard.path, shard.identity, now, when);
+    }
+  }
   void queue_landed(Group& group, std::size_t batch) noexcept;
   int take_slot(bool wait);
   void wait_scanned(std::unique_lock<std::mutex>& lock) const;
@@ -470,11 +490,18 @@ std::optional<Batch> BatchStream::next(void* cuda_stream) {
   if (!s.first_call) s.first_call = called;
   if (s.held >= 0) {
     State::Slot& slot = s.slots[static_cast<std::size_t>(s.held)];
-    if (s.options.device.kind == MemoryKind::device) {
-      // The caller's kernels may still be reading the batch: the thread waits for this event
-      // before reading into the buffer again.
+    // The caller's kernels may still be reading the batch, or, for pinned batches, a copy of it
+    // to a GPU (batch.to("cuda", non_blocking=True)) may not have run yet: the thread waits for
+    // this event, recorded on the caller's stream (of the batches' GPU; for pinned ones, of the
+    // device current here), before reading into the buffer again.
+    const int event_device = s.options.device.kind == MemoryKind::device ? s.options.device.device
+                             : s.options.device.kind == MemoryKind::pinned ? cuda::current_device()  // -1: no CUDA used here
+                                                                           : -1;
+    if (event_device >= 0) {
       const ErrorContext context{.op = "give back a stream batch"};
-      cuda::DeviceGuard guard(s.options.device.device, context);
+      if (slot.released && slot.released_device != event_device) slot.released.reset();  // made on another device
+      cuda::DeviceGuard guard(event_device, context);
+      slot.released_device = event_device;
       if (!slot.released) slot.released.emplace(context);
       slot.released->record(cuda_stream, context);
       slot.event_pending = true;
@@ -625,11 +652,7 @@ std::shared_ptr<const File> BatchStream::State::file_of(std::size_t shard) {
   const Shard& s = shards[shard];
   File file = File::open(s.path, OpenMode::read);
   const ShardIdentity now = identity_of(file);
-  if (now != s.identity)
-    throw Error(errno_code(ESTALE), {.op = "read shard", .path = s.path},
-                fmt::format("the file was replaced or changed after its header was read ({} then; {} now): "
-                            "its records are not the ones the stream planned; restart the stream",
-                            identity_text(s.identity), identity_text(now)));
+  if (now != s.identity) throw shard_changed(s.path, s.identity, now, "after its header was read");
   open_files.emplace_front(shard, std::make_shared<const File>(std::move(file)));
   return open_files.front().second;
 }
@@ -665,7 +688,10 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
           g->batch_of.push_back(g->done.size());
         }
         // Held once per run of runs from one shard (a shuffled batch has a run per record).
-        if (g->files.empty() || g->files.back() != file) g->files.push_back(std::move(file));
+        if (g->files.empty() || g->files.back() != file) {
+          g->files.push_back(std::move(file));
+          g->file_shards.push_back(run.shard);
+        }
       }
     } catch (const Error&) {
       // A shard that cannot be opened (or was replaced) stops this batch; the batches gathered
@@ -698,7 +724,13 @@ std::unique_ptr<BatchStream::State::Group> BatchStream::State::start_group(std::
       std::lock_guard lock(mutex);
       group->last_landed = Clock::now();
     }
-    if (!group->requests.empty()) group->read = engine.submit_batch(group->requests);
+    if (group->requests.empty()) return;
+    // The shards as their headers were read, before and after the read (a descriptor kept open
+    // sees a rewrite in place; see ShardIdentity): a change before fails the group's batches, one
+    // during the read fails the stream at this group (batches of it may have been handed out).
+    check_shards(*group, "after its header was read");
+    group->read = engine.submit_batch(group->requests);
+    check_shards(*group, "while its records were being read");
   });
   return g;
 }
