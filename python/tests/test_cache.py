@@ -86,6 +86,27 @@ def test_loads_take_held_files_from_the_cache_and_report_it(server, tmp_path, mo
         np.testing.assert_array_equal(got[name], value)
 
 
+def test_a_file_open_for_writing_is_not_read_in(server, tmp_path, monkeypatch):
+    # A writer may be in the middle of one long write, whose times were set when it began: a copy
+    # read in meanwhile could mix old and new bytes and still match them after. While any process
+    # has the file open for writing, the server does not read it in; once it is closed, it does.
+    path = tmp_path / "model.safetensors"
+    expected = sample(path, 5)
+    add = [HBMIO, "cache", "add", "--wait", "--socket", server, str(path)]
+    with open(path, "r+b"):
+        refused = subprocess.run(add, capture_output=True, text=True)
+        assert refused.returncode != 0 and "refused" in refused.stdout + refused.stderr, refused
+    status = subprocess.run([HBMIO, "cache", "status", "--socket", server], check=True, capture_output=True, text=True).stdout
+    assert "0 file(s)" in status, status
+    subprocess.run(add, check=True, capture_output=True)
+    monkeypatch.setenv("HBMIO_CACHE", server)
+    report = {}
+    got = hbmio.load_file(str(path), framework="numpy", report=report)
+    assert [p["path"] for p in report["paths"]] == ["cache-host"], report
+    for name, value in expected.items():
+        np.testing.assert_array_equal(got[name], value)
+
+
 def test_a_stopped_cache_is_a_plain_load(tmp_path, monkeypatch):
     path = tmp_path / "model.safetensors"
     expected = sample(path, 3)

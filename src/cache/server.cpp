@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -56,6 +57,27 @@ struct Identity {
   std::int64_t mtime_ns = 0, ctime_ns = 0;
   bool operator==(const Identity&) const = default;
 };
+
+// Why a file must not be read in now: another process has it open for writing, so it may be in
+// the middle of a write, whose times were set when it began (a copy read now could mix old and new
+// bytes and still match the times after the read). Asked by taking a read lease, which the kernel
+// refuses (EAGAIN) while anyone has the file open for writing, and giving it back at once; on a
+// description of the server's own (a lease belongs to the open file description, and the client's
+// is shared with it). "" when no one does, or when it cannot be asked here (a file the server does
+// not own, without CAP_LEASE; a file system without leases): the check after the read is all there
+// is then.
+std::string open_for_writing(int source) {
+  const OwnedFd own(::open(fmt::format("/proc/self/fd/{}", source).c_str(), O_RDONLY | O_CLOEXEC));
+  if (own.get() < 0) return "";
+  // Were a writer to open the file within the lease's microseconds, the break would signal the
+  // server: SIGURG (ignored unless handled), not SIGIO (which ends a process).
+  ::fcntl(own.get(), F_SETSIG, SIGURG);
+  if (::fcntl(own.get(), F_SETLEASE, F_RDLCK) == 0) {
+    ::fcntl(own.get(), F_SETLEASE, F_UNLCK);
+    return "";
+  }
+  return errno == EAGAIN ? "another process has it open for writing (it may be in the middle of a write): not read in" : "";
+}
 
 Identity identity_of(const struct stat& st) {
   return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino), static_cast<std::uint64_t>(st.st_size),
@@ -367,9 +389,9 @@ struct CacheServer::State {
       if (entry->abandoned) return;
     }
     const std::uint64_t size = entry->identity.size;
-    bool ok = true;
-    std::string why;
-    if (size > 0) {
+    std::string why = open_for_writing(source);
+    bool ok = why.empty();
+    if (ok && size > 0) {
       void* map = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, entry->memory.get(), 0);
       if (map == MAP_FAILED) {
         ok = false;
