@@ -52,9 +52,14 @@ namespace {
 // What makes a cached copy the same file: inode and device, and the size and times that any
 // write or replacement changes (st_ctime also moves on chmod or a new link: a spurious miss, never
 // a stale hit).
+// And the mount it is on (statx's unique mount id, Linux 6.8+; before that, the mount id, which a
+// later mount may reuse): a file system unmounted frees its device number, and another mount (a
+// FUSE one, which says what inode, size and times it likes) could take it and pose as a file
+// cached for someone else.
 struct Identity {
   std::uint64_t device = 0, inode = 0, size = 0;
   std::int64_t mtime_ns = 0, ctime_ns = 0;
+  std::uint64_t mount = 0;
   bool operator==(const Identity&) const = default;
 };
 
@@ -79,9 +84,27 @@ std::string open_for_writing(int source) {
   return errno == EAGAIN ? "another process has it open for writing (it may be in the middle of a write): not read in" : "";
 }
 
-Identity identity_of(const struct stat& st) {
+#ifndef STATX_MNT_ID
+#define STATX_MNT_ID 0x00001000U
+#endif
+#ifndef STATX_MNT_ID_UNIQUE
+#define STATX_MNT_ID_UNIQUE 0x00004000U
+#endif
+
+// The mount `fd`'s file is on (see Identity), tagged by kind (bit 63: the unique id); 0 where the
+// kernel says neither.
+std::uint64_t mount_of(int fd) {
+  struct statx stx {};
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID | STATX_MNT_ID_UNIQUE, &stx) != 0) return 0;
+  if (stx.stx_mask & STATX_MNT_ID_UNIQUE) return stx.stx_mnt_id | (1ull << 63);
+  if (stx.stx_mask & STATX_MNT_ID) return stx.stx_mnt_id;
+  return 0;
+}
+
+Identity identity_of(int fd, const struct stat& st) {
   return {static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino), static_cast<std::uint64_t>(st.st_size),
-          st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec, st.st_ctim.tv_sec * 1'000'000'000LL + st.st_ctim.tv_nsec};
+          st.st_mtim.tv_sec * 1'000'000'000LL + st.st_mtim.tv_nsec, st.st_ctim.tv_sec * 1'000'000'000LL + st.st_ctim.tv_nsec,
+          mount_of(fd)};
 }
 
 // The path the kernel knows for a descriptor ("" where /proc is missing).
@@ -423,7 +446,7 @@ struct CacheServer::State {
       why = fmt::format("seal: {}", std::strerror(errno));
     }
     struct stat after {};
-    if (ok && (::fstat(source, &after) != 0 || !(identity_of(after) == entry->identity))) {
+    if (ok && (::fstat(source, &after) != 0 || !(identity_of(source, after) == entry->identity))) {
       ok = false;
       why = "the file changed while it was read";
     }
@@ -519,7 +542,7 @@ struct CacheServer::State {
         ++refused;
         continue;
       }
-      const Identity id = identity_of(st);
+      const Identity id = identity_of(fd.get(), st);
       const Key key{id.device, id.inode};
       // An entry of the same path and another inode holds a version the name no longer leads to
       // (the file was replaced by rename): its memory goes back now rather than when evicted. Only
@@ -623,7 +646,7 @@ struct CacheServer::State {
         refuse(why);
         continue;
       }
-      const Identity id = identity_of(st);
+      const Identity id = identity_of(fd.get(), st);
       const auto it = entries.find({id.device, id.inode});
       if (it == entries.end() || !(it->second->identity == id) || !it->second->ready) {
         ++misses;
@@ -705,7 +728,7 @@ struct CacheServer::State {
           ++refused;
           return {{"error", why}};
         }
-        const Identity id = identity_of(st);
+        const Identity id = identity_of(fd.get(), st);
         const auto it = entries.find({id.device, id.inode});
         if (it == entries.end() || !(it->second->identity == id) || !it->second->ready) return {{"error", path + " is not held (or changed)"}};
         if (!it->second->pinned) return {{"error", fmt::format("{} is held but not pinned: {}", path, it->second->unpinned)}};
