@@ -599,6 +599,20 @@ def test_elastic_resumes_chain_and_ranks_out_of_lockstep_give_every_state(id_sha
     assert sorted(got) == list(range(n))
     with pytest.raises(ValueError, match="every rank"):
         resumed(id_shards, [s0], 0, 2, **opts)
+    # Every rank's state saved right after a resume on another number of ranks, before any batch
+    # (a job preempted again at once): they still give the world they resumed from, and as a list
+    # they resume every rank, each record once.
+    for w1, w2, w3 in ((3, 2, 4), (2, 3, 1), (2, 4, 3)):
+        got, states = [], []
+        for r in range(w1):
+            batches, st = walk(id_shards, r, w1, **opts)
+            got += flat(batches[:1])
+            states.append(st[1])
+        again = [hbmio.stream(id_shards, rank=r, world=w2, state=states[0], **RESUME_OPTIONS, **opts).state_dict()
+                 for r in range(w2)]
+        for r in range(w3):
+            got += flat(resumed(id_shards, again, r, w3, **opts))
+        assert sorted(got) == list(range(n)), (w1, w2, w3)
 
 
 def test_the_state_is_small_plain_and_survives_torch_save_and_load_state_dict(id_shards, tmp_path):
