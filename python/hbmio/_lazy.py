@@ -699,10 +699,7 @@ class _Slice:
                         array = owner._rows_ahead(self._index, a, b, target)
                     if array is None:  # not (yet) a walk: the rows, one byte range
                         row = self._nbytes // self._shape[0]
-                        array, raw = target.make(self._dtype, [b - a] + list(self._shape[1:]), (b - a) * row)
-                        target.before_reads()
-                        owner._read([self._index], [target.address(raw)], offsets=[a * row], lengths=[(b - a) * row],
-                                    backend=owner._backend, location=target.location)
+                        array = self._read_runs(target, [b - a] + list(self._shape[1:]), [a * row], (b - a) * row)
                     return array
         if owner._mmap and (key is Ellipsis or _whole_slice(key) and self._shape) and owner._resolved == "torch":
             # The whole tensor of a mapped handle, as transformers 5 asks for every tensor: the
@@ -754,24 +751,27 @@ class _Slice:
         slice_bytes = len(runs) * run_bytes
         covering = _covering(dims, self._shape, item)
         if len(runs) <= self._MAX_RUNS and (run_bytes >= self._MIN_RUN or covering[1] > 8 * slice_bytes):
-            array, raw = target.make(self._dtype, out_shape, slice_bytes)
-            target.before_reads()
-            base = target.address(raw)
-            owner._read([self._index] * len(runs), [base + k * run_bytes for k in range(len(runs))],
-                        offsets=runs, lengths=[run_bytes] * len(runs), backend=owner._backend, location=target.location)
-            return array
+            return self._read_runs(target, out_shape, runs, run_bytes)
         # Short runs: the rows covering the slice, then the slice of them in memory (a copy).
         (first, length), rows = covering, dims[0]
         block_shape = [len(range(rows[0], rows[1]))] + list(self._shape[1:])
-        block, raw = target.make(self._dtype, block_shape, length)
-        target.before_reads()
-        owner._read([self._index], [target.address(raw)], offsets=[first], lengths=[length], backend=owner._backend,
-                    location=target.location)
+        block = self._read_runs(target, block_shape, [first], length)
         index = tuple((a - rows[0] if d == 0 else a) if is_int else slice(a - rows[0] if d == 0 else a, b - rows[0] if d == 0 else b, s)
                       for d, (a, b, s, is_int) in enumerate(dims))
         result = block[index]
         # A copy of its own: a view would keep all the covering rows alive.
         return result.clone(memory_format=target.torch.contiguous_format) if target.torch is not None else result.copy()
+
+    def _read_runs(self, target, shape, offsets, run_bytes):
+        """A new array of `shape` holding the runs of `run_bytes` at `offsets` of this tensor, one
+        after another."""
+        owner = self._owner
+        array, raw = target.make(self._dtype, shape, len(offsets) * run_bytes)
+        target.before_reads()
+        base = target.address(raw)
+        owner._read([self._index] * len(offsets), [base + k * run_bytes for k in range(len(offsets))], offsets=offsets,
+                    lengths=[run_bytes] * len(offsets), backend=owner._backend, location=target.location)
+        return array
 
     def _torch_index(self, key):
         # An index form beyond ints, slices and one '...' (True/False, None, lists, tensors, ...):

@@ -192,7 +192,6 @@ struct LoadJob {
   nb::object checkpoint, dest, report, progress;
   nb::ndarray<nb::ro> memory;
   std::atomic<bool> cancel{false};  // LoadOptions::cancel: set by a Ctrl-C in wait(), or cancel()
-  hbmio::LoadRequest request;
   std::optional<EngineLease> engine;
   std::optional<hbmio::LoadInProgress> running;
 
@@ -253,8 +252,7 @@ nb::object load_into(nb::handle checkpoint, nb::handle dest, const std::string& 
       job->engine.emplace(backend);
       options.engine = job->engine->get();
       options.cancel = &job->cancel;
-      job->request = {.path = target.path, .files = target.files, .options = std::move(options)};
-      job->running.emplace(hbmio::load_started(job->request));
+      job->running.emplace(hbmio::load_started({.path = target.path, .files = target.files, .options = std::move(options)}));
     }
     return nb::cast(job.release(), nb::rv_policy::take_ownership);
   }
