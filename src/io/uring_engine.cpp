@@ -16,7 +16,8 @@
 //      Unaligned heads and tails read the aligned superset into a slot and copy the wanted bytes.
 //   4. When a slot's read completes, the worker starts cudaMemcpyAsync(slot -> GPU) on its stream
 //      and records the slot's event; the slot is reused only after that event has fired. So the
-//      disk (or page-cache copy) of piece k+1 overlaps the PCIe copy of piece k.
+//      disk (or page-cache copy) of piece k+1 overlaps the PCIe copy of piece k. (Page-cache
+//      reads bound for the GPU are handed to the kernel one at a time for this: see loop().)
 //   5. Short transfers resume where they stopped; -EAGAIN/-EINTR resubmit; a read that finds the
 //      end of the file before the range is complete is an error (the file shrank).
 // Writes mirror this: GPU -> slot (copy), slot -> file (O_DIRECT where aligned; the unaligned
@@ -198,7 +199,7 @@ class Worker {
     // Nothing of an earlier request may carry over (a request that failed elsewhere leaves
     // this worker's chunk half done).
     cursor_ = chunk_end_ = 0;
-    chunk_direct_ = false;
+    chunk_direct_ = submit_now_ = false;
     part_ = &job.parts.front();
     retry_.clear();
     reset_ops();
@@ -308,7 +309,19 @@ class Worker {
         submit_op(retry_.front());
         retry_.pop_front();
       }
-      while (in_flight_ < options_.queue_depth && !job_->failed && start_next_piece()) {}
+      while (in_flight_ < options_.queue_depth && !job_->failed && start_next_piece()) {
+        // A read through the page cache is a copy the kernel makes while it is submitted: handed
+        // over alone, its completion (and its slot's copy to the GPU) follows at once, so the
+        // copy of piece k runs beside the read of piece k+1. Handed over with the next pieces,
+        // a short job (a stream's group: one chunk of four pieces per worker) would read all of
+        // them before its first copy started. A direct read stays queued: the disk wants depth.
+        if (submit_now_) {
+          submit_now_ = false;
+          if (const int r = io_uring_submit(ring); r >= 0) pending_sqes_ = 0;
+          else if (r != -EINTR && r != -EAGAIN && r != -EBUSY) throw Error(errno_code(-r), context(), "io_uring_submit");
+          reap();
+        }
+      }
       if (in_flight_ == 0) break;  // no piece left (a slot is always found when none is reading)
       // While copies to the GPU are running, wake up after 0.1 ms even without a completion: a
       // slot's copy at the host-to-device rate ends well within that, and its slot should carry
@@ -328,14 +341,20 @@ class Worker {
       if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY)
         throw Error(errno_code(-r), context(), "io_uring_submit_and_wait");
       if (r >= 0) pending_sqes_ = 0;
-      io_uring_cqe* cqe = nullptr;
-      while (io_uring_peek_cqe(ring, &cqe) == 0 && cqe != nullptr) {
-        const auto index = static_cast<std::size_t>(io_uring_cqe_get_data64(cqe));
-        const int result = cqe->res;
-        io_uring_cqe_seen(ring, cqe);
-        --in_flight_;
-        complete(index, result);
-      }
+      reap();
+    }
+  }
+
+  // Completes every I/O the ring has finished.
+  void reap() {
+    io_uring* ring = ring_->get();
+    io_uring_cqe* cqe = nullptr;
+    while (io_uring_peek_cqe(ring, &cqe) == 0 && cqe != nullptr) {
+      const auto index = static_cast<std::size_t>(io_uring_cqe_get_data64(cqe));
+      const int result = cqe->res;
+      io_uring_cqe_seen(ring, cqe);
+      --in_flight_;
+      complete(index, result);
     }
   }
 
@@ -435,6 +454,7 @@ class Worker {
     cursor_ = q;
     const int index = allocate_op(op);
     submit_op(index);
+    submit_now_ = read && !op.direct && op.slot >= 0 && part_->device;  // see loop()
     if (!read) {
       // A write's data may have taken a blocking copy from the GPU to be ready: start the disk
       // on it now instead of after the next pieces' copies.
@@ -653,6 +673,7 @@ class Worker {
   unsigned pending_sqes_ = 0;
   std::uint64_t cursor_ = 0, chunk_end_ = 0;
   bool chunk_direct_ = false;
+  bool submit_now_ = false;     // the piece just queued is a page-cache read bound for the GPU (loop())
   bool fixed_buffers_ = false;  // slots registered with the ring
   int fixed_buffer_errno_ = 0;
 };
