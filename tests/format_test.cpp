@@ -428,6 +428,84 @@ TEST(SafetensorsReferenceLeniency, AcceptedLikeTheReference) {
                 .tensors.size(), 2u);
 }
 
+// The common header is parsed without a JSON tree (FastHeader in safetensors.cpp) and anything
+// else through the tree. An unknown key in one entry sends a header the tree's way: each header
+// below must come out the same both ways, field by field.
+void expect_same_both_ways(const std::string& json, std::uint64_t data_size) {
+  SCOPED_TRACE(json.substr(0, 200));
+  const std::size_t entry = json.find("\"dtype\"");
+  ASSERT_NE(entry, std::string::npos);
+  std::string slow = json;
+  slow.insert(entry, R"("unknown key":[{"x":null}],)");
+  const st::Header a = st::parse_header(json, 8 + json.size() + data_size, "fast");
+  const st::Header b = st::parse_header(slow, 8 + slow.size() + data_size, "tree");
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (std::size_t i = 0; i < a.tensors.size(); ++i) {
+    EXPECT_EQ(a.tensors[i].name, b.tensors[i].name);
+    EXPECT_EQ(a.tensors[i].dtype, b.tensors[i].dtype);
+    EXPECT_EQ(a.tensors[i].shape, b.tensors[i].shape);
+    EXPECT_EQ(a.tensors[i].begin, b.tensors[i].begin);
+    EXPECT_EQ(a.tensors[i].end, b.tensors[i].end);
+  }
+  EXPECT_EQ(a.metadata, b.metadata);
+  EXPECT_EQ(a.has_metadata, b.has_metadata);
+  EXPECT_EQ(a.data_size, b.data_size);
+  EXPECT_EQ(a.header_size, json.size());
+}
+
+TEST(SafetensorsHeader, ParsedTheSameWithAndWithoutTheJsonTree) {
+  // Every header the reference wrote.
+  if (fs::is_directory(fixtures_dir())) {
+    for (const auto& file : fs::directory_iterator(fixtures_dir())) {
+      if (file.path().extension() != ".safetensors") continue;
+      const std::string bytes = read_file(file.path());
+      const std::uint64_t n = st::parse_header_length(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size(), "x");
+      const std::string json = bytes.substr(8, n);
+      if (json.find("\"dtype\"") != std::string::npos) expect_same_both_ways(json, bytes.size() - 8 - n);
+    }
+  }
+  // Names with escapes and non-ASCII text, metadata present, empty, null; scalars, empty tensors,
+  // sub-byte dtypes; many tensors in random order.
+  expect_same_both_ways(R"({"__metadata__":{"format":"pt","k\"\u00e9":"v\n"},"a\u00e9\\b":{"dtype":"F16","shape":[2,3],"data_offsets":[0,12]},)"
+                        R"("s":{"shape":[],"data_offsets":[12,16],"dtype":"F32"},"e":{"data_offsets":[16,16],"dtype":"I64","shape":[4,0]}})", 16);
+  expect_same_both_ways(R"({"__metadata__":{},"t":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}})", 2);
+  expect_same_both_ways(R"({"t":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]},"__metadata__":null})", 3);
+  std::mt19937_64 random(11);
+  std::vector<int> order(500);
+  for (int i = 0; i < 500; ++i) order[static_cast<std::size_t>(i)] = i;
+  std::shuffle(order.begin(), order.end(), random);
+  std::string json = "{";
+  for (const int i : order) json += (json.size() > 1 ? "," : "") + tensor("model.layers." + std::to_string(i) + ".w", "BF16", "[2,2]", "[" + std::to_string(8 * i) + "," + std::to_string(8 * i + 8) + "]");
+  expect_same_both_ways(json + "}", 8 * 500);
+}
+
+// Headers the fast path stops at are parsed through the tree and refused (or taken) as before:
+// the refusals below are the tree's, with its rules.
+TEST(SafetensorsHeader, WhatTheFastPathStopsAtIsJudgedByTheTree) {
+  const auto refused = [](const std::string& json, std::uint64_t data_size, std::string_view rule) {
+    try {
+      st::parse_header(json, 8 + json.size() + data_size, "x");
+      ADD_FAILURE() << "accepted " << json;
+    } catch (const hbmio::Error& error) {
+      EXPECT_NE(error.detail().find(rule), std::string::npos) << error.what();
+    }
+  };
+  refused(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2],"dtype":"U8"}})", 2, "duplicate key");
+  refused(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 2, "duplicate key");
+  refused(R"({"__metadata__":{"k":"v"},"__metadata__":null,"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 2, "duplicate key");
+  refused(R"({"a":{"dtype":"U8","shape":[-2],"data_offsets":[0,2]}})", 2, "invalid shape");
+  refused(R"({"a":{"dtype":"U8","shape":[2.0],"data_offsets":[0,2]}})", 2, "invalid shape");
+  refused(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2,4]}})", 2, "invalid data_offsets");
+  refused(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[2,0]}})", 2, "invalid data_offsets");
+  refused(R"({"a":{"dtype":"U8","shape":[3],"data_offsets":[0,2]}})", 2, "shape/size mismatch");
+  refused(R"({"a":{"dtype":"X9","shape":[2],"data_offsets":[0,2]}})", 2, "unknown dtype");
+  refused(R"({"a":{"shape":[2],"data_offsets":[0,2]}})", 2, "missing field");
+  refused(R"({"__metadata__":{"k":1},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 2, "__metadata__");
+  refused(R"({"":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 2, "empty tensor name");
+  refused(R"([{"dtype":"U8","shape":[2],"data_offsets":[0,2]}])", 2, "not a JSON object");
+  refused(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}} x)", 2, "invalid JSON");
+}
+
 // --- index ------------------------------------------------------------------------------------
 
 void expect_index_refused(const std::string& json, std::string_view rule, std::string_view tensor = {}) {
