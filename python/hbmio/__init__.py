@@ -250,12 +250,12 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
     # equivalent, checked before reading), its bytes, and where it lands. The load below reuses
     # the parsed headers (a 3,072-tensor header takes milliseconds to parse).
     opened = _hbmio.SafeOpen(path, cache="off")  # for its headers: the load below asks the cache
-    plan = _hbmio._plan(opened, names)
-    torch_dtypes = {t.name: getattr(torch, _TORCH_DTYPES.get(t.dtype, ""), None) for t in plan}
+    # (name, dtype, shape, strides, offset, size) per tensor, in the load's layout.
+    rows = _hbmio._plan_rows(opened, names)
+    torch_dtypes = {d: getattr(torch, _TORCH_DTYPES.get(d, ""), None) for d in {row[1] for row in rows}}
     if not all(isinstance(d, torch.dtype) for d in torch_dtypes.values()):
         return None
-    nbytes_of = {t.name: t.size for t in plan}
-    size = plan[-1].offset + plan[-1].size if plan else 0
+    size = rows[-1][4] + rows[-1][5] if rows else 0
     # max(.., 1): an all-empty checkpoint still needs a real pointer to load "into".
     dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
     if dev.type == "cuda":
@@ -266,29 +266,23 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
         # Views of `dest`, which every tensor keeps alive: one reinterpretation of `dest` per
         # dtype, then one as_strided per tensor (a third of the cost of slice + view + view).
         # Offsets are multiples of 256, so whole elements. Views need no data, only the plan.
-        typed = {}
+        base = {}
+        for text, dtype in torch_dtypes.items():
+            whole = dest.numel() // dtype.itemsize * dtype.itemsize  # a whole number of elements
+            base[text] = (dest[:whole].view(dtype), dtype.itemsize)
         out = {}
-        for t in plan:
-            name, shape, offset = t.name, t.shape, t.offset
-            dtype = torch_dtypes[name]
-            base = typed.get(dtype)
-            if base is None:
-                whole = dest.numel() // dtype.itemsize * dtype.itemsize  # a whole number of elements
-                base = typed[dtype] = dest[:whole].view(dtype)
-            strides, step = [], 1
-            for extent in reversed(shape):
-                strides.append(step)
-                step *= extent
-            out[name] = base.as_strided(shape, strides[::-1], offset // dtype.itemsize)
+        for name, dtype, shape, strides, offset, _ in rows:
+            typed, itemsize = base[dtype]
+            out[name] = typed.as_strided(shape, strides, offset // itemsize)
         return out
 
-    with _ProgressBar(sum(nbytes_of.values()), progress) as bar:
+    with _ProgressBar(sum(row[5] for row in rows) if progress else 0, progress) as bar:
         # The load lays the tensors out as _plan said (same parsed headers, same options).
         def load():
             _hbmio._load_into(opened, dest, backend=backend, verify=verify, names=names, progress=bar.counter, entries=False,
                               report=report, cache=cache)
 
-        if len(plan) < _VIEWS_BESIDE_LOAD:
+        if len(rows) < _VIEWS_BESIDE_LOAD:
             load()
             return make_views()
         # Many tensors: their views are made while the data is read (the load runs on the

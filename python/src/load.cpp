@@ -381,6 +381,43 @@ void bind_load(nb::module_& m) {
   }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
      "A PlannedTensor (name, dtype, shape, size, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
 
+  // The plan as one tuple per tensor, for the loop that makes thousands of views (load_file into a
+  // GPU): (name, dtype, shape, strides, offset, size), shape and contiguous strides (in elements)
+  // as tuples. Built here in one pass, that loop costs about half of what reading each
+  // _PlannedTensor's attributes and working out its strides in Python did (bench/RESULTS.md,
+  // "Restarts from the node's resident cache").
+  m.def("_plan_rows", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
+    const Target target = target_of(checkpoint);
+    hbmio::LoadOptions options;
+    if (names) options.names = std::move(*names);
+    std::vector<hbmio::PlannedTensor> plan;
+    {
+      nb::gil_scoped_release release;
+      plan = hbmio::plan_load({.path = target.path, .files = target.files, .options = options}).tensors;  // as _plan
+    }
+    const auto new_tuple = [](std::size_t n) {
+      PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(n));
+      if (tuple == nullptr) throw nb::python_error();
+      return nb::steal<nb::tuple>(tuple);
+    };
+    nb::list rows;
+    std::vector<std::uint64_t> strides;
+    for (const hbmio::PlannedTensor& t : plan) {
+      strides.assign(t.shape.size(), 1);
+      // As torch's contiguous strides: a dimension of 0 counts as 1 (an empty tensor's strides
+      // then match what torch.empty(shape) would have).
+      for (std::size_t i = t.shape.size(); i > 1; --i) strides[i - 2] = strides[i - 1] * std::max<std::uint64_t>(t.shape[i - 1], 1);
+      nb::tuple shape = new_tuple(t.shape.size()), stride = new_tuple(t.shape.size());
+      for (std::size_t i = 0; i < t.shape.size(); ++i) {
+        PyTuple_SET_ITEM(shape.ptr(), static_cast<Py_ssize_t>(i), nb::int_(t.shape[i]).release().ptr());
+        PyTuple_SET_ITEM(stride.ptr(), static_cast<Py_ssize_t>(i), nb::int_(strides[i]).release().ptr());
+      }
+      rows.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, stride, t.memory_offset, t.size));
+    }
+    return rows;
+  }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
+     "_plan's tensors of a load of `checkpoint` as (name, dtype, shape, strides, offset, size) tuples.");
+
   // A load's plan over several ranks (hbmio::LoadPlan), by name.
   nb::class_<hbmio::LoadPlan>(m, "_LoadPlan")
       .def_ro("tensors", &hbmio::LoadPlan::tensors, "a _PlannedTensor per tensor, in layout order")

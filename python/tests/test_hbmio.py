@@ -554,6 +554,24 @@ def test_torch_matches_safetensors_torch(tmp_path, counters_settle):
         same(hbmio.load_file(path, device=torch.device("cpu"), framework="pt"), ref)
         # The CUDA fast path's view building, exercised on the host: one torch.empty, views of it.
         same(hbmio._load_torch_into(torch, str(path), torch.device("cpu"), "auto", False, None, False), ref)
+    # Past _VIEWS_BESIDE_LOAD tensors the views are made while the load runs; dtypes interleaved,
+    # scalars and empty tensors among them, a subset by name.
+    many = tmp_path / "many.safetensors"
+    gen = torch.Generator().manual_seed(3)
+    kinds = [(torch.bfloat16, (3, 5)), (torch.float32, ()), (torch.int8, (7,)), (torch.float16, (2, 0, 4)), (torch.int64, (2, 3, 2))]
+    tensors = {f"t{i:03d}": (torch.randn(kinds[i % 5][1], generator=gen) * 50).to(kinds[i % 5][0]) for i in range(150)}
+    from safetensors.torch import save_file as ref_save_torch
+    ref_save_torch(tensors, str(many))
+    ref = ref_load(str(many))
+    # In the file's order as load_file gives it (the reference orders empty tensors at one offset
+    # by its hash map, so its order is compared as a set).
+    ref = {n: ref[n] for n in hbmio.load_file(many)}
+    got = hbmio._load_torch_into(torch, str(many), torch.device("cpu"), "auto", False, None, False)
+    same(got, ref)
+    assert all(got[n].stride() == ref[n].contiguous().stride() for n in ref)
+    subset = ["t149", "t003", "t072"]
+    got = hbmio._load_torch_into(torch, str(many), torch.device("cpu"), "auto", False, subset, False)
+    same(got, {n: ref[n] for n in hbmio.load_file(many, names=subset)})
     import hbmio.torch as ht
     same(ht.load_file(FIXTURES / "dtypes.safetensors"), ref_load(str(FIXTURES / "dtypes.safetensors")))
 
