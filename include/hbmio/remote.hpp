@@ -110,6 +110,10 @@ struct UploadOptions {
 Stats write_remote(const std::string& url, std::uint64_t size, const FillFunction& fill, const UploadOptions& upload = {},
                    const RemoteOptions& options = RemoteOptions::from_env());
 
+// Deletes the object at an s3:// URL: one DELETE (S3 answers it whether or not the key exists).
+// Throws Error naming the URL.
+void delete_remote(const std::string& url, const RemoteOptions& options = RemoteOptions::from_env());
+
 // The URL of `name` beside `url` (a sibling key of an S3 object, or a relative reference on the
 // same server): how a sharded checkpoint's index names its shards.
 std::string remote_sibling(const std::string& url, const std::string& name);

@@ -15,6 +15,7 @@ Faults (RangeServer.faults, a dict, changed by a test between requests):
   "total": n                  every 206's Content-Range claims an object of n bytes (bytes as asked)
   "no_etag": True             no ETag header (Last-Modified only, unless "no_last_modified" too)
   "no_last_modified": True    no Last-Modified header
+  "weak_etag": True           the ETag is weak (W/"..."), which If-Match never matches
   "error_body": n             a "status_burst" answer's body goes on for n zero bytes after the XML
   "trickle": (n, s)           every body is sent n bytes at a time, s seconds apart
 Every answer carries a Last-Modified of the file's mtime unless told otherwise.
@@ -67,7 +68,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             return
         size = os.path.getsize(path)
-        etag = self._etag(path)
+        etag = ("W/" if faults.get("weak_etag") else "") + self._etag(path)
         last_modified = email.utils.formatdate(os.stat(path).st_mtime, usegmt=True)
         if faults.get("huge_200"):
             self._huge(faults["huge_200"])

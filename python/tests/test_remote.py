@@ -4,13 +4,16 @@ load_file, open, and the hbmio command, equal to local loads; faults (503 bursts
 bodies mid-transfer, an object replaced during a load, a server without ranges, a missing key)
 each give the documented result; secrets in URLs never reach a message."""
 
+import errno
 import json
 import os
+import re
 import pathlib
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 
 import pytest
 
@@ -207,6 +210,61 @@ def test_without_an_etag_a_replaced_object_is_still_noticed(served, tmp_path):
                 f.get_tensor("w")
 
 
+def test_a_failure_without_an_answer_says_which_one(monkeypatch):
+    """No HTTP status at all: a refused connection is ECONNREFUSED and a connection closed without
+    a word ECONNRESET, not both a timeout."""
+    import socket
+    import threading
+    monkeypatch.setenv("HBMIO_REMOTE_ATTEMPTS", "1")
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    with pytest.raises(hbmio.Error, match=f"127.0.0.1:{port}/x.safetensors") as e:
+        hbmio.load_file(f"http://127.0.0.1:{port}/x.safetensors")
+    assert e.value.errno == errno.ECONNREFUSED, e.value
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen()
+
+    def hang_up():
+        for _ in range(4):
+            try:
+                conn, _ = mute.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.close()  # "Empty reply from server"
+    threading.Thread(target=hang_up, daemon=True).start()
+    with pytest.raises(hbmio.Error) as e:
+        hbmio.load_file(f"http://127.0.0.1:{mute.getsockname()[1]}/x.safetensors")
+    assert e.value.errno == errno.ECONNRESET, e.value
+    mute.close()
+
+
+def test_an_answer_without_the_version_seen_first_is_refused(served, tmp_path):
+    """The object was opened with an ETag (or, without one, a Last-Modified); a later answer
+    without it could be another object of the same size (replaced behind a server that dropped the
+    header): refused, never read as the first version."""
+    server, root = served
+    target = root / "versioned.safetensors"
+    # A weak ETag is compared but never sent as If-Match (which compares strongly), as a server
+    # with Last-Modified only is.
+    for first, later in (({"weak_etag": True}, {"no_etag": True, "no_last_modified": True}),
+                         ({"no_etag": True}, {"no_etag": True, "no_last_modified": True})):
+        st_torch.save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(target))
+        server.faults.clear()
+        server.faults.update(first)
+        with hbmio.open(server.url(target.name), framework="pt") as f:
+            st_torch.save_file({"w": torch.arange(1000, dtype=torch.float32) * 3}, str(tmp_path / "new"))
+            os.replace(tmp_path / "new", target)  # same size, other bytes
+            server.faults.clear()
+            server.faults.update(later)
+            with pytest.raises(hbmio.Error, match="answered without the (ETag|Last-Modified) its first answer had"):
+                f.get_tensor("w")
+    server.faults.clear()
+
+
 def test_a_server_that_ignores_ranges_is_cut_off_at_once(server):
     """A 200 with a huge body to a ranged GET: refused at its first bytes, not downloaded."""
     server.sent = 0
@@ -246,6 +304,36 @@ def test_secrets_stay_out_of_messages(server):
         with pytest.raises(hbmio.Error) as e:
             hbmio.load_file(url)
         assert "SECRET" not in str(e.value) and "missing.safetensors" in str(e.value)
+
+
+def test_secrets_stay_out_of_the_python_layers_messages(server):
+    """Messages raised in Python (not by the library) show URLs as the library does: no user info,
+    no query string."""
+    def secret_free(error, name="big.safetensors"):
+        text = str(error)
+        assert "SECRET" not in text and name in text, text
+    for url in (server.url("big.safetensors?X-Amz-Signature=SECRET123&X-Amz-Credential=AKIDSECRET"),
+                server.url("big.safetensors").replace("http://", "http://user:SECRET123@")):
+        with pytest.raises(hbmio.Error) as e:
+            hbmio.load_file(url, names=["nope"])
+        secret_free(e.value)
+        with hbmio.open(url) as f:
+            with pytest.raises(KeyError) as e:
+                f.get_tensor("nope")
+            secret_free(e.value)
+            with pytest.raises(KeyError) as e:
+                f.get_slice("nope")
+            secret_free(e.value)
+        with pytest.raises(Exception) as e:
+            f.get_tensor(next(iter(f.keys())))  # after its with block
+        secret_free(e.value)
+        if hbmio.cuda_device_count() == 0:
+            with pytest.raises(hbmio.Error) as e:
+                hbmio.load_file(url, device="cuda:0")
+            secret_free(e.value)
+        with pytest.raises(TypeError) as e:
+            hbmio.save_file({1: torch.ones(1)}, url)  # refused before anything is sent
+        secret_free(e.value)
 
 
 def _hbmio_command():
@@ -494,7 +582,8 @@ def test_signatures_are_checked_by_a_real_s3_server(seaweed, monkeypatch):
 class FaultProxy:
     """Forwards every request to `target` (moto) unchanged, Host header included, so signatures
     still match; `fail` maps a predicate on (method, path) to a list of statuses to answer instead,
-    one per matching request (an empty list: forwarded again)."""
+    one per matching request (an empty list: forwarded again); `answer` likewise to (status, body)
+    pairs; `before(method, path)`, when set, runs before each request is forwarded."""
 
     def __init__(self, target):
         import http.client
@@ -503,6 +592,8 @@ class FaultProxy:
         import urllib.parse
         proxy = self
         self.fail = []  # [(predicate, [status, ...])]
+        self.answer = []  # [(predicate, [(status, body), ...])]
+        self.before = None
         self.seen = []  # (method, path)
         upstream = urllib.parse.urlsplit(target)
 
@@ -524,6 +615,16 @@ class FaultProxy:
                         self.end_headers()
                         self.wfile.write(text)
                         return
+                for predicate, answers in proxy.answer:
+                    if answers and predicate(self.command, self.path):
+                        status, text = answers.pop(0)
+                        self.send_response(status)
+                        self.send_header("Content-Length", str(len(text)))
+                        self.end_headers()
+                        self.wfile.write(text)
+                        return
+                if proxy.before is not None:
+                    proxy.before(self.command, self.path)
                 conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "expect")}
                 conn.request(self.command, self.path, body=body, headers=headers)
@@ -621,15 +722,90 @@ def test_uploads_left_by_a_killed_save_are_aborted_by_the_next_save_of_the_key(s
     s3.abort_multipart_upload(Bucket="hbmio-test", Key=key + ".other", UploadId=other)
 
 
+def test_an_upload_started_after_ours_is_not_aborted(s3_proxy, s3):
+    """AWS no longer lists an upload once it is completed: the listing that dates the others is
+    made before completing. An upload of the same key that started after ours (a concurrent save)
+    is left open; one that started before it is aborted."""
+    key = "saved/concurrent.safetensors"
+    older = s3.create_multipart_upload(Bucket="hbmio-test", Key=key)["UploadId"]
+    time.sleep(1.1)  # moto's times have whole seconds
+    newer = []
+
+    def start_another(method, path):
+        if method == "POST" and "uploadId=" in path and not newer:
+            time.sleep(1.1)
+            newer.append(s3.create_multipart_upload(Bucket="hbmio-test", Key=key)["UploadId"])
+    s3_proxy.before = start_another
+    tensors = _tensors(5, 12)
+    hbmio.save_file(tensors, f"s3://hbmio-test/{key}")
+    s3_proxy.before = None
+    still = {u["UploadId"] for u in s3.list_multipart_uploads(Bucket="hbmio-test").get("Uploads", []) if u["Key"] == key}
+    assert newer and still == {newer[0]}, (older, newer, still)
+    s3.abort_multipart_upload(Bucket="hbmio-test", Key=key, UploadId=newer[0])
+    same(st_torch.load(_object(s3, key)), tensors)
+
+
+def test_a_completion_that_fails_after_its_whitespace_is_a_failure(s3_proxy, s3):
+    """S3 keeps a slow CompleteMultipartUpload alive with whitespace and may still end it with an
+    <Error> in a 200: however long the whitespace, the save fails and the key keeps its object."""
+    key = "saved/padded.safetensors"
+    old = _tensors(6, 12)
+    hbmio.save_file(old, f"s3://hbmio-test/{key}")
+    before = _object(s3, key)
+    body = b" " * 20000 + b"<Error><Code>AccessDenied</Code><Message>injected after the whitespace</Message></Error>"
+    s3_proxy.answer = [(lambda m, p: m == "POST" and "uploadId=" in p, [(200, body)])]
+    with pytest.raises(hbmio.Error, match="injected after the whitespace"):
+        hbmio.save_file(_tensors(7, 12), f"s3://hbmio-test/{key}")
+    assert _object(s3, key) == before
+    # A 200 that is no CompleteMultipartUploadResult at all is no success either.
+    s3_proxy.answer = [(lambda m, p: m == "POST" and "uploadId=" in p, [(200, b"   <Something/>")])]
+    with pytest.raises(hbmio.Error, match="no CompleteMultipartUploadResult"):
+        hbmio.save_file(_tensors(8, 12), f"s3://hbmio-test/{key}")
+    assert _object(s3, key) == before
+
+
 def test_sharded_save_to_an_s3_prefix_writes_the_index_last(s3_proxy, s3):
     tensors = {f"layer.{i}": torch.full((1024, 256), float(i)) for i in range(4)}  # 1 MiB each
     hbmio.save_file(tensors, "s3://hbmio-test/sharded-save/", max_shard_size="2MiB")
     keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="hbmio-test", Prefix="sharded-save/")["Contents"])
-    assert keys == ["sharded-save/model-00001-of-00002.safetensors", "sharded-save/model-00002-of-00002.safetensors",
-                    "sharded-save/model.safetensors.index.json"]
+    # Each save's shards have names of their own: model-0000K-of-0000N-<save id>.safetensors.
+    assert [re.sub(r"-[0-9a-f]{12}\.safetensors$", "-ID.safetensors", k) for k in keys] == [
+        "sharded-save/model-00001-of-00002-ID.safetensors", "sharded-save/model-00002-of-00002-ID.safetensors",
+        "sharded-save/model.safetensors.index.json"]
     writes = [p for m, p in s3_proxy.seen if m in ("PUT", "POST")]
     assert "index.json" in writes[-1]
     same(hbmio.load_file("s3://hbmio-test/sharded-save/"), tensors)
+
+
+def _keys(s3, prefix):
+    return sorted(o["Key"] for o in s3.list_objects_v2(Bucket="hbmio-test", Prefix=prefix).get("Contents", []))
+
+
+def test_a_failed_sharded_save_to_s3_leaves_the_checkpoint_before_it(s3_proxy, s3):
+    """A sharded save that fails after its first shard must not leave the prefix holding a new
+    shard beside the old ones (each passes its own checksums, so verify=True would not notice):
+    the old checkpoint still loads, whole, and nothing of the failed save is left. A save that
+    succeeds deletes the shards of the one it replaced."""
+    url = "s3://hbmio-test/mixed/"
+    def state(seed):
+        return {f"w{i}": torch.full((1024, 256), float(seed * 100 + i)) for i in range(3)}  # 1 MiB each
+    old = state(1)
+    hbmio.save_file(old, url, max_shard_size="1MiB")
+    before = _keys(s3, "mixed/")
+    assert len(before) == 4
+    # The second shard of the next save is refused: the save fails, naming it.
+    s3_proxy.fail = [(lambda m, p: m == "PUT" and "model-00002-of-00003" in p, [403])]
+    with pytest.raises(PermissionError, match=r"model-00002-of-00003-[0-9a-f]{12}\.safetensors"):
+        hbmio.save_file(state(2), url, max_shard_size="1MiB")
+    assert _keys(s3, "mixed/") == before
+    same(hbmio.load_file(url, verify=True), old)
+    # A save that succeeds replaces every shard and deletes the old ones.
+    s3_proxy.fail = []
+    new = state(3)
+    hbmio.save_file(new, url, max_shard_size="1MiB")
+    after = _keys(s3, "mixed/")
+    assert len(after) == 4 and not set(after) & (set(before) - {"mixed/model.safetensors.index.json"})
+    same(hbmio.load_file(url, verify=True), new)
 
 
 def test_saves_to_urls_that_take_no_uploads_are_refused(s3, server):

@@ -4,15 +4,20 @@
 // GPU) into each part's buffer just before the part is sent; checksums are computed beside the
 // upload, and the header that holds them is in the first part, which is sent last.
 // Sharded: each shard an object under the prefix, then the index, written last: a loader that
-// starts from the index never sees a shard of this save missing. Shards of another count that an
-// earlier save left under the prefix stay (object stores have no directory to swap); the index
-// does not name them.
+// starts from the index never sees a shard of this save missing. Object stores have no directory
+// to swap, so each save's shards have names of their own (model-00001-of-00003-<save id>
+// .safetensors): a save that fails or is stopped halfway replaces no object the prefix's index
+// names (a fixed name would have put new shard 1 beside old shards 2..N, each passing its own
+// checksums), removes what it uploaded, and the prefix loads as the checkpoint before it. Once the
+// new index is written, the shards the old index named are deleted (a load of the old checkpoint
+// still running then fails on a missing shard, never mixes the two).
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <future>
 #include <map>
 #include <mutex>
+#include <random>
 #include <thread>
 
 #include <fmt/format.h>
@@ -104,6 +109,37 @@ Stats save_remote_file(const std::string& url, const std::vector<TensorToSave>& 
   return stats;
 }
 
+// Tells one save's shard objects from another's: 48 random bits, in hex.
+std::string save_id() {
+  std::random_device random;
+  const std::uint64_t bits = (std::uint64_t{random()} << 32 | random()) & 0xFFFF'FFFF'FFFFull;
+  return fmt::format("{:012x}", bits);
+}
+
+// The shards the index at `index_url` names: none where there is no index (or it cannot be read:
+// then nothing is deleted after the save, and old shards stay as garbage, never as data).
+std::vector<std::string> shards_named_by(const std::string& index_url, const RemoteOptions& options) {
+  try {
+    const auto object = RemoteObject::open(index_url, options);
+    if (object->size() > st::kMaxIndexSize) return {};
+    std::string text(object->size(), '\0');
+    if (!text.empty()) object->read(0, {reinterpret_cast<std::byte*>(text.data()), text.size(), {}});
+    return st::parse_index(text, object->shown()).shards;
+  } catch (const Error&) {
+    return {};
+  }
+}
+
+// Best effort: true when the object is gone.
+bool delete_quietly(const std::string& url, const RemoteOptions& options) noexcept {
+  try {
+    delete_remote(url, options);
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
 }  // namespace
 
 Stats save_remote(const std::string& url, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
@@ -117,21 +153,38 @@ Stats save_remote(const std::string& url, const std::vector<TensorToSave>& tenso
   }
   // Sharded: URL is a prefix ("s3://bucket/model/", the '/' added where missing).
   const std::string prefix = url.ends_with("/") ? url : url + "/";
-  const auto [shards, names, total_bytes] = plan_shards(tensors, options.max_shard_size);
+  const RemoteOptions remote = options.remote ? *options.remote : RemoteOptions::from_env();
+  const std::string index_url = prefix + "model.safetensors.index.json";
+  auto [shards, names, total_bytes] = plan_shards(tensors, options.max_shard_size);
+  const std::string id = save_id();
+  for (std::string& name : names) name.insert(name.size() - std::string_view(".safetensors").size(), "-" + id);
+  const std::vector<std::string> replaced = shards_named_by(index_url, remote);
   SaveOptions single = options;
   single.max_shard_size = 0;
   Stats total;
   nlohmann::json weight_map = nlohmann::json::object();
-  for (std::size_t k = 0; k < shards.size(); ++k) {
-    total.add_part(save_remote_file(prefix + names[k], shards[k], single));
-    for (const auto& t : shards[k]) weight_map[t.name] = names[k];
+  std::size_t uploaded = 0;
+  try {
+    for (; uploaded < shards.size(); ++uploaded) {
+      total.add_part(save_remote_file(prefix + names[uploaded], shards[uploaded], single));
+      for (const auto& t : shards[uploaded]) weight_map[t.name] = names[uploaded];
+    }
+    const std::string index = nlohmann::json({{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}}).dump(2) + "\n";
+    write_remote(index_url, index.size(), [&](std::uint64_t offset, std::span<std::byte> into) {
+      std::memcpy(into.data(), index.data() + offset, into.size());
+    }, {.cancel = options.cancel}, remote);
+  } catch (...) {
+    // The prefix's index still names the shards of the save before: this save's are garbage.
+    // (A shard whose own upload failed was aborted by write_remote; one half-stored is not there.)
+    for (std::size_t k = 0; k < uploaded; ++k) delete_quietly(prefix + names[k], remote);
+    throw;
   }
-  const std::string index = nlohmann::json({{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}}).dump(2) + "\n";
-  write_remote(prefix + "model.safetensors.index.json", index.size(), [&](std::uint64_t offset, std::span<std::byte> into) {
-    std::memcpy(into.data(), index.data() + offset, into.size());
-  }, {.cancel = options.cancel}, options.remote ? *options.remote : RemoteOptions::from_env());
+  unsigned removed = 0;
+  for (const std::string& old : replaced)
+    if (std::find(names.begin(), names.end(), old) == names.end()) removed += delete_quietly(prefix + old, remote);
   total.backend = "remote";
-  total.note = fmt::format("{} tensors in {} shard object(s), then the index", tensors.size(), shards.size());
+  total.note = fmt::format("{} tensors in {} shard object(s) (save {}), then the index{}", tensors.size(), shards.size(), id,
+                           removed > 0 ? fmt::format("; deleted the {} shard object(s) the index named before", removed) : "");
   timer.finish(total);
   return total;
 }

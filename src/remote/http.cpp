@@ -106,7 +106,12 @@ std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* user) {
       r.cut = true;  // an error body's start is all a message needs: the rest is not read
       return 0;
     }
-    if (r.body.size() < limit) r.body.append(ptr, std::min<std::size_t>(bytes, limit - r.body.size()));
+    std::string_view piece(ptr, bytes);
+    // S3 sends whitespace to keep a CompleteMultipartUpload's connection open while it works:
+    // what is kept of a 2xx answer starts at the answer itself, however long that took.
+    if (r.body.empty() && r.status >= 200 && r.status < 300)
+      while (!piece.empty() && std::isspace(static_cast<unsigned char>(piece.front())) != 0) piece.remove_prefix(1);
+    if (r.body.size() < limit) r.body.append(piece.data(), std::min<std::size_t>(piece.size(), limit - r.body.size()));
     return bytes;
   }
   if (r.received + bytes > sink->capacity) {
@@ -151,8 +156,9 @@ std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* user) {
 }
 
 int on_progress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
-  const auto* stop = static_cast<const std::atomic<bool>*>(user);
-  return stop != nullptr && stop->load(std::memory_order_relaxed) ? 1 : 0;
+  const auto* sink = static_cast<const Sink*>(user);
+  const auto set = [](const std::atomic<bool>* flag) { return flag != nullptr && flag->load(std::memory_order_relaxed); };
+  return set(sink->stop) || set(sink->cancel) ? 1 : 0;
 }
 
 void prepare(CURL* h, const Target& target, const RemoteOptions& options, Sink& sink, curl_slist*& headers, std::string& userpwd,
@@ -186,7 +192,7 @@ void prepare(CURL* h, const Target& target, const RemoteOptions& options, Sink& 
   curl.easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(options.deadline_seconds(bytes) * 1000));
   curl.easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
   curl.easy_setopt(h, CURLOPT_XFERINFOFUNCTION, &on_progress);
-  curl.easy_setopt(h, CURLOPT_XFERINFODATA, sink.stop);
+  curl.easy_setopt(h, CURLOPT_XFERINFODATA, &sink);
   curl.easy_setopt(h, CURLOPT_ACCEPT_ENCODING, nullptr);  // bytes as stored: a range of a compressed body is another range
 }
 
@@ -253,7 +259,12 @@ int errno_of_status(long status) {
 
 int errno_of_failure(CURLcode c, long status) {
   if (c == CURLE_COULDNT_RESOLVE_HOST) return EHOSTUNREACH;
-  return status == 0 || c == CURLE_OPERATION_TIMEDOUT ? ETIMEDOUT : errno_of_status(status);
+  if (c == CURLE_OPERATION_TIMEDOUT) return ETIMEDOUT;
+  if (status != 0) return errno_of_status(status);
+  // No answer: say which way it failed (the message gives libcurl's words too).
+  if (c == CURLE_COULDNT_CONNECT) return ECONNREFUSED;
+  if (c == CURLE_GOT_NOTHING || c == CURLE_RECV_ERROR || c == CURLE_SEND_ERROR || c == CURLE_PARTIAL_FILE) return ECONNRESET;
+  return ETIMEDOUT;
 }
 
 std::string describe(CURLcode c, const Response& r) {

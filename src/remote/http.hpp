@@ -67,14 +67,15 @@ struct Sink {
   bool discard = false;  // a GET's payload counted and dropped (RemoteOptions::discard)
   Response* response = nullptr;
   const std::atomic<bool>* stop = nullptr;
+  const std::atomic<bool>* cancel = nullptr;  // a second reason to stop: the caller's (Ctrl-C), beside the request's own
   ExpectedRange expect;
   bool checked = false;  // the 206's Content-Range was compared with `expect`
 };
 
-// libcurl callbacks: body into a Sink, headers into a Response, a stop flag as progress abort.
+// libcurl callbacks: body into a Sink, headers into a Response, the Sink's stop flags as progress abort.
 std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* sink);
 std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* response);
-int on_progress(void* stop, curl_off_t, curl_off_t, curl_off_t, curl_off_t);
+int on_progress(void* sink, curl_off_t, curl_off_t, curl_off_t, curl_off_t);
 
 // The options every request sets: callbacks, timeouts (a deadline of
 // RemoteOptions::deadline_seconds(`bytes`) for the whole request), buffers, and the signing (S3 with

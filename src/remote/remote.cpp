@@ -116,6 +116,12 @@ Response get(const Target& target, const RemoteOptions& options, std::uint64_t o
       if (!expect.etag.empty() && !r.etag.empty() && r.etag != expect.etag) throw changed(r);
       if (expect.etag.empty() && !expect.last_modified.empty() && !r.last_modified.empty() && r.last_modified != expect.last_modified)
         throw changed(r);
+      // A version seen first must be seen again: an answer without it could be of another object
+      // of the same size (HTTP requires a 206 to carry the validators a 200 would have).
+      if ((!expect.etag.empty() && r.etag.empty()) || (expect.etag.empty() && !expect.last_modified.empty() && r.last_modified.empty()))
+        throw Error(errno_code(ESTALE), context,
+                    fmt::format("the server answered without the {} its first answer had ({}): the object's version cannot be checked",
+                                expect.etag.empty() ? "Last-Modified" : "ETag", expect.etag.empty() ? expect.last_modified : expect.etag));
     }
     if (!r.refused.empty()) {
       // A 206 of another range or size, or a 200 to a ranged GET: not an accident a retry mends.

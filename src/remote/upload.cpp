@@ -39,7 +39,11 @@ struct Call {
   std::span<const std::byte> body;        // sent as is
   std::size_t keep = 0;                   // bytes of a 2xx body kept (an XML answer)
   const char* content_type = nullptr;     // a POST body's (libcurl's default is a form's, which servers parse as one)
+  // A request the server may work on for minutes, sending only whitespace meanwhile (completing a
+  // large multipart upload, as AWS documents): a deadline of kPatientSeconds and no minimum rate.
+  bool patient = false;
 };
+constexpr long kPatientSeconds = 15 * 60;
 
 struct Body {
   std::span<const std::byte> data;
@@ -59,13 +63,14 @@ struct Attempt {
   Response response;
 };
 
-Attempt perform_once(const Target& target, const RemoteOptions& options, const Call& call, const std::atomic<bool>* stop) {
+Attempt perform_once(const Target& target, const RemoteOptions& options, const Call& call, const std::atomic<bool>* stop,
+                     const std::atomic<bool>* cancel) {
   const auto& curl = shim::curl_api();
   remote::Handle handle;
   CURL* h = handle.get();
   curl.easy_reset(h);
   Attempt a;
-  remote::Sink sink{.keep = call.keep, .response = &a.response, .stop = stop};
+  remote::Sink sink{.keep = call.keep, .response = &a.response, .stop = stop, .cancel = cancel};
   Body body{call.body};
   curl_slist* headers = nullptr;
   std::string userpwd, sigv4;
@@ -75,6 +80,10 @@ Attempt perform_once(const Target& target, const RemoteOptions& options, const C
   // (Removing the Expect header instead would break signatures: libcurl before 8.x signs the
   // empty header it is told to drop.)
   curl.easy_setopt(h, CURLOPT_EXPECT_100_TIMEOUT_MS, 0L);
+  if (call.patient) {
+    curl.easy_setopt(h, CURLOPT_TIMEOUT_MS, kPatientSeconds * 1000);
+    curl.easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 0L);
+  }
   const std::string url = call.query.empty() ? target.request_url : target.request_url + "?" + call.query;
   curl.easy_setopt(h, CURLOPT_URL, url.c_str());
   curl.easy_setopt(h, CURLOPT_HTTPHEADER, headers);
@@ -97,14 +106,17 @@ Attempt perform_once(const Target& target, const RemoteOptions& options, const C
 
 // A request with the retry policy of reads: transient failures retried with backoff, others thrown.
 // S3 may answer CompleteMultipartUpload with 200 and an <Error> body: that is a failure too.
+// `stop` and `cancel` (either may be null): once either is set, the request in flight is cut off
+// and no other attempt made.
 Response perform(const Target& target, const RemoteOptions& options, const Call& call, const ErrorContext& context,
-                 const std::atomic<bool>* stop) {
+                 const std::atomic<bool>* stop, const std::atomic<bool>* cancel = nullptr) {
   const unsigned attempts = std::max(1u, options.max_attempts);
+  const auto stopped = [&] { return (stop != nullptr && stop->load()) || (cancel != nullptr && cancel->load()); };
   for (unsigned attempt = 1;; ++attempt) {
-    if (stop != nullptr && stop->load()) throw Error(errno_code(ECANCELED), context, "stopped before the request");
-    Attempt a = perform_once(target, options, call, stop);
+    if (stopped()) throw Error(errno_code(ECANCELED), context, "stopped before the request");
+    Attempt a = perform_once(target, options, call, stop, cancel);
     Response& r = a.response;
-    if (stop != nullptr && stop->load()) throw Error(errno_code(ECANCELED), context, "stopped");
+    if (stopped()) throw Error(errno_code(ECANCELED), context, "stopped");
     std::string retry_why;
     if (a.curl == CURLE_OK) {
       const bool error_body = r.status == 200 && r.body.find("<Error>") != std::string::npos;
@@ -158,19 +170,19 @@ class PartBuffer {
   Buffer buffer_;
 };
 
-// Multipart uploads of the key that are still open although they started before ours, which has
-// just published: left by saves that were killed (SIGKILL, a lost node) before they could abort
-// them. S3 keeps, and bills, their parts until they are aborted. Aborted here, best effort (the
-// save has succeeded whatever happens); a slower concurrent save of the same key that started
-// earlier is aborted too and fails cleanly, leaving this newer object. Returns how many.
-unsigned abort_leftover_uploads(const Target& target, const RemoteOptions& options, const std::string& own_id) {
+// Multipart uploads of the key that are still open although they started before ours: left by
+// saves that were killed (SIGKILL, a lost node) before they could abort them. S3 keeps, and bills,
+// their parts until they are aborted. Listed while ours is still open (AWS drops an upload from the
+// listing once it is completed, and without our own start time a newer upload could not be told
+// from an older one), aborted once ours has published (abort_uploads).
+struct OpenUpload {
+  std::string id, initiated;
+};
+std::vector<OpenUpload> older_uploads(const Target& target, const RemoteOptions& options, const std::string& own_id) {
   Target bucket = target;
   bucket.request_url = target.bucket_url;
   const ErrorContext context{.op = "list open multipart uploads", .path = target.shown};
-  struct Open {
-    std::string id, initiated;
-  };
-  std::vector<Open> open;
+  std::vector<OpenUpload> open;
   std::string own_initiated;
   try {
     const Response listing = perform(bucket, options, {.method = "GET", .query = "prefix=" + encode_value(target.key) + "&uploads=", .keep = 1 << 20},
@@ -179,18 +191,25 @@ unsigned abort_leftover_uploads(const Target& target, const RemoteOptions& optio
       const std::size_t end = listing.body.find("</Upload>", at);
       const std::string one = listing.body.substr(at, end == std::string::npos ? std::string::npos : end - at);
       if (remote::xml_field(one, "Key") != target.key) continue;  // a prefix matches longer keys too
-      Open u{remote::xml_field(one, "UploadId"), remote::xml_field(one, "Initiated")};
+      OpenUpload u{remote::xml_field(one, "UploadId"), remote::xml_field(one, "Initiated")};
       if (u.id == own_id) own_initiated = u.initiated;
       else open.push_back(std::move(u));
     }
   } catch (const Error&) {
-    return 0;  // a listing refused (permissions) leaves cleaning to the bucket's lifecycle rule
+    return {};  // a listing refused (permissions) leaves cleaning to the bucket's lifecycle rule
   }
+  // ISO 8601 times of one server compare as text; one started in the same instant as ours counts
+  // as older (the listing cannot order them). Without our own start (a server that does not list
+  // open uploads as S3 does), nothing can be told older: nothing is aborted.
+  std::erase_if(open, [&](const OpenUpload& u) { return own_initiated.empty() || u.initiated > own_initiated; });
+  return open;
+}
+
+// Best effort (the save has succeeded whatever happens): a slower concurrent save of the same key
+// that started earlier is aborted too and fails cleanly, leaving this newer object. Returns how many.
+unsigned abort_uploads(const Target& target, const RemoteOptions& options, const std::vector<OpenUpload>& uploads) {
   unsigned aborted = 0;
-  for (const Open& u : open) {
-    // ISO 8601 times of one server compare as text; without our own (already completed on
-    // servers that drop it from the list), every older open upload of the key is a leftover.
-    if (!own_initiated.empty() && !(u.initiated < own_initiated)) continue;
+  for (const OpenUpload& u : uploads) {
     try {
       perform(target, options, {.method = "DELETE", .query = "uploadId=" + encode_value(u.id)},
               {.op = "abort a multipart upload left by an earlier save", .path = target.shown}, nullptr);
@@ -252,7 +271,7 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
                                           .offset = offset, .length = length};
           const Response r = perform(target, options,
                                      {.method = "PUT", .query = fmt::format("partNumber={}&{}", index + 1, id_query), .body = data},
-                                     part_context, &failed);
+                                     part_context, &failed, cancel);
           if (r.etag.empty()) throw Error(errno_code(EPROTO), part_context, "the answer holds no ETag for the part");
           etags[index] = r.etag;
           if (upload.progress) *upload.progress += length;
@@ -272,9 +291,16 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
       for (std::uint64_t i = 0; i < parts; ++i) xml += fmt::format("<Part><PartNumber>{}</PartNumber><ETag>{}</ETag></Part>", i + 1, etags[i]);
       xml += "</CompleteMultipartUpload>";
       try {
-        perform(target, options, {.method = "POST", .query = id_query, .body = bytes_of(xml), .keep = 4096, .content_type = "application/xml"},
-                {.op = "complete the multipart upload", .path = target.shown}, nullptr);
-        leftovers = abort_leftover_uploads(target, options, upload_id);
+        const std::vector<OpenUpload> older = older_uploads(target, options, upload_id);
+        const ErrorContext complete{.op = "complete the multipart upload", .path = target.shown};
+        const Response done = perform(
+            target, options, {.method = "POST", .query = id_query, .body = bytes_of(xml), .keep = 4096, .content_type = "application/xml", .patient = true},
+            complete, nullptr);
+        // Only this answer says the object was published (a 200 may carry an <Error> after its
+        // whitespace, which perform sees, or be cut short).
+        if (done.body.find("<CompleteMultipartUploadResult") == std::string::npos)
+          throw Error(errno_code(EPROTO), complete, fmt::format("the answer is no CompleteMultipartUploadResult: \"{}\"", done.body.substr(0, 200)));
+        leftovers = abort_uploads(target, options, older);
       } catch (...) {
         first_error = std::current_exception();
       }
@@ -301,6 +327,13 @@ Stats write_remote(const std::string& url, std::uint64_t size, const FillFunctio
                          .reason = "an s3:// URL: " + (parts == 1 ? std::string("one PUT") : fmt::format("a multipart upload of {} parts", parts)),
                          .bytes = size});
   return stats;
+}
+
+void delete_remote(const std::string& url, const RemoteOptions& options) {
+  const Target target = remote::resolve(url, options);
+  const ErrorContext context{.op = "delete", .path = target.shown};
+  if (!target.s3) throw Error(errno_code(ENOTSUP), context, "deletes go to s3:// URLs only");
+  perform(target, options, {.method = "DELETE"}, context, nullptr);
 }
 
 }  // namespace hbmio
