@@ -121,7 +121,7 @@ def _require_gpu(device: str, path=None) -> None:
     torch.cuda, an allocation error)."""
     if not device.startswith("cuda"):
         return
-    what = f"load of {path} into {device}" if path is not None else f"device {device}"
+    what = f"load of {_hbmio.shown_path(str(path))} into {device}" if path is not None else f"device {device}"
     count = cuda_device_count()
     if count == 0:
         raise Error(_errno.ENODEV, f"{what}: this machine has no GPU ({cuda_unavailable_reason()})")
@@ -546,6 +546,7 @@ def _prepare_save(tensors, where) -> dict:
     every array kind for that) and must be contiguous (ValueError naming the tensor: safetensors
     refuses a strided tensor rather than silently packing it). Arrays of other frameworks that
     are strided are copied into C order by the save."""
+    where = _hbmio.shown_path(str(where))  # a URL's secrets stay out of messages
     _expect_dict(tensors, f"save to {where}: the tensors ({{name: tensor}})")
     tensors = dict(tensors)
     for key in tensors:

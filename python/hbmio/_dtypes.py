@@ -26,8 +26,15 @@ def _type(name, bases, doc):
     return made
 
 
+def _shown(where) -> str:
+    """A path as messages show it: a URL without its secrets (hbmio::shown_path)."""
+    from . import _hbmio
+    return _hbmio.shown_path(str(where))
+
+
 def numpy_refusal(name: str, dtype: str, where: str) -> Exception:
     """The error for tensor `name` (of `where`) of safetensors dtype `dtype`, which NumPy lacks."""
+    where = _shown(where)
     context = f" (tensor {name!r} of {where}: NumPy has no such dtype; load it with hbmio.torch)"
     if dtype in _PACKED:
         return packed_refusal(name, dtype, where)
@@ -46,6 +53,7 @@ def numpy_refusal(name: str, dtype: str, where: str) -> Exception:
 def packed_refusal(name: str, dtype: str, where: str) -> Exception:
     """hbmio.DtypeError (an hbmio.Error, a TypeError and, where safetensors is installed, a
     SafetensorError) for an F6 tensor, in the reference's words."""
+    where = _shown(where)
     import errno
     from . import _hbmio
     return _hbmio._dtype_error(errno.ENOTSUP, f"Dtype not understood: {dtype} (tensor {name!r} of {where}: "
@@ -60,6 +68,7 @@ def torch_shape(name: str, dtype: str, shape, where: str) -> list:
     if dtype != "F4":
         return shape
     if not shape or shape[-1] % 2:
+        where = _shown(where)
         import errno
         from . import _hbmio
         raise _hbmio._dtype_error(errno.EINVAL, f"f4_x2 dtype requires that the last dim be divisible by 2 in torch: "

@@ -263,7 +263,7 @@ class SafeOpen(_hbmio.SafeOpen):
 
     def _check_open(self):
         if self._closed:
-            raise _closed_error_type()(_errno.EBADF, f"File is closed: {self.path} was used after its `with` block")
+            raise _closed_error_type()(_errno.EBADF, f"File is closed: {_hbmio.shown_path(str(self.path))} was used after its `with` block")
 
     # --- internals --------------------------------------------------------------------------
     def _lookup(self, name) -> int:
@@ -644,7 +644,8 @@ def _slice_error(kind, message, family="Slice"):
 def _missing_tensor(name, path):
     """KeyError (what hbmio raised before), hbmio.Error and safetensors.SafetensorError (what
     safe_open raises), with the reference's words first."""
-    return _slice_error(KeyError, f"File does not contain tensor {name}: no tensor named {name!r} in {path}", family="Missing")
+    return _slice_error(KeyError, f"File does not contain tensor {name}: no tensor named {name!r} in {_hbmio.shown_path(str(path))}",
+                        family="Missing")
 
 
 class _Slice:

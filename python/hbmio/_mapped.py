@@ -49,7 +49,7 @@ def load(path: str, framework: str, names) -> dict:
     if wanted is not None:
         missing = sorted(wanted - out.keys())
         if missing:
-            raise KeyError(f"no tensor named {missing[0]!r} in {path}")
+            raise KeyError(f"no tensor named {missing[0]!r} in {_ext.shown_path(str(path))}")
     return out
 
 

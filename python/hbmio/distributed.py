@@ -96,7 +96,7 @@ def load(path: str, device, group, placement: str, shard_map, backend: str, veri
     if failed:
         raise _hbmio.Error("; ".join(f"rank {r}: {msg}" for r, msg in failed))
     if len({s[1] for s in states}) != 1:
-        raise _hbmio.Error(f"the ranks see different checkpoints at {path!r} or were given different options "
+        raise _hbmio.Error(f"the ranks see different checkpoints at {_hbmio.shown_path(str(path))!r} or were given different options "
                            "(tensor names, dtypes, shapes, placement or shard maps differ)")
 
     moved = 0

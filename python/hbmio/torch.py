@@ -56,6 +56,7 @@ def _check_tensors(tensors, where) -> dict:
     trying to save a sparse tensors" / "a non contiguous tensor"), a value that is not a tensor
     (ValueError "Key `k` is invalid", also a TypeError); a key that is not a str is a TypeError
     naming it."""
+    where = _ext.shown_path(str(where))  # a URL's secrets stay out of messages
     import collections.abc
     if not isinstance(tensors, collections.abc.Mapping):
         raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)} (save to {where})")
@@ -268,7 +269,7 @@ def load_model(model, filename, strict=True, device="cpu", *, backend=None):
             else:
                 unexpected.append(name)
     if strict and (missing or unexpected):
-        text = f"Error(s) in loading state_dict for {type(model).__name__} from {filename}:"
+        text = f"Error(s) in loading state_dict for {type(model).__name__} from {_ext.shown_path(str(filename))}:"
         if missing:
             text += "\n    Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(missing))
         if unexpected:

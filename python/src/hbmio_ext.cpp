@@ -99,6 +99,8 @@ NB_MODULE(_hbmio, m) {
   }, "Live hbmio allocations by kind (buffers and bytes).");
 
   m.def("cuda_device_count", &hbmio::cuda_device_count);
+  m.def("shown_path", [](const std::string& path) { return hbmio::shown_path(path); }, nb::arg("path"),
+        "What a message may show of a path: a URL without its user info, query (a presigned URL's signature) and fragment.");
   m.def("cuda_unavailable_reason", &hbmio::cuda_unavailable_reason);
 
   // Test support: what a DLPack producer hands over (imported through __dlpack__), with a copy of
