@@ -1160,6 +1160,80 @@ TEST(ShardedSave, SaysWhichOfTheOldCheckpointsFilesWentWithIt) {
   EXPECT_TRUE(fs::exists(target + "/config.json"));
 }
 
+// A file system that, at the moment a sharded save swaps its new directory in, plays a process
+// still writing into the old one: a file created and one replaced (by rename) after the save
+// listed the directory.
+class LateWriterFileSystem final : public FileSystem {
+ public:
+  explicit LateWriterFileSystem(std::string dir) : dir_(std::move(dir)) {}
+  File open(const std::string& path, const std::string& shown, OpenMode mode, bool direct) override {
+    return base_->open(path, shown, mode, direct);
+  }
+  void write(const File& f, std::span<const std::byte> b, std::uint64_t o, const ErrorContext& c) override { base_->write(f, b, o, c); }
+  void sync(const File& f, const ErrorContext& c) override { base_->sync(f, c); }
+  void sync_directory(const std::string& d, const ErrorContext& c) override { base_->sync_directory(d, c); }
+  int link(const File& f, const std::string& p) override { return base_->link(f, p); }
+  int rename(const std::string& a, const std::string& b) override { return base_->rename(a, b); }
+  int exchange(const std::string& a, const std::string& b) override {
+    std::ofstream(dir_ + "/late.txt") << "written during the save";
+    std::ofstream(dir_ + "/config.json.tmp") << "{\"hidden_size\": 16}";
+    fs::rename(dir_ + "/config.json.tmp", dir_ + "/config.json");
+    return base_->exchange(a, b);
+  }
+  int make_directory(const std::string& p) override { return base_->make_directory(p); }
+  void remove_all(const std::string& p) noexcept override { base_->remove_all(p); }
+
+ private:
+  std::string dir_;
+  std::shared_ptr<FileSystem> base_ = FileSystem::posix();
+};
+
+// What a sharded save keeps of the directory it replaces: every file that is not the old
+// checkpoint's (model-ema.safetensors is the user's; model-00001-of-00003.safetensors and the
+// shards the old index names are the checkpoint's), files written into it while the save ran, a
+// dangling symlink, and the directory's mode; and "dir/" or "dir/." name the directory itself.
+TEST(ShardedSave, KeepsEverythingButTheOldCheckpointAndWhatWasWrittenMeanwhile) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string target = dir.file("model");
+  fs::create_directory(target);
+  ::chmod(target.c_str(), 02750);
+  save_checkpoint(target, sample.tensors, {.max_shard_size = 300000});
+  // The user's files beside the checkpoint, a shard of another count, and one the index names.
+  std::ofstream(target + "/model-ema.safetensors") << "user's";
+  std::ofstream(target + "/model-best-step1000.safetensors") << "user's too";
+  std::ofstream(target + "/model-00007-of-00009.safetensors") << "a stale shard";
+  std::ofstream(target + "/config.json") << "{\"hidden_size\": 8}";
+  fs::create_symlink("nowhere", target + "/latest");
+  SaveOptions options{.max_shard_size = 600000};
+  options.file_system = std::make_shared<LateWriterFileSystem>(target);
+  const Stats s = save_checkpoint(target + "/", sample.tensors, options);
+  EXPECT_TRUE(fs::exists(target + "/model-ema.safetensors"));
+  EXPECT_TRUE(fs::exists(target + "/model-best-step1000.safetensors"));
+  EXPECT_FALSE(fs::exists(target + "/model-00007-of-00009.safetensors"));
+  EXPECT_NE(s.note.find("model-00007-of-00009.safetensors"), std::string::npos) << s.note;
+  EXPECT_TRUE(fs::is_symlink(target + "/latest"));
+  const auto text = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+  };
+  EXPECT_EQ(text(target + "/late.txt"), "written during the save");
+  EXPECT_EQ(text(target + "/config.json"), "{\"hidden_size\": 16}");  // the replacement, not the copy
+  struct stat st {};
+  ASSERT_EQ(::stat(target.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 02750u);
+  EXPECT_EQ(temporaries_in(dir.path()), 0u);
+  EXPECT_FALSE(verify_checkpoint(target).first_bad.has_value());
+  // "." from inside the directory saves into the directory.
+  const fs::path cwd = fs::current_path();
+  fs::current_path(target);
+  save_checkpoint(".", sample.tensors, {.max_shard_size = 300000});
+  fs::current_path(cwd);
+  EXPECT_EQ(temporaries_in(dir.path()), 0u);
+  EXPECT_TRUE(fs::exists(target + "/model-ema.safetensors"));
+  EXPECT_FALSE(verify_checkpoint(target).first_bad.has_value());
+}
+
 // A load or verify racing saves that replace the file (rename) sees one file throughout: the
 // header it parsed and the bytes it reads come from the same descriptor. Different metadata
 // lengths move the data: a header read from one file steering reads of the other returned

@@ -135,6 +135,10 @@ void remove_stale_temporaries(FileSystem& files, const fs::path& target) {
 
 fs::path final_target(const std::string& path, bool directory, const ErrorContext& context) {
   fs::path p = fs::absolute(path);
+  // "out/", "out/." and "." name the directory itself: its parent is where the temporary goes
+  // (the parent of "out/" is "out", which would build the new directory inside the old one).
+  while ((!p.has_filename() || p.filename() == ".") && p != p.root_path()) p = p.parent_path();
+  if (p.filename() == "..") p = fs::weakly_canonical(p);
   std::error_code ec;
   for (int hops = 0; fs::is_symlink(fs::symlink_status(p, ec)); ++hops) {
     if (hops == 40) throw Error(errno_code(ELOOP), context, "too many levels of symbolic links");

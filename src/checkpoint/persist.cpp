@@ -1,6 +1,8 @@
 #include "checkpoint/persist.hpp"
 
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -8,10 +10,13 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <map>
 #include <optional>
 #include <random>
+#include <regex>
+#include <set>
 #include <string_view>
 #include <thread>
 
@@ -308,9 +313,63 @@ Stats persist_file(const fs::path& target, const std::string& shown, const std::
   return total;
 }
 
-bool is_checkpoint_file(const std::string& name) {
-  return name == "model.safetensors" || name == "model.safetensors.index.json" ||
-         (name.starts_with("model-") && name.ends_with(".safetensors"));
+// The old checkpoint's own files in a directory a sharded save replaces: model.safetensors, the
+// index, the shards the index names and files named as shards are (model-00001-of-00004
+// .safetensors). Nothing else: model-ema.safetensors or model-best.safetensors are the user's.
+std::set<std::string> old_checkpoint_files(const fs::path& dir) {
+  std::set<std::string> out{"model.safetensors", "model.safetensors.index.json"};
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    static const std::regex shard_name(R"(model-\d{5}-of-\d{5}\.safetensors)");
+    if (std::regex_match(name, shard_name)) out.insert(name);
+  }
+  try {
+    const fs::path index = dir / "model.safetensors.index.json";
+    if (fs::is_regular_file(index, ec) && fs::file_size(index, ec) <= st::kMaxIndexSize) {
+      std::ifstream in(index, std::ios::binary);
+      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      for (const std::string& shard : st::parse_index(text, index.string()).shards) out.insert(shard);
+    }
+  } catch (const std::exception&) {
+    // An index that cannot be read names nothing: its shards, if any, stay as the user's files.
+  }
+  return out;
+}
+
+// The directory a sharded save builds takes the mode, owner and group of the one it replaces (a
+// private or a group's setgid directory stays so). Best effort for the owner: only root may give
+// a file away.
+void take_directory_attributes(const fs::path& from, const fs::path& to) {
+  struct stat st {};
+  if (::stat(from.c_str(), &st) != 0) return;
+  if (::chown(to.c_str(), st.st_uid, st.st_gid) != 0) (void)::chown(to.c_str(), static_cast<uid_t>(-1), st.st_gid);
+  (void)::chmod(to.c_str(), st.st_mode & 07777);
+}
+
+// After the swap, the old directory (at `old`) may hold what was written into it while the new
+// one was built: files created or replaced after the listing. They are moved into the new
+// directory, replacing the copies taken at the listing (hard links: the same inode means nothing
+// changed); the rest (the old checkpoint's files, the copies' originals) is removed. A writer
+// still adding files meanwhile is met again by the next pass, up to a few.
+void hand_over_late_files(FileSystem& files, const fs::path& old, const fs::path& target, const std::set<std::string>& stale) {
+  for (int pass = 0; pass < 4; ++pass) {
+    std::error_code ec;
+    std::vector<fs::path> entries;
+    for (const auto& entry : fs::directory_iterator(old, ec)) entries.push_back(entry.path());
+    if (ec) break;
+    for (const fs::path& entry : entries) {
+      const std::string name = entry.filename().string();
+      if (stale.contains(name)) continue;
+      struct stat was {}, now {};
+      if (::lstat(entry.c_str(), &was) != 0 || S_ISDIR(was.st_mode)) continue;
+      const fs::path there = target / entry.filename();
+      if (::lstat(there.c_str(), &now) == 0 && now.st_ino == was.st_ino && now.st_dev == was.st_dev) continue;  // the copy
+      (void)::rename(entry.c_str(), there.c_str());  // newer than the copy, or not copied at all
+    }
+    files.remove_all(old.string());
+    if (!fs::exists(old, ec)) return;
+  }
 }
 
 // Writes small bytes (the index) to a new file and makes them durable; `shown` names it in errors.
@@ -337,6 +396,7 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
   const fs::path temp = temp_name(target, random);
   Stats total;
   std::vector<std::string> dropped;  // checkpoint files of the old directory that the new one does not have
+  std::set<std::string> stale;       // the old directory's checkpoint files (old_checkpoint_files)
   try {
     // A name already there (even a symlink to a directory) is never built into: the random
     // suffix makes that a sign of interference, not a leftover (those were removed above).
@@ -344,6 +404,7 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
       throw Error(errno_code(err), context,
                   err == EEXIST ? fmt::format("temporary directory {} already exists", temp.string())
                                 : fmt::format("mkdir of the temporary directory {}", temp.string()));
+    take_directory_attributes(target, temp);
     const FileLock lock(::open(temp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     nlohmann::json weight_map = nlohmann::json::object();
     SaveOptions single = options;
@@ -359,18 +420,25 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
     const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
     write_index(files, temp / "model.safetensors.index.json", (fs::path(path) / "model.safetensors.index.json").string(),
                   index.dump(2) + "\n");
-    // Whatever else the directory holds (config.json, tokenizer files) comes along. The old
-    // checkpoint's own files do not: a model.safetensors beside the new index would be loaded in
-    // its place by loaders that look for it first, and a shard of another count is stale. They
-    // are named in the result's note.
-    if (fs::exists(target))
+    // Whatever else the directory holds (config.json, tokenizer files, symlinks as symlinks)
+    // comes along. The old checkpoint's own files do not: a model.safetensors beside the new index
+    // would be loaded in its place by loaders that look for it first, and a shard of another count
+    // is stale. They are named in the result's note. A file removed while it is listed is gone.
+    if (fs::exists(target)) {
+      stale = old_checkpoint_files(target);
       for (const auto& entry : fs::directory_iterator(target)) {
         const std::string name = entry.path().filename().string();
-        if (!is_checkpoint_file(name))
-          fs::copy(entry.path(), temp / entry.path().filename(), fs::copy_options::recursive | fs::copy_options::create_hard_links);
-        else if (name != "model.safetensors.index.json" && std::find(shard_names.begin(), shard_names.end(), name) == shard_names.end())
+        if (!stale.contains(name)) {
+          std::error_code ec;
+          fs::copy(entry.path(), temp / entry.path().filename(),
+                   fs::copy_options::recursive | fs::copy_options::create_hard_links | fs::copy_options::copy_symlinks, ec);
+          if (ec && ec != std::errc::no_such_file_or_directory)
+            throw Error(ec, {.op = context.op, .path = entry.path().string()}, "carry it into the new checkpoint directory");
+        } else if (name != "model.safetensors.index.json" && std::find(shard_names.begin(), shard_names.end(), name) == shard_names.end()) {
           dropped.push_back(name);
+        }
       }
+    }
     sync_directory(files, temp, path);
     // The last point a stop request is heeded: the swap below publishes the new checkpoint.
     check_cancel(options.cancel, context);
@@ -386,7 +454,7 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
     throw;
   }
   sync_published(files, target.parent_path(), path, temp);
-  files.remove_all(temp.string());  // the old checkpoint, after the exchange
+  hand_over_late_files(files, temp, target, stale);  // then the old checkpoint goes
   std::sort(dropped.begin(), dropped.end());
   total.note = fmt::format("{} tensors in {} shard(s) + index, swapped in atomically{}", tensors.size(), shards.size(),
                            dropped.empty() ? ""
