@@ -498,6 +498,27 @@ INSTANTIATE_TEST_SUITE_P(Backends, SourceLanded,
 // itself one shard of several (model-00001-of-00004.safetensors without the index: a sharded
 // checkpoint another tool is still writing, or copied in part): then an error naming it, never
 // a quarter of the model loaded as the whole.
+// A single-file save into a directory that held a sharded checkpoint: loading the directory gives
+// the new model.safetensors (as transformers, which looks for it first), not the old index's shards.
+TEST(Directories, ModelSafetensorsBesideAnIndexIsTheCheckpoint) {
+  TempDir dir;
+  const std::string target = dir.file("model");
+  fs::create_directory(target);
+  const Sample old = make_sample({MemoryKind::host});
+  save_checkpoint(target, old.tensors, {.max_shard_size = 300000});
+  Sample now = make_sample({MemoryKind::host});  // the same tensors with other bytes
+  for (std::size_t i = 0; i < now.bytes.size(); ++i) {
+    for (std::byte& b : now.bytes[i]) b ^= std::byte{0x5A};
+    copy_memory(now.buffers[i].span(), {now.bytes[i].data(), now.bytes[i].size(), {}});
+  }
+  save_checkpoint(target + "/model.safetensors", now.tensors);
+  ASSERT_TRUE(fs::exists(target + "/model.safetensors.index.json"));
+  const LoadedCheckpoint loaded = load_checkpoint(target, {.verify = true});
+  ASSERT_EQ(loaded.tensors().size(), now.tensors.size());
+  for (std::size_t i = 0; i < now.tensors.size(); ++i)
+    EXPECT_EQ(first_mismatch(to_host(loaded.find(now.tensors[i].name)->data), now.bytes[i]), -1) << now.tensors[i].name;
+}
+
 TEST(Directories, OneShardOfSeveralWithoutItsIndexIsRefused) {
   TempDir dir;
   const Sample sample = make_sample({MemoryKind::host});

@@ -49,6 +49,11 @@ std::string resolve_directory(const CheckpointDirectory& dir, const std::string&
     else if (name.ends_with(".safetensors")) files.push_back(name);
   }
   std::sort(indexes.begin(), indexes.end());
+  // model.safetensors beside an index is the checkpoint, as transformers decides (it looks for
+  // that name first): a single-file save into a directory that held a sharded checkpoint leaves
+  // the old index there, and reading it would load the older model (hbmio's sharded saves remove
+  // a model.safetensors, so the reverse does not arise).
+  if (!indexes.empty() && std::find(files.begin(), files.end(), "model.safetensors") != files.end()) return "model.safetensors";
   if (indexes.size() == 1) return indexes.front();
   if (indexes.size() > 1)
     throw checkpoint_error(EINVAL, path, fmt::format("holds {} index files; name the one to load", indexes.size()));
