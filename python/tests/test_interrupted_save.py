@@ -81,3 +81,42 @@ def test_a_stopped_save_leaves_the_old_checkpoint_and_nothing_else(tmp_path, sig
         assert all(int(loaded[f"t{i}"][0]) == i + 7 for i in range(8))
     else:
         assert list(loaded) == ["old"]
+
+
+def test_ctrl_c_while_another_process_holds_the_files_lock_stops_the_save(tmp_path):
+    """A save waits for a rewrite in place of the file (a flock on it) before it publishes; Ctrl-C
+    during that wait stops the save at once, the old file in place, nothing left behind."""
+    import fcntl
+    path = tmp_path / "m.safetensors"
+    hbmio.save_file({"old": np.arange(1000, dtype=np.int32)}, path)
+    old_bytes = path.read_bytes()
+    holder = open(path, "rb")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+
+        def written():  # bytes the child has written (its 384 MiB save, then it waits for the lock)
+            with open(f"/proc/{child.pid}/io") as io:
+                return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
+        deadline = time.monotonic() + 60
+        while written() < 384 << 20:
+            assert child.poll() is None, "the save did not wait for the lock"
+            assert time.monotonic() < deadline, "the child's save never wrote its data"
+            time.sleep(0.01)
+        time.sleep(0.5)  # its fsync
+        assert child.poll() is None, "the save did not wait for the lock"
+        started = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=20)
+        stopped_in = time.monotonic() - started
+    finally:
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        holder.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 3 and "interrupted" in out, (child.returncode, out)
+    assert stopped_in < 5, f"Ctrl-C took {stopped_in:.1f} s while the lock was held"
+    assert path.read_bytes() == old_bytes
+    assert temporaries(tmp_path) == [], f"left behind: {temporaries(tmp_path)}"

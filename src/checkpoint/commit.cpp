@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -82,10 +83,10 @@ const char* kind_of(mode_t mode) {
   return "not a regular file";
 }
 
-FileLock lock_current(const fs::path& target) {
+FileLock lock_current(const fs::path& target, const std::atomic<bool>* cancel) {
   const int fd = ::open(target.c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) return {};
-  FileLock lock = FileLock::wait_for(fd);
+  FileLock lock = FileLock::wait_for(fd, cancel);
   ::close(fd);
   return lock;
 }
@@ -98,12 +99,28 @@ fs::path temp_name(const fs::path& target, std::random_device& random) {
 
 FileLock::FileLock(int fd) : fd_(fd) {
   hold_descriptor(fd_);
-  if (fd_ >= 0) (void)::flock(fd_, LOCK_EX | LOCK_NB);
+  locked_ = fd_ >= 0 && ::flock(fd_, LOCK_EX | LOCK_NB) == 0;
 }
 
-FileLock FileLock::wait_for(int fd) {
+FileLock FileLock::wait_for(int fd, const std::atomic<bool>* cancel) {
   FileLock lock(::fcntl(fd, F_DUPFD_CLOEXEC, 0), 0);
-  while (lock.fd_ >= 0 && ::flock(lock.fd_, LOCK_EX) != 0 && errno == EINTR) {}
+  if (lock.fd_ < 0) return lock;
+  if (cancel == nullptr) {
+    int r;
+    while ((r = ::flock(lock.fd_, LOCK_EX)) != 0 && errno == EINTR) {}
+    lock.locked_ = r == 0;
+    return lock;
+  }
+  // A holder may keep the lock for long (another process's rewrite, or anything that flocks the
+  // file): a stop request must not wait for it.
+  while (!cancel->load()) {
+    if (::flock(lock.fd_, LOCK_EX | LOCK_NB) == 0) {
+      lock.locked_ = true;
+      return lock;
+    }
+    if (errno != EWOULDBLOCK && errno != EINTR) return lock;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   return lock;
 }
 
@@ -111,10 +128,11 @@ FileLock::~FileLock() {
   if (fd_ >= 0) close_held_descriptor(fd_, [this] { ::close(fd_); });
 }
 
-FileLock::FileLock(FileLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+FileLock::FileLock(FileLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)), locked_(std::exchange(other.locked_, false)) {}
 
 FileLock& FileLock::operator=(FileLock&& other) noexcept {
   std::swap(fd_, other.fd_);
+  std::swap(locked_, other.locked_);
   return *this;
 }
 
@@ -236,7 +254,7 @@ PendingFile::~PendingFile() {
   if (!published_ && !temp_.empty()) files_.remove_all(temp_.string());
 }
 
-void PendingFile::publish(const ErrorContext& context, bool lock_target) {
+void PendingFile::publish(const ErrorContext& context, bool lock_target, const std::atomic<bool>* cancel) {
   if (temp_.empty()) {
     // A name for the unnamed file, beside the target.
     std::random_device random;
@@ -245,7 +263,9 @@ void PendingFile::publish(const ErrorContext& context, bool lock_target) {
       throw Error(errno_code(err), context, fmt::format("linkat of the new file to {}", name.string()));
     temp_ = name;
   }
-  const FileLock held = lock_target ? lock_current(target_) : FileLock{};
+  const FileLock held = lock_target ? lock_current(target_, cancel) : FileLock{};
+  if (cancel != nullptr && cancel->load())
+    throw Error(errno_code(ECANCELED), context, "stopped on request before the rename: the old file is in place");
   if (const int err = files_.rename(temp_.string(), target_.string()))
     throw Error(errno_code(err), context, "rename of the new file over the old");
   published_ = true;

@@ -36,8 +36,10 @@ class FileLock {
   FileLock() = default;
   // Takes a lock on a descriptor that nobody else can have locked (a file just made).
   explicit FileLock(int fd);
-  // Waits for the lock on the file open as `fd` (a descriptor of its own is made).
-  static FileLock wait_for(int fd);
+  // Waits for the lock on the file open as `fd` (a descriptor of its own is made). With `cancel`,
+  // looks every 10 ms and gives up (an unlocked FileLock) once it is set.
+  static FileLock wait_for(int fd, const std::atomic<bool>* cancel = nullptr);
+  bool locked() const noexcept { return locked_; }
   ~FileLock();
   FileLock(FileLock&& other) noexcept;
   FileLock& operator=(FileLock&& other) noexcept;
@@ -45,6 +47,7 @@ class FileLock {
  private:
   FileLock(int fd, int /*no lock yet*/);
   int fd_ = -1;
+  bool locked_ = false;
 };
 
 // Removes the temporaries of earlier saves of `target` that no running save holds. (Where the file
@@ -115,8 +118,9 @@ class PendingFile {
   // Gives the file (written and fsynced) the target's name, atomically. `lock_target`: wait for a
   // rewrite of the file there to finish first (add_checksums holds that lock while it rewrites the
   // file, and a save that published meanwhile would be overwritten by the rewrite's older data);
-  // add_checksums, which holds that lock itself, passes false.
-  void publish(const ErrorContext& context, bool lock_target);
+  // add_checksums, which holds that lock itself, passes false. A stop request (`cancel`) is heeded
+  // while it waits, and once more before the rename: ECANCELED, the old file in place.
+  void publish(const ErrorContext& context, bool lock_target, const std::atomic<bool>* cancel = nullptr);
 
  private:
   FileSystem& files_;

@@ -298,7 +298,7 @@ Stats persist_file(const fs::path& target, const std::string& shown, const std::
     // The last point a stop request is heeded: from the rename on, the new file is the checkpoint.
     check_cancel(options.cancel, context);
     previous.emplace(target);
-    pending.publish(context, top_level);
+    pending.publish(context, top_level, options.cancel);
   }
   if (top_level) sync_published(files, target.parent_path(), shown);
   else sync_directory(files, target.parent_path(), shown);
