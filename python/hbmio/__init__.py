@@ -534,9 +534,21 @@ def _check_metadata(metadata):
     _expect_dict(metadata, "metadata ({str: str})")
     metadata = dict(metadata)
     for key, value in metadata.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise TypeError(f"metadata maps str to str: {key!r}: {value!r} ({type(value).__name__}) is not")
+        for what, text in (("key", key), ("value", value)):
+            if not isinstance(text, str):
+                raise TypeError(f"metadata maps str to str: the {what} {text!r} (of {key!r}: {value!r}) is a {type(text).__name__}")
+            if not _utf8(text):
+                raise ValueError(f"metadata maps str to str: the {what} {text!r} (of {key!r}) is not encodable as UTF-8 "
+                                 "(a lone surrogate), which the format's JSON header must be")
     return metadata
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _prepare_save(tensors, where) -> dict:
@@ -552,6 +564,9 @@ def _prepare_save(tensors, where) -> dict:
     for key in tensors:
         if not isinstance(key, str):
             raise TypeError(f"save to {where}: tensor names must be str; the key {key!r} ({type(key).__name__}) is not")
+        if not _utf8(key):
+            raise ValueError(f"save to {where}: the tensor name {key!r} is not encodable as UTF-8 (a lone surrogate), "
+                             "which the format's JSON header must be")
     # NumPy arrays in big-endian order ('>f4'): the format is little-endian and DLPack hands over
     # native order only, so they are saved as little-endian copies, as safetensors.numpy byteswaps
     # them (without this they were refused as "not an array").

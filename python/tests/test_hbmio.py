@@ -981,3 +981,17 @@ def test_verify_on_files_without_checksums(tmp_path):
     with pytest.raises(hbmio.VerifyError, match="verification failed") as raised:
         hbmio.load_file(ours, framework="numpy", verify=True)
     assert raised.value.errno == errno.EIO
+
+
+def test_metadata_and_names_that_cannot_be_saved_say_which_side_is_wrong(tmp_path):
+    path = tmp_path / "m.safetensors"
+    t = {"x": np.zeros(2, dtype=np.float32)}
+    with pytest.raises(TypeError, match=r"the key 1 \(of 1: 'v'\) is a int"):
+        hbmio.save_file(t, path, metadata={1: "v"})
+    with pytest.raises(TypeError, match=r"the value 2 \(of 'k': 2\) is a int"):
+        hbmio.save_file(t, path, metadata={"k": 2})
+    with pytest.raises(ValueError, match="not encodable as UTF-8"):
+        hbmio.save_file(t, path, metadata={"k": "bad\udc80"})
+    with pytest.raises(ValueError, match=r"tensor name 'x\\udc80' is not encodable as UTF-8"):
+        hbmio.save_file({"x\udc80": np.zeros(2, dtype=np.float32)}, path)
+    assert not path.exists()
