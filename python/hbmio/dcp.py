@@ -16,9 +16,12 @@ stored tensor, so hbmio.load_file(directory) and safetensors read the files) and
 or the complete new one: data files carry the save's id in their names and never replace the
 previous save's files, which are removed only after the new .metadata is in place. (A crash
 between the two renames leaves the index naming the new files and .metadata the old ones: each
-reader sees a whole checkpoint, DCP the old and an index reader the new.) One save of a
-directory at a time: a save removes the data files of every other save of its directory once it
-has published, so an earlier dcp.async_save of the same directory must be waited for first.
+reader sees a whole checkpoint, DCP the old and an index reader the new.) Saves of one directory
+that overlap (a dcp.async_save not waited for before the next) publish one at a time (a lock on
+the directory, across processes of the host): the save that started last is the checkpoint, and
+one that finishes after it is dropped with a warning, its files removed. A save removes the files
+of the checkpoint it replaced, and those of saves that never published (a crash) once they are an
+hour old; a save still running keeps its files.
 
 dcp.async_save stages through the writer (DCP's AsyncStager protocol, torch 2.4 and later): the
 call stalls for one copy of the rank's tensors into staging memory that hbmio keeps between saves
@@ -77,6 +80,71 @@ _DATA_FILE = re.compile(r"^model-\d{5}-of-\d{5}-[0-9a-f]{12}\.safetensors$")
 # names are never saved again, so nothing else would ever remove them.
 _LEFT_BEHIND = re.compile(r"^\.(model-\d{5}-of-\d{5}-[0-9a-f]{12}\.safetensors|model\.safetensors\.index\.json|\.metadata)"
                           r"(\.hbmio-tmp-|~[0-9a-f]{16}\.hbmio-tmp-)")
+
+
+# When each save started (time.time_ns() at its plan), in its index's metadata: of saves of one
+# directory that overlap, the one that started last stays the checkpoint.
+_STARTED_KEY = "hbmio.dcp.started_ns"
+# Data files no published checkpoint names are a crashed save's once this old (a save in flight
+# writes its files and publishes within its own run).
+_ABANDONED_AFTER_S = 3600
+
+
+class _DirectoryLock:
+    """flock on the checkpoint directory: one save publishes (and cleans up) at a time, across the
+    processes of this host."""
+
+    def __init__(self, path):
+        self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def __enter__(self):
+        import fcntl
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self._fd)  # releases the lock
+        return False
+
+
+def _read_index(directory) -> dict:
+    try:
+        with open(os.path.join(directory, _INDEX), "rb") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _age(path, now) -> float:
+    try:
+        return now - os.lstat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _in_use(path) -> bool:
+    """Whether a save holds the temporary (hbmio locks its temporaries while it writes them)."""
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _remove(directory, names):
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -578,6 +646,7 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
     def stage(self, state_dict):
         """DCP's AsyncStager.stage: a copy of `state_dict` that changes made to it after this
         returns do not reach (tensors in hbmio's staging memory, other values deep-copied)."""
+        self._called_ns = time.time_ns()  # an async save starts at its call (see finish)
         started = time.perf_counter()
         staged, lease, report = _stage_state(state_dict, self.staging)
         self._leases.append(lease)
@@ -610,6 +679,10 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # One id for the whole save, chosen here and sent to every rank with its file name.
         save_id = self.save_id = uuid.uuid4().hex[:12]
+        # When the save started, to order overlapping saves of the directory (finish): an async
+        # save's call (stage(), on the caller's thread, in the order of the calls), else now.
+        self._started_ns = getattr(self, "_called_ns", None) or time.time_ns()
+        self._called_ns = None
         world = len(plans)
         return [dataclasses.replace(plan, storage_data=_RankFile(f"model-{i + 1:05d}-of-{world:05d}-{save_id}.safetensors"))
                 for i, plan in enumerate(plans)]
@@ -674,18 +747,36 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
                 total += r.size_in_bytes
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        _publish(self.path, _INDEX, (json.dumps(index, indent=2) + "\n").encode())
-        _publish(self.path, _METADATA, pickle.dumps(metadata))
-        # The previous save's data files, now unreferenced, and temporaries of saves a crash cut
-        # short (this save's own are gone: every rank's write returned).
+        started = getattr(self, "_started_ns", time.time_ns())
+        index = {"metadata": {"total_size": total, _STARTED_KEY: started}, "weight_map": dict(sorted(weight_map.items()))}
         keep = set(weight_map.values())
-        for entry in os.listdir(self.path):
-            if (_DATA_FILE.match(entry) and entry not in keep) or _LEFT_BEHIND.match(entry):
-                try:
-                    os.unlink(os.path.join(self.path, entry))
-                except FileNotFoundError:
-                    pass
+        with _DirectoryLock(self.path):
+            published = _read_index(self.path)
+            if published.get("metadata", {}).get(_STARTED_KEY, 0) > started:
+                # A save that started after this one has published: it is the checkpoint.
+                _remove(self.path, keep)
+                _warn_once(("superseded", self.path),
+                           f"hbmio.dcp: a save of {self.path} finished after a later save had published; the later one "
+                           "is the checkpoint and this one's files were removed (overlapping saves of one directory)")
+                return
+            _publish(self.path, _INDEX, (json.dumps(index, indent=2) + "\n").encode())
+            _publish(self.path, _METADATA, pickle.dumps(metadata))
+            # The replaced checkpoint's files; files of saves that never published (a crash) once
+            # they are old; temporaries a crash left, unless a save still holds them.
+            replaced = set(published.get("weight_map", {}).values())
+            now = time.time()
+            stale = []
+            for entry in os.listdir(self.path):
+                if entry in keep:
+                    continue
+                path = os.path.join(self.path, entry)
+                if entry in replaced and _DATA_FILE.match(entry):
+                    stale.append(entry)
+                elif _DATA_FILE.match(entry) and _age(path, now) > _ABANDONED_AFTER_S:
+                    stale.append(entry)
+                elif _LEFT_BEHIND.match(entry) and not _in_use(path):
+                    stale.append(entry)
+            _remove(self.path, stale)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

@@ -117,6 +117,31 @@ def test_async_save(tmp_path):
     assert_state_equal(got, state)
 
 
+def test_overlapping_saves_of_one_directory_leave_the_one_started_last(tmp_path):
+    """Two dcp.async_save of one directory, the second started before the first has finished (the
+    first is larger, so it finishes last): the directory holds the second, whole, and no file of
+    the first; never a .metadata naming files another save removed."""
+    import warnings
+    for trial in range(3):
+        d = tmp_path / f"t{trial}"
+        first = {"w": torch.full((8 << 20,), 1.0)}
+        second = {"w": torch.full((16,), 2.0)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f1 = dcp.async_save(first, storage_writer=hbmio.dcp.StorageWriter(d))
+            f2 = dcp.async_save(second, storage_writer=hbmio.dcp.StorageWriter(d))
+            f1.result()
+            f2.result()
+        meta = hbmio.dcp.StorageReader(d).read_metadata()
+        named = {s.file for s in meta.storage_data.values()}
+        on_disk = {p.name for p in d.glob("model-*.safetensors")}
+        assert named <= on_disk, (named, on_disk)
+        assert on_disk == named, f"files of the dropped save are left: {on_disk - named}"
+        got = {"w": torch.zeros(16)}
+        dcp.load(got, storage_reader=hbmio.dcp.StorageReader(d))
+        assert torch.equal(got["w"], second["w"])
+
+
 def test_an_unfinished_directory_is_refused_by_name(tmp_path, caplog):
     import inspect
     import torch.distributed.checkpoint.state_dict_loader as loader
