@@ -176,6 +176,9 @@ void prepare(CURL* h, const Target& target, const RemoteOptions& options, Sink& 
   } else {
     curl.easy_setopt(h, CURLOPT_FOLLOWLOCATION, 1L);  // Hugging Face's resolve URLs redirect to a CDN
     curl.easy_setopt(h, CURLOPT_MAXREDIRS, 10L);
+    // Redirects stay on HTTP(S), and an https:// URL on HTTPS (libcurl would follow FTP, or drop
+    // to plain HTTP). An older libcurl without the option keeps its default.
+    curl.easy_setopt(h, CURLOPT_REDIR_PROTOCOLS_STR, target.request_url.starts_with("https://") ? "https" : "http,https");
   }
   curl.easy_setopt(h, CURLOPT_WRITEFUNCTION, &on_body);
   curl.easy_setopt(h, CURLOPT_WRITEDATA, &sink);
