@@ -536,7 +536,7 @@ def _check_metadata(metadata):
     for key, value in metadata.items():
         for what, text in (("key", key), ("value", value)):
             if not isinstance(text, str):
-                raise TypeError(f"metadata maps str to str: the {what} {text!r} (of {key!r}: {value!r}) is a {type(text).__name__}")
+                raise TypeError(f"metadata maps str to str: the {what} {text!r} (of {key!r}: {value!r}) is {type(text).__name__}, not str")
             if not _utf8(text):
                 raise ValueError(f"metadata maps str to str: the {what} {text!r} (of {key!r}) is not encodable as UTF-8 "
                                  "(a lone surrogate), which the format's JSON header must be")
