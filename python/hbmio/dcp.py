@@ -752,7 +752,9 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
         keep = set(weight_map.values())
         with _DirectoryLock(self.path):
             published = _read_index(self.path)
-            if published.get("metadata", {}).get(_STARTED_KEY, 0) > started:
+            published_meta = published.get("metadata")
+            published_started = published_meta.get(_STARTED_KEY, 0) if isinstance(published_meta, dict) else 0
+            if isinstance(published_started, int) and published_started > started:
                 # A save that started after this one has published: it is the checkpoint.
                 _remove(self.path, keep)
                 _warn_once(("superseded", self.path),
@@ -763,7 +765,8 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
             _publish(self.path, _METADATA, pickle.dumps(metadata))
             # The replaced checkpoint's files; files of saves that never published (a crash) once
             # they are old; temporaries a crash left, unless a save still holds them.
-            replaced = set(published.get("weight_map", {}).values())
+            replaced_map = published.get("weight_map")
+            replaced = {f for f in replaced_map.values() if isinstance(f, str)} if isinstance(replaced_map, dict) else set()
             now = time.time()
             stale = []
             for entry in os.listdir(self.path):
