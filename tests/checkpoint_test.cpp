@@ -1197,6 +1197,9 @@ class LateWriterFileSystem final : public FileSystem {
   int rename(const std::string& a, const std::string& b) override { return base_->rename(a, b); }
   int exchange(const std::string& a, const std::string& b) override {
     std::ofstream(dir_ + "/late.txt") << "written during the save";
+    // A file under a name the new checkpoint has (a concurrent sharded save's shard, say): never
+    // moved over the new one.
+    std::ofstream(dir_ + "/model-00001-of-00002.safetensors") << "not a shard of this save";
     std::ofstream(dir_ + "/config.json.tmp") << "{\"hidden_size\": 16}";
     fs::rename(dir_ + "/config.json.tmp", dir_ + "/config.json");
     return base_->exchange(a, b);

@@ -494,6 +494,8 @@ TEST(SafetensorsHeader, WhatTheFastPathStopsAtIsJudgedByTheTree) {
   refused(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 2, "duplicate key");
   refused(R"({"__metadata__":{"k":"v"},"__metadata__":null,"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}})", 2, "duplicate key");
   refused(R"({"a":{"dtype":"U8","shape":[-2],"data_offsets":[0,2]}})", 2, "invalid shape");
+  refused(R"({"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}})", 0, "invalid shape");  // -0: not unsigned
+  refused(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[-0,0]}})", 0, "invalid data_offsets");
   refused(R"({"a":{"dtype":"U8","shape":[2.0],"data_offsets":[0,2]}})", 2, "invalid shape");
   refused(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2,4]}})", 2, "invalid data_offsets");
   refused(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[2,0]}})", 2, "invalid data_offsets");

@@ -20,8 +20,8 @@ reader sees a whole checkpoint, DCP the old and an index reader the new.) Saves 
 that overlap (a dcp.async_save not waited for before the next) publish one at a time (a lock on
 the directory, across processes of the host): the save that started last is the checkpoint, and
 one that finishes after it is dropped with a warning, its files removed. A save removes the files
-of the checkpoint it replaced, and those of saves that never published (a crash) once they are an
-hour old; a save still running keeps its files.
+of the checkpoint it replaced, and those of saves that never published (a crash) once they are a
+day old; a save still running keeps its files.
 
 dcp.async_save stages through the writer (DCP's AsyncStager protocol, torch 2.4 and later): the
 call stalls for one copy of the rank's tensors into staging memory that hbmio keeps between saves
@@ -85,9 +85,9 @@ _LEFT_BEHIND = re.compile(r"^\.(model-\d{5}-of-\d{5}-[0-9a-f]{12}\.safetensors|m
 # When each save started (time.time_ns() at its plan), in its index's metadata: of saves of one
 # directory that overlap, the one that started last stays the checkpoint.
 _STARTED_KEY = "hbmio.dcp.started_ns"
-# Data files no published checkpoint names are a crashed save's once this old (a save in flight
-# writes its files and publishes within its own run).
-_ABANDONED_AFTER_S = 3600
+# Data files no published checkpoint names are a crashed save's once this old: a save in flight
+# publishes within its own run, and a day is far past the slowest rank's lead over the others.
+_ABANDONED_AFTER_S = 24 * 3600
 
 
 class _DirectoryLock:

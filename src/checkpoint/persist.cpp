@@ -313,6 +313,12 @@ Stats persist_file(const fs::path& target, const std::string& shown, const std::
   return total;
 }
 
+// A name a checkpoint's file has: model.safetensors, the index, model-00001-of-00004.safetensors.
+bool old_checkpoint_name(const std::string& name) {
+  static const std::regex shard_name(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  return name == "model.safetensors" || name == "model.safetensors.index.json" || std::regex_match(name, shard_name);
+}
+
 // The old checkpoint's own files in a directory a sharded save replaces: model.safetensors, the
 // index, the shards the index names and files named as shards are (model-00001-of-00004
 // .safetensors). Nothing else: model-ema.safetensors or model-best.safetensors are the user's.
@@ -321,8 +327,7 @@ std::set<std::string> old_checkpoint_files(const fs::path& dir) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    static const std::regex shard_name(R"(model-\d{5}-of-\d{5}\.safetensors)");
-    if (std::regex_match(name, shard_name)) out.insert(name);
+    if (old_checkpoint_name(name)) out.insert(name);
   }
   try {
     const fs::path index = dir / "model.safetensors.index.json";
@@ -360,7 +365,7 @@ void hand_over_late_files(FileSystem& files, const fs::path& old, const fs::path
     if (ec) break;
     for (const fs::path& entry : entries) {
       const std::string name = entry.filename().string();
-      if (stale.contains(name)) continue;
+      if (stale.contains(name) || old_checkpoint_name(name)) continue;
       struct stat was {}, now {};
       if (::lstat(entry.c_str(), &was) != 0 || S_ISDIR(was.st_mode)) continue;
       const fs::path there = target / entry.filename();
@@ -404,7 +409,6 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
       throw Error(errno_code(err), context,
                   err == EEXIST ? fmt::format("temporary directory {} already exists", temp.string())
                                 : fmt::format("mkdir of the temporary directory {}", temp.string()));
-    take_directory_attributes(target, temp);
     const FileLock lock(::open(temp.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
     nlohmann::json weight_map = nlohmann::json::object();
     SaveOptions single = options;
@@ -424,11 +428,16 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
     // comes along. The old checkpoint's own files do not: a model.safetensors beside the new index
     // would be loaded in its place by loaders that look for it first, and a shard of another count
     // is stale. They are named in the result's note. A file removed while it is listed is gone.
+    // The names this save writes are the new checkpoint's, whatever the old directory holds
+    // under them by the time it is listed or swapped out (a file written meanwhile, or the shards
+    // of a sharded save of the same directory that swapped in first).
+    stale.insert(shard_names.begin(), shard_names.end());
+    stale.insert("model.safetensors.index.json");
     if (fs::exists(target)) {
-      stale = old_checkpoint_files(target);
+      stale.merge(old_checkpoint_files(target));
       for (const auto& entry : fs::directory_iterator(target)) {
         const std::string name = entry.path().filename().string();
-        if (!stale.contains(name)) {
+        if (!stale.contains(name) && !old_checkpoint_name(name)) {
           std::error_code ec;
           fs::copy(entry.path(), temp / entry.path().filename(),
                    fs::copy_options::recursive | fs::copy_options::create_hard_links | fs::copy_options::copy_symlinks, ec);
@@ -439,6 +448,8 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
         }
       }
     }
+    // The mode last (a read-only directory's mode would keep the save from writing into it).
+    take_directory_attributes(target, temp);
     sync_directory(files, temp, path);
     // The last point a stop request is heeded: the swap below publishes the new checkpoint.
     check_cancel(options.cancel, context);

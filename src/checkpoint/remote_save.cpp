@@ -174,10 +174,18 @@ Stats save_remote(const std::string& url, const std::vector<TensorToSave>& tenso
       std::memcpy(into.data(), index.data() + offset, into.size());
     }, {.cancel = options.cancel}, remote);
   } catch (...) {
-    // The prefix's index still names the shards of the save before: this save's are garbage.
-    // (A shard whose own upload failed was aborted by write_remote; one half-stored is not there.)
-    for (std::size_t k = 0; k < uploaded; ++k) delete_quietly(prefix + names[k], remote);
-    throw;
+    // A failure of the index's PUT whose answer was lost may still have stored it: an index that
+    // names this save's shards means the save published, and they must stay.
+    const bool published = uploaded == shards.size() && !names.empty() && [&] {
+      const std::vector<std::string> now = shards_named_by(index_url, remote);
+      return std::find(now.begin(), now.end(), names.front()) != now.end();
+    }();
+    if (!published) {
+      // The prefix's index still names the shards of the save before: this save's are garbage.
+      // (A shard whose own upload failed was aborted by write_remote; one half-stored is not there.)
+      for (std::size_t k = 0; k < uploaded; ++k) delete_quietly(prefix + names[k], remote);
+      throw;
+    }
   }
   unsigned removed = 0;
   for (const std::string& old : replaced)

@@ -144,9 +144,8 @@ class FastHeader {
     return true;
   }
   bool boolean(bool) { return false; }
-  bool number_integer(json::number_integer_t value) {
-    return value >= 0 && number_unsigned(static_cast<json::number_unsigned_t>(value));
-  }
+  // nlohmann reports a negative number, and -0, here; the tree refuses both (not unsigned).
+  bool number_integer(json::number_integer_t) { return false; }
   bool number_unsigned(json::number_unsigned_t value) {
     if (state_ == State::shape) {
       tensor_.shape.push_back(value);

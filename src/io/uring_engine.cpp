@@ -322,7 +322,10 @@ class Worker {
           reap();
         }
       }
-      if (in_flight_ == 0) break;  // no piece left (a slot is always found when none is reading)
+      if (in_flight_ == 0) {
+        if (retry_.empty()) break;  // no piece left (a slot is always found when none is reading)
+        continue;  // a piece completed short above (reap): resubmitted at the top, never waited on
+      }
       // While copies to the GPU are running, wake up after 0.1 ms even without a completion: a
       // slot's copy at the host-to-device rate ends well within that, and its slot should carry
       // the next read at once rather than idle until some storage read completes (a disk's

@@ -116,11 +116,13 @@ Response perform(const Target& target, const RemoteOptions& options, const Call&
     if (stopped()) throw Error(errno_code(ECANCELED), context, "stopped before the request");
     Attempt a = perform_once(target, options, call, stop, cancel);
     Response& r = a.response;
+    const bool error_body = a.curl == CURLE_OK && r.status == 200 && r.body.find("<Error>") != std::string::npos;
+    // A request the server carried out stays done, stop or not: the caller must not treat a
+    // stored object as one that was not.
+    if (a.curl == CURLE_OK && r.status >= 200 && r.status < 300 && !error_body) return std::move(r);
     if (stopped()) throw Error(errno_code(ECANCELED), context, "stopped");
     std::string retry_why;
     if (a.curl == CURLE_OK) {
-      const bool error_body = r.status == 200 && r.body.find("<Error>") != std::string::npos;
-      if (r.status >= 200 && r.status < 300 && !error_body) return std::move(r);
       if (error_body) {
         retry_why = fmt::format("HTTP 200 with an error: {} {}", remote::xml_field(r.body, "Code"), remote::xml_field(r.body, "Message"));
         if (remote::xml_field(r.body, "Code") != "InternalError" && remote::xml_field(r.body, "Code") != "SlowDown")
