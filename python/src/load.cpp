@@ -364,21 +364,17 @@ void bind_load(nb::module_& m) {
                std::to_string(t.size) + " B at " + std::to_string(t.memory_offset) + ">";
       });
 
-  m.def("_plan", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
+  // The tensors a load takes, in the order it lays them out, and where each lands in the single
+  // allocation. Distributed loads split this list among ranks (hbmio/distributed.py) and must agree
+  // on the layout: it comes from here, not a copy. ENOENT for a name the checkpoint does not hold.
+  const auto planned = [](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
     const Target target = target_of(checkpoint);
-    // The tensors a load takes, in the order it lays them out, and where each lands in the single
-    // allocation: [(name, dtype, shape, bytes, offset)]. Distributed loads split this list among
-    // ranks (hbmio/distributed.py) and must agree on the layout: it comes from here, not a copy.
     hbmio::LoadOptions options;
     if (names) options.names = std::move(*names);
-    std::vector<hbmio::PlannedTensor> plan;
-    {
-      nb::gil_scoped_release release;
-      // ENOENT for a name it does not hold
-      plan = hbmio::plan_load({.path = target.path, .files = target.files, .options = options}).tensors;
-    }
-    return plan;
-  }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
+    nb::gil_scoped_release release;
+    return hbmio::plan_load({.path = target.path, .files = target.files, .options = options}).tensors;
+  };
+  m.def("_plan", planned, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
      "A PlannedTensor (name, dtype, shape, size, offset) per tensor a load of `checkpoint` (a path or a SafeOpen) takes, in its layout.");
 
   // The plan as one tuple per tensor, for the loop that makes thousands of views (load_file into a
@@ -386,15 +382,8 @@ void bind_load(nb::module_& m) {
   // as tuples. Built here in one pass, that loop costs about half of what reading each
   // _PlannedTensor's attributes and working out its strides in Python did (bench/RESULTS.md,
   // "Restarts from the node's resident cache").
-  m.def("_plan_rows", [](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
-    const Target target = target_of(checkpoint);
-    hbmio::LoadOptions options;
-    if (names) options.names = std::move(*names);
-    std::vector<hbmio::PlannedTensor> plan;
-    {
-      nb::gil_scoped_release release;
-      plan = hbmio::plan_load({.path = target.path, .files = target.files, .options = options}).tensors;  // as _plan
-    }
+  m.def("_plan_rows", [planned](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
+    const std::vector<hbmio::PlannedTensor> plan = planned(checkpoint, std::move(names));
     const auto new_tuple = [](std::size_t n) {
       PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(n));
       if (tuple == nullptr) throw nb::python_error();

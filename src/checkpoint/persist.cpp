@@ -10,7 +10,6 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <future>
 #include <map>
 #include <optional>
@@ -319,27 +318,18 @@ bool old_checkpoint_name(const std::string& name) {
   return name == "model.safetensors" || name == "model.safetensors.index.json" || std::regex_match(name, shard_name);
 }
 
-// The old checkpoint's own files in a directory a sharded save replaces: model.safetensors, the
-// index, the shards the index names and files named as shards are (model-00001-of-00004
-// .safetensors). Nothing else: model-ema.safetensors or model-best.safetensors are the user's.
-std::set<std::string> old_checkpoint_files(const fs::path& dir) {
-  std::set<std::string> out{"model.safetensors", "model.safetensors.index.json"};
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (old_checkpoint_name(name)) out.insert(name);
-  }
+// The shards the old index of a directory a sharded save replaces names (whatever their names).
+// With old_checkpoint_name, the old checkpoint's own files; nothing else goes: model-ema.safetensors
+// or model-best.safetensors are the user's.
+std::vector<std::string> shards_of_old_index(const fs::path& dir) {
   try {
+    std::error_code ec;
     const fs::path index = dir / "model.safetensors.index.json";
-    if (fs::is_regular_file(index, ec) && fs::file_size(index, ec) <= st::kMaxIndexSize) {
-      std::ifstream in(index, std::ios::binary);
-      const std::string text((std::istreambuf_iterator<char>(in)), {});
-      for (const std::string& shard : st::parse_index(text, index.string()).shards) out.insert(shard);
-    }
+    if (fs::is_regular_file(index, ec)) return st::read_index(index.string()).shards;
   } catch (const std::exception&) {
     // An index that cannot be read names nothing: its shards, if any, stay as the user's files.
   }
-  return out;
+  return {};
 }
 
 // The directory a sharded save builds takes the mode, owner and group of the one it replaces (a
@@ -401,7 +391,7 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
   const fs::path temp = temp_name(target, random);
   Stats total;
   std::vector<std::string> dropped;  // checkpoint files of the old directory that the new one does not have
-  std::set<std::string> stale;       // the old directory's checkpoint files (old_checkpoint_files)
+  std::set<std::string> stale;       // this save's names and the old index's shards (with old_checkpoint_name: not carried over)
   try {
     // A name already there (even a symlink to a directory) is never built into: the random
     // suffix makes that a sign of interference, not a leftover (those were removed above).
@@ -434,7 +424,7 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
     stale.insert(shard_names.begin(), shard_names.end());
     stale.insert("model.safetensors.index.json");
     if (fs::exists(target)) {
-      stale.merge(old_checkpoint_files(target));
+      for (std::string& shard : shards_of_old_index(target)) stale.insert(std::move(shard));
       for (const auto& entry : fs::directory_iterator(target)) {
         const std::string name = entry.path().filename().string();
         if (!stale.contains(name) && !old_checkpoint_name(name)) {
