@@ -459,6 +459,35 @@ TEST(EnginePools, ALeaseIsReusedAndConcurrentLeasesDiffer) {
   EXPECT_THROW(pool.acquire("nonsense"), Error);
 }
 
+TEST(EnginePools, EnginesOfAnotherWorkerCountAreKeptApartAndAFullPoolFreesItsOldest) {
+  EnginePool pool(2);
+  Engine* two = nullptr;
+  Engine* configured = nullptr;
+  {
+    auto a = pool.acquire("posix", 2);
+    auto b = pool.acquire("posix");
+    two = a.get();
+    configured = b.get();
+  }
+  {
+    auto b = pool.acquire("posix");
+    EXPECT_EQ(b.get(), configured) << "a lease of the configured size got the 2-worker engine";
+    auto a = pool.acquire("posix", 2);
+    EXPECT_EQ(a.get(), two);
+    auto c = pool.acquire("posix", 3);
+    EXPECT_NE(c.get(), two);
+    EXPECT_NE(c.get(), configured);
+  }
+  // Given back in the order c, a, b (destruction reverses declaration): c, the oldest, was freed.
+  EXPECT_EQ(pool.idle_counts().at("posix"), 2u);
+  {
+    auto a = pool.acquire("posix", 2);
+    auto b = pool.acquire("posix");
+    EXPECT_EQ(a.get(), two);
+    EXPECT_EQ(b.get(), configured) << "the newer engines were kept, so the 3-worker one was freed";
+  }
+}
+
 TEST(EnginePools, SavesAndLoadsWithoutAnEngineLeaseOneFromTheSharedPool) {
   TempDir dir;
   EnginePool::shared().release_all();

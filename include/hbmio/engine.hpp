@@ -113,8 +113,8 @@ std::vector<std::string> backend_names();  // {"posix", "uring", "cufile", "auto
 // changes apply to engines made after release_all(). Thread-safe.
 class EnginePool {
  public:
-  // Idle engines kept per backend; more given back are freed (each idle one holds up to workers x
-  // bounce_buffers x bounce_buffer_size bytes of pinned memory).
+  // Idle engines kept per backend; one more given back frees the oldest idle one (each holds up to
+  // workers x bounce_buffers x bounce_buffer_size bytes of pinned memory).
   explicit EnginePool(std::size_t max_idle_per_backend = 4) : max_idle_(max_idle_per_backend) {}
   ~EnginePool();
   EnginePool(const EnginePool&) = delete;
@@ -132,17 +132,19 @@ class EnginePool {
 
    private:
     friend class EnginePool;
-    Lease(EnginePool* pool, std::string backend, std::unique_ptr<Engine> engine)
-        : pool_(pool), backend_(std::move(backend)), engine_(std::move(engine)) {}
+    Lease(EnginePool* pool, std::string backend, unsigned workers, std::unique_ptr<Engine> engine)
+        : pool_(pool), backend_(std::move(backend)), workers_(workers), engine_(std::move(engine)) {}
     void give_back() noexcept;
     EnginePool* pool_ = nullptr;
     std::string backend_;
+    unsigned workers_ = 0;
     std::unique_ptr<Engine> engine_;
   };
 
   // An idle engine of `backend` ("": the configured one, as for make_engine), or a new one
-  // (make_engine's errors).
-  Lease acquire(std::string_view backend);
+  // (make_engine's errors). `workers` other than 0 replaces Options::from_env()'s worker count:
+  // callers that run several engines at once (a stream's two) share the cores between them.
+  Lease acquire(std::string_view backend, unsigned workers = 0);
   // Frees the idle engines (leased ones come back later as usual); returns how many.
   std::size_t release_all();
   std::map<std::string, std::size_t> idle_counts() const;  // {backend: idle engines}
@@ -153,10 +155,14 @@ class EnginePool {
   static EnginePool& shared();
 
  private:
-  void give_back(const std::string& backend, std::unique_ptr<Engine> engine) noexcept;
+  void give_back(const std::string& backend, unsigned workers, std::unique_ptr<Engine> engine) noexcept;
+  struct Idle {
+    unsigned workers;  // as asked of acquire(): 0 is Options::from_env()'s
+    std::unique_ptr<Engine> engine;
+  };
   const std::size_t max_idle_;
   mutable std::mutex mutex_;
-  std::map<std::string, std::vector<std::unique_ptr<Engine>>, std::less<>> idle_;
+  std::map<std::string, std::vector<Idle>, std::less<>> idle_;  // oldest first
 };
 
 }  // namespace hbmio

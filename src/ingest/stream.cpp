@@ -558,9 +558,13 @@ void BatchStream::State::run() noexcept {
     // Two groups in flight, on two engines, when the stream leases its own: an engine request
     // ends with its workers draining one by one, and a group's batches are read while the one
     // before drains rather than after it. A caller's engine serves one request at a time: one group.
+    // The two share the configured workers: with a full set each, twice as many threads as cores
+    // copied from the page cache, and each group's workers waited for cores to wake on (3.6 ms
+    // of a ~6.5 ms group; bench/RESULTS.md, "Batch ingestion").
     std::vector<detail::EngineInUse> engines;
-    engines.emplace_back(options.engine, options.backend, std::nullopt);
-    if (options.engine == nullptr) engines.emplace_back(nullptr, options.backend, std::nullopt);
+    const unsigned half = std::max(1u, Options::from_env().resolved_workers() / 2);
+    engines.emplace_back(options.engine, options.backend, std::nullopt, nullptr, options.engine ? 0 : half);
+    if (options.engine == nullptr) engines.emplace_back(nullptr, options.backend, std::nullopt, nullptr, half);
     std::deque<std::unique_ptr<Group>> in_flight;  // oldest first: delivered in this order
     std::size_t groups = 0;
     const auto finish_oldest = [&] {

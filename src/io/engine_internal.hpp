@@ -66,11 +66,12 @@ std::unique_ptr<Engine> make_auto_engine(const Options& options, std::shared_ptr
 
 // The engine a load or save runs on: the caller's (`given`), else one made for this use (`made`:
 // a save's FileSystem may give one), else a private one where the caller set options (an engine of
-// the shared pool has none), else one leased from EnginePool::shared() for the object's life.
+// the shared pool has none), else one leased from EnginePool::shared() for the object's life
+// (`pooled_workers`: the leased engine's worker count, 0 for the configured one).
 class EngineInUse {
  public:
   EngineInUse(Engine* given, std::string_view backend, const std::optional<Options>& options,
-              std::unique_ptr<Engine> made = nullptr)
+              std::unique_ptr<Engine> made = nullptr, unsigned pooled_workers = 0)
       : engine_(given) {
     if (engine_ != nullptr) return;
     if (made) {
@@ -80,7 +81,7 @@ class EngineInUse {
       own_ = make_engine(backend, *options);
       engine_ = own_.get();
     } else {
-      lease_ = EnginePool::shared().acquire(backend);
+      lease_ = EnginePool::shared().acquire(backend, pooled_workers);
       engine_ = lease_.get();
     }
   }

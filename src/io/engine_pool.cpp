@@ -15,13 +15,17 @@ namespace hbmio {
 EnginePool::~EnginePool() = default;
 
 EnginePool::Lease::Lease(Lease&& other) noexcept
-    : pool_(std::exchange(other.pool_, nullptr)), backend_(std::move(other.backend_)), engine_(std::move(other.engine_)) {}
+    : pool_(std::exchange(other.pool_, nullptr)),
+      backend_(std::move(other.backend_)),
+      workers_(other.workers_),
+      engine_(std::move(other.engine_)) {}
 
 EnginePool::Lease& EnginePool::Lease::operator=(Lease&& other) noexcept {
   if (this != &other) {
     give_back();
     pool_ = std::exchange(other.pool_, nullptr);
     backend_ = std::move(other.backend_);
+    workers_ = other.workers_;
     engine_ = std::move(other.engine_);
   }
   return *this;
@@ -30,34 +34,47 @@ EnginePool::Lease& EnginePool::Lease::operator=(Lease&& other) noexcept {
 EnginePool::Lease::~Lease() { give_back(); }
 
 void EnginePool::Lease::give_back() noexcept {
-  if (pool_ != nullptr && engine_) pool_->give_back(backend_, std::move(engine_));
+  if (pool_ != nullptr && engine_) pool_->give_back(backend_, workers_, std::move(engine_));
   pool_ = nullptr;
   engine_.reset();
 }
 
-EnginePool::Lease EnginePool::acquire(std::string_view requested) {
+EnginePool::Lease EnginePool::acquire(std::string_view requested, unsigned workers) {
   // The configured backend, resolved here so that its engines are kept under its own name.
   const std::string backend = requested.empty() ? configured_backend() : std::string(requested);
   {
     std::lock_guard lock(mutex_);
-    if (auto it = idle_.find(backend); it != idle_.end() && !it->second.empty()) {
-      auto engine = std::move(it->second.back());
-      it->second.pop_back();
-      return Lease(this, backend, std::move(engine));
+    if (auto it = idle_.find(backend); it != idle_.end()) {
+      auto& idle = it->second;
+      // The most recently given back of the asked size: its pinned memory is the likeliest warm.
+      for (auto e = idle.rbegin(); e != idle.rend(); ++e)
+        if (e->workers == workers) {
+          auto engine = std::move(e->engine);
+          idle.erase(std::next(e).base());
+          return Lease(this, backend, workers, std::move(engine));
+        }
     }
   }
+  Options options = Options::from_env();
+  if (workers != 0) options.workers = workers;
   // Outside the lock: making an engine can take a while (cuFile's driver opens on first use).
-  return Lease(this, backend, make_engine(backend, Options::from_env()));
+  return Lease(this, backend, workers, make_engine(backend, options));
 }
 
-void EnginePool::give_back(const std::string& backend, std::unique_ptr<Engine> engine) noexcept {
+void EnginePool::give_back(const std::string& backend, unsigned workers, std::unique_ptr<Engine> engine) noexcept {
   try {
     std::lock_guard lock(mutex_);
     auto& idle = idle_[backend];
     if (idle.size() < max_idle_) {
-      idle.push_back(std::move(engine));
+      idle.push_back({workers, std::move(engine)});
       return;
     }
+    // Full: the oldest idle engine makes room (freed outside the lock), so that a size in use
+    // now is kept rather than one no caller has asked for since.
+    auto oldest = std::move(idle.front().engine);
+    idle.erase(idle.begin());
+    idle.push_back({workers, std::move(engine)});
+    engine = std::move(oldest);
   } catch (...) {  // no memory for the map entry: free the engine instead
   }
   engine.reset();  // outside the lock: freeing pinned memory can take a while
