@@ -104,11 +104,16 @@ class LoadedCheckpoint {
   bool verified() const noexcept { return verified_; }
   // With verify: the files that hold no checksums, whose tensors were loaded unchecked.
   const std::vector<std::string>& unverified_files() const noexcept { return unverified_files_; }
+  // The memory every tensor's data lies in, each span one allocation: the load's own and the
+  // resident cache's copies it shares (LoadOptions::share). A binding makes the tensors views of
+  // these (one object per allocation, not one per tensor).
+  std::vector<MemorySpan> memory() const;
 
  private:
   friend struct detail::LoadAccess;
   std::vector<Buffer> buffers_;
   std::vector<std::shared_ptr<const void>> shared_;  // the resident cache's copies mapped here (LoadOptions::share)
+  std::vector<MemorySpan> shared_memory_;            // their spans
   std::vector<LoadedTensor> tensors_;
   std::map<std::string, std::string> metadata_;
   Stats stats_;

@@ -306,6 +306,30 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
         return out
 
 
+def _torch_views(torch, bases, rows, path) -> dict:
+    """{name: tensor} from _load_views: one torch tensor per allocation (the DLPack import that
+    keeps the load's memory alive), reinterpreted once per dtype, and one as_strided view per
+    tensor, as _load_torch_into makes them; a tensor that is no such view comes as its own array."""
+    whole = [torch.from_dlpack(b) for b in bases]
+    typed = {}
+    out = {}
+    for name, dtype, shape, strides, base, offset in rows:
+        if base < 0:
+            out[name] = torch.from_dlpack(offset)
+            continue
+        view = typed.get((base, dtype))
+        if view is None:
+            torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
+            if not isinstance(torch_dtype, torch.dtype):
+                raise TypeError(f"tensor {name} of {_hbmio.shown_path(str(path))}: dtype {dtype} has no torch equivalent "
+                                f"in torch {torch.__version__}")
+            b = whole[base]
+            size = b.numel() // torch_dtype.itemsize * torch_dtype.itemsize  # a whole number of elements
+            view = typed[(base, dtype)] = b[:size].view(torch_dtype)
+        out[name] = view.as_strided(shape, strides, offset)
+    return out
+
+
 def _is_url(path: str) -> bool:
     return path.startswith(("s3://", "http://", "https://"))
 
@@ -400,9 +424,12 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
         torch = _torch() if framework == "torch" else None
         total = _hbmio._tensor_bytes(path, names) if progress else 0
         with _ProgressBar(total, progress) as bar:
-            arrays = _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
-                                      report=report, cache=_cache_text(cache), share=True)
-        return {name: torch.from_dlpack(array) for name, array in arrays.items()} if torch is not None else arrays
+            if torch is not None:
+                bases, rows = _hbmio._load_views(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
+                                                 report=report, cache=_cache_text(cache), share=True)
+                return _torch_views(torch, bases, rows, path)
+            return _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
+                                    report=report, cache=_cache_text(cache), share=True)
     if mmap:
         if device != "cpu" or framework not in ("torch", "numpy") or verify or progress or _is_url(path):
             raise ValueError("mmap=True maps local files into host memory: device='cpu', framework 'torch' or 'numpy', "

@@ -15,10 +15,12 @@ std::function<bool()> interrupted_stopping(std::atomic<bool>& cancel) {
   };
 }
 
-// Loads and wraps every tensor as a DLPack array owned by one capsule.
-nb::dict load(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
-              std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report, const std::string& cache,
-              bool share) {
+// Runs a load (Ctrl-C stops it) and returns the checkpoint in a capsule that owns it: the
+// capsule's destructor frees it once the last array made over its memory is gone.
+std::pair<nb::capsule, const hbmio::LoadedCheckpoint*> run_load(const std::string& path, const std::string& device,
+                                                                const std::string& backend, nb::handle verify,
+                                                                std::optional<std::vector<std::string>> names, Progress* progress,
+                                                                nb::handle report, const std::string& cache, bool share) {
   hbmio::LoadOptions options = load_options(backend, verify_mode(verify), std::move(names), progress, cache);
   options.into = parse_device(device);
   options.share = share;
@@ -39,18 +41,92 @@ nb::dict load(const std::string& path, const std::string& device, const std::str
     if (run.interrupted) throw nb::python_error();  // KeyboardInterrupt (the load's ECANCELED says less)
     std::rethrow_exception(run.error);
   }
-  // From here the capsule owns the checkpoint (its destructor runs when the last array goes).
+  // From here the capsule owns the checkpoint.
   nb::capsule owner(loaded, [](void* p) noexcept { delete static_cast<hbmio::LoadedCheckpoint*>(p); });
   warn_unverified(*loaded);
   report_into(report, loaded->stats());
+  return {owner, loaded};
+}
+
+Array tensor_array(const hbmio::LoadedTensor& t, nb::handle owner) {
+  std::vector<std::size_t> shape = dlpack_shape(t.dtype, t.shape, t.name);
+  return Array(t.data.data, shape.size(), shape.data(), owner, nullptr, to_dlpack(t.dtype, t.name), dlpack_device_type(t.data.location),
+               t.data.location.kind == hbmio::MemoryKind::device ? t.data.location.device : 0);
+}
+
+// Loads and wraps every tensor as a DLPack array owned by one capsule.
+nb::dict load(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
+              std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report, const std::string& cache,
+              bool share) {
+  const auto [owner, loaded] = run_load(path, device, backend, verify, std::move(names), progress, report, cache, share);
   nb::dict result;
-  for (const auto& t : loaded->tensors()) {
-    std::vector<std::size_t> shape = dlpack_shape(t.dtype, t.shape, t.name);
-    Array array(t.data.data, shape.size(), shape.data(), owner, nullptr, to_dlpack(t.dtype, t.name),
-                dlpack_device_type(t.data.location), t.data.location.kind == hbmio::MemoryKind::device ? t.data.location.device : 0);
-    result[nb::str(t.name.c_str(), t.name.size())] = nb::cast(array, nb::rv_policy::reference);
-  }
+  for (const auto& t : loaded->tensors())
+    result[nb::str(t.name.c_str(), t.name.size())] = nb::cast(tensor_array(t, owner), nb::rv_policy::reference);
   return result;
+}
+
+nb::tuple new_tuple(std::size_t n) {
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(n));
+  if (tuple == nullptr) throw nb::python_error();
+  return nb::steal<nb::tuple>(tuple);
+}
+
+// (name, dtype, shape, strides, a, b): shape and contiguous strides (in elements) as tuples, as
+// torch's contiguous strides (a dimension of 0 counts as 1: an empty tensor's strides then match
+// what torch.empty(shape) would have).
+nb::tuple view_row(const std::string& name, hbmio::safetensors::Dtype dtype, const std::vector<std::uint64_t>& dims, nb::object a,
+                   nb::object b) {
+  std::vector<std::uint64_t> strides(dims.size(), 1);
+  for (std::size_t i = dims.size(); i > 1; --i) strides[i - 2] = strides[i - 1] * std::max<std::uint64_t>(dims[i - 1], 1);
+  nb::tuple shape = new_tuple(dims.size()), stride = new_tuple(dims.size());
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    PyTuple_SET_ITEM(shape.ptr(), static_cast<Py_ssize_t>(i), nb::int_(dims[i]).release().ptr());
+    PyTuple_SET_ITEM(stride.ptr(), static_cast<Py_ssize_t>(i), nb::int_(strides[i]).release().ptr());
+  }
+  return nb::make_tuple(name, std::string(hbmio::safetensors::to_string(dtype)), shape, stride, a, b);
+}
+
+// load() for a caller that makes the tensors views itself (hbmio.load_file(share=True) in torch):
+// thousands of DLPack arrays, each imported on its own, took longer than the load they came from
+// (bench/RESULTS.md, "Restarts from the node's resident cache"). Returns (bases, rows): a 1-D
+// byte array per allocation the tensors lie in, and per tensor in file order (name, dtype, shape,
+// strides, base, element offset) where it is a view of bases[base], or (name, dtype, shape,
+// strides, -1, array) where it is not (sub-byte dtypes, an offset that is not a whole number of
+// elements, memory the load does not own).
+nb::tuple load_views(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
+                     std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report, const std::string& cache,
+                     bool share) {
+  const auto [owner, loaded] = run_load(path, device, backend, verify, std::move(names), progress, report, cache, share);
+  std::vector<hbmio::MemorySpan> memory = loaded->memory();
+  std::sort(memory.begin(), memory.end(), [](const auto& a, const auto& b) { return a.data < b.data; });
+  std::vector<int> base_of(memory.size(), -1);  // index in `bases`, made on first use
+  nb::list bases, rows;
+  for (const hbmio::LoadedTensor& t : loaded->tensors()) {
+    const unsigned bits = hbmio::safetensors::bits_per_element(t.dtype);
+    // The allocation holding the tensor: the last that starts at or before it, if it ends after it.
+    auto at = std::upper_bound(memory.begin(), memory.end(), t.data.data, [](const std::byte* p, const auto& m) { return p < m.data; });
+    std::size_t region = memory.size();
+    if (at != memory.begin()) {
+      const auto& m = *std::prev(at);
+      if (t.data.data + t.data.size <= m.data + m.size && m.location == t.data.location)
+        region = static_cast<std::size_t>(std::prev(at) - memory.begin());
+    }
+    const std::uint64_t offset = region < memory.size() ? static_cast<std::uint64_t>(t.data.data - memory[region].data) : 0;
+    if (region == memory.size() || bits % 8 != 0 || offset % (bits / 8) != 0) {
+      rows.append(view_row(t.name, t.dtype, t.shape, nb::int_(-1), nb::cast(tensor_array(t, owner), nb::rv_policy::reference)));
+      continue;
+    }
+    if (base_of[region] < 0) {
+      const hbmio::MemorySpan& m = memory[region];
+      const std::size_t size = m.size;
+      base_of[region] = static_cast<int>(bases.size());
+      bases.append(nb::cast(Array(m.data, 1, &size, owner, nullptr, nb::dtype<std::uint8_t>(), dlpack_device_type(m.location),
+                                  m.location.kind == hbmio::MemoryKind::device ? m.location.device : 0),
+                            nb::rv_policy::reference));
+    }
+    rows.append(view_row(t.name, t.dtype, t.shape, nb::int_(base_of[region]), nb::int_(offset / (bits / 8))));
+  }
+  return nb::make_tuple(bases, rows);
 }
 
 // What the reads of one SafeOpen did, summed over them: its report().
@@ -318,6 +394,13 @@ void bind_load(nb::module_& m) {
         "\"\" (HBMIO_CACHE decides), \"off\", \"use\" or \"add\" (the node's resident cache, docs/cache.md). "
         "`share`: into a GPU, the files the cache holds in its memory are its copy mapped in place (LoadOptions::share).");
 
+  m.def("_load_views", &load_views, nb::arg("path"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
+        nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
+        nb::arg("report").none() = nb::none(), nb::arg("cache") = "", nb::arg("share") = false,
+        "load_file as (bases, rows): a 1-D uint8 DLPack array per allocation the tensors lie in, and per tensor "
+        "(name, dtype, shape, strides, base index, element offset), or (..., -1, DLPack array) for one that is "
+        "no whole-element view of a base.");
+
   m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
         nb::arg("entries") = true, nb::arg("report").none() = nb::none(), nb::arg("cache") = "", nb::arg("background") = false,
@@ -384,25 +467,8 @@ void bind_load(nb::module_& m) {
   // "Restarts from the node's resident cache").
   m.def("_plan_rows", [planned](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
     const std::vector<hbmio::PlannedTensor> plan = planned(checkpoint, std::move(names));
-    const auto new_tuple = [](std::size_t n) {
-      PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(n));
-      if (tuple == nullptr) throw nb::python_error();
-      return nb::steal<nb::tuple>(tuple);
-    };
     nb::list rows;
-    std::vector<std::uint64_t> strides;
-    for (const hbmio::PlannedTensor& t : plan) {
-      strides.assign(t.shape.size(), 1);
-      // As torch's contiguous strides: a dimension of 0 counts as 1 (an empty tensor's strides
-      // then match what torch.empty(shape) would have).
-      for (std::size_t i = t.shape.size(); i > 1; --i) strides[i - 2] = strides[i - 1] * std::max<std::uint64_t>(t.shape[i - 1], 1);
-      nb::tuple shape = new_tuple(t.shape.size()), stride = new_tuple(t.shape.size());
-      for (std::size_t i = 0; i < t.shape.size(); ++i) {
-        PyTuple_SET_ITEM(shape.ptr(), static_cast<Py_ssize_t>(i), nb::int_(t.shape[i]).release().ptr());
-        PyTuple_SET_ITEM(stride.ptr(), static_cast<Py_ssize_t>(i), nb::int_(strides[i]).release().ptr());
-      }
-      rows.append(nb::make_tuple(t.name, std::string(hbmio::safetensors::to_string(t.dtype)), shape, stride, t.memory_offset, t.size));
-    }
+    for (const hbmio::PlannedTensor& t : plan) rows.append(view_row(t.name, t.dtype, t.shape, nb::int_(t.memory_offset), nb::int_(t.size)));
     return rows;
   }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
      "_plan's tensors of a load of `checkpoint` as (name, dtype, shape, strides, offset, size) tuples.");

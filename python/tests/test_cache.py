@@ -219,6 +219,28 @@ def test_shared_tensors_are_the_caches_gpu_copy_held_while_they_live(tmp_path):
             child.kill()
             child.wait()
             assert shares_become(0) == 0
+            # A shared copy keeps the file's offsets: a tensor at one that is no whole element of
+            # the allocation (F32 at data byte 3, the data starting on 8 bytes) comes over as its own
+            # array, the others as views; all equal to a plain load, byte for byte.
+            odd = tmp_path / "odd.safetensors"
+            header = json.dumps({"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                                 "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+                                 "c": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [11, 23]}}).encode()
+            header += b" " * (-(8 + len(header)) % 8)
+            odd.write_bytes(len(header).to_bytes(8, "little") + header + bytes([1, 2, 3]) +
+                            np.array([1.5, -2.0], "<f4").tobytes() + bytes(range(7, 19)))
+            subprocess.run([HBMIO, "cache", "add", "--wait", "--gpu", "0", "--socket", socket, str(odd)], check=True,
+                           capture_output=True)
+            report = {}
+            shared = hbmio.load_file(str(odd), "cuda:0", share=True, report=report)
+            assert [p["path"] for p in report["paths"]] == ["cache-shared"], report
+            plain = hbmio.load_file(str(odd), "cuda:0", cache="off")
+            assert list(shared) == list(plain) == ["a", "b", "c"]
+            for name, t in plain.items():
+                assert shared[name].dtype == t.dtype and shared[name].shape == t.shape, name
+                assert torch.equal(shared[name].cpu().view(torch.uint8), t.cpu().view(torch.uint8)), name
+            del shared
+            assert shares_become(0) == 0
         finally:
             os.environ.pop("HBMIO_CACHE", None)
     finally:

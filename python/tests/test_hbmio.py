@@ -554,6 +554,8 @@ def test_torch_matches_safetensors_torch(tmp_path, counters_settle):
         same(hbmio.load_file(path, device=torch.device("cpu"), framework="pt"), ref)
         # The CUDA fast path's view building, exercised on the host: one torch.empty, views of it.
         same(hbmio._load_torch_into(torch, str(path), torch.device("cpu"), "auto", False, None, False), ref)
+        # share=True's: views of each allocation the load's tensors lie in, made from _load_views.
+        same(hbmio._torch_views(torch, *hbmio._hbmio._load_views(str(path), "cpu"), str(path)), ref)
     # Past _VIEWS_BESIDE_LOAD tensors the views are made while the load runs; dtypes interleaved,
     # scalars and empty tensors among them, a subset by name.
     many = tmp_path / "many.safetensors"
@@ -574,7 +576,36 @@ def test_torch_matches_safetensors_torch(tmp_path, counters_settle):
     same(got, {n: ref[n] for n in hbmio.load_file(many, names=subset)})
     import hbmio.torch as ht
     same(ht.load_file(FIXTURES / "dtypes.safetensors"), ref_load(str(FIXTURES / "dtypes.safetensors")))
+    bases, rows = hbmio._hbmio._load_views(str(many), "cpu", names=subset)
+    assert len(bases) == 1 and all(row[4] == 0 for row in rows), "one allocation: every tensor a view of it"
+    same(hbmio._torch_views(torch, bases, rows, str(many)), {n: ref[n] for n in hbmio.load_file(many, names=subset)})
 
+
+def test_views_of_a_load_hand_over_what_is_no_whole_element_view_as_its_own_array(tmp_path, counters_settle):
+    """Sub-byte dtypes (F4: two values a byte) and a tensor whose bytes do not start on a whole
+    element of its allocation (the format allows any offset; the resident cache's shared copies
+    keep the file's offsets) cannot be typed views of it: _load_views hands them over as arrays of
+    their own, with the reference's dtype, shape and bytes."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        pytest.skip(f"torch {torch.__version__} has no float4_e2m1fn_x2")
+    from safetensors.torch import load_file as ref_load
+
+    header = json.dumps({"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+                         "b": {"dtype": "F32", "shape": [2], "data_offsets": [3, 11]},
+                         "c": {"dtype": "F4", "shape": [2, 4], "data_offsets": [11, 15]}}).encode()
+    path = tmp_path / "odd.safetensors"
+    data = bytes([1, 2, 3]) + np.array([1.5, -2.0], "<f4").tobytes() + bytes([0x12, 0x34, 0x56, 0x78])
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+    bases, rows = hbmio._hbmio._load_views(str(path), "cpu")
+    kinds = {row[0]: row[4] for row in rows}
+    assert kinds["a"] == 0 and kinds["c"] == -1, kinds
+    got = hbmio._torch_views(torch, bases, rows, str(path))
+    ref = ref_load(str(path))
+    assert list(got) == ["a", "b", "c"]
+    for name in ref:
+        assert got[name].dtype == ref[name].dtype and got[name].shape == ref[name].shape, name
+        assert torch_bytes(got[name]) == torch_bytes(ref[name]), name
 
 
 def test_every_torch_dtype_both_ways_with_the_reference(tmp_path, counters_settle):

@@ -328,6 +328,14 @@ LoadedCheckpoint load_checkpoint(const std::string& path, const LoadOptions& opt
   return std::move(load({.path = path, .options = options}).locations.front());
 }
 
+std::vector<MemorySpan> LoadedCheckpoint::memory() const {
+  std::vector<MemorySpan> out;
+  out.reserve(buffers_.size() + shared_memory_.size());
+  for (const Buffer& b : buffers_) out.push_back(b.span());
+  out.insert(out.end(), shared_memory_.begin(), shared_memory_.end());
+  return out;
+}
+
 LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOptions& options,
                                           const std::vector<CheckpointFile>& files, const std::set<std::string>* read_only) {
   std::uint64_t allocation_size = 0;
@@ -369,7 +377,10 @@ LoadedCheckpoint detail::LoadAccess::load(const std::string& path, const LoadOpt
     for (const Pick& pick : picks) wanted[pick.file] = true;
     shared = detail::shared_copies(files, wanted, options.cache, options.cache_socket, options.into.device);
     for (const auto& copy : shared.files)
-      if (copy) result.shared_.push_back(copy->keep);
+      if (copy) {
+        result.shared_.push_back(copy->keep);
+        result.shared_memory_.push_back({const_cast<std::byte*>(copy->data), copy->size, options.into});
+      }
   }
   const auto is_shared = [&](const Pick& pick) { return shared.held > 0 && shared.files[pick.file].has_value(); };
   const auto add_shared = [&](const Pick& pick) {
