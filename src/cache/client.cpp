@@ -120,6 +120,11 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
       std::vector<std::size_t> allocations;  // into `allocations`
       nlohmann::json copies = nlohmann::json::array();
       std::uint64_t bytes = 0;
+      // The last copy's end in its file and in its allocation: a copy that continues both extends
+      // it (a checkpoint's tensors, back to back in the file and in the load's memory, are one DMA
+      // rather than thousands, each a DMA launch on the server and a JSON entry both ways).
+      std::size_t last_file = 0, last_allocation = 0;
+      std::uint64_t last_end = 0, last_at_end = 0;
     };
     std::map<std::string, Request> by_device;
     for (const DeviceCopy& c : copies) {
@@ -134,7 +139,19 @@ CopyOutcome copy_to_device(const std::string& socket_path, std::span<const int> 
       r.device = c.device;
       auto local = std::find(r.allocations.begin(), r.allocations.end(), which);
       if (local == r.allocations.end()) local = r.allocations.insert(r.allocations.end(), which);
-      r.copies.push_back({c.file, c.offset, c.length, local - r.allocations.begin(), at - found->base});
+      const auto local_index = static_cast<std::size_t>(local - r.allocations.begin());
+      const std::uint64_t at_in = at - found->base;
+      if (!r.copies.empty() && r.last_file == c.file && r.last_allocation == local_index && r.last_end == c.offset &&
+          r.last_at_end == at_in) {
+        auto& last = r.copies.back();
+        last[2] = last[2].get<std::uint64_t>() + c.length;
+      } else {
+        r.copies.push_back({c.file, c.offset, c.length, local_index, at_in});
+      }
+      r.last_file = c.file;
+      r.last_allocation = local_index;
+      r.last_end = c.offset + c.length;
+      r.last_at_end = at_in + c.length;
       r.bytes += c.length;
     }
     // One request per GPU, all at once: the server feeds each GPU by its own DMA.
