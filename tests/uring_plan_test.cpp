@@ -11,7 +11,7 @@ namespace {
 struct Files {
   TempDir dir;
   File a, b;
-  std::vector<std::byte> memory = std::vector<std::byte>(1 << 20);
+  std::vector<std::byte> memory = std::vector<std::byte>(32 << 20);  // destinations (plans only: no I/O)
   Files() {
     write_file(dir.file("a"), random_bytes(1 << 20, 1));
     write_file(dir.file("b"), random_bytes(1 << 20, 2));
@@ -89,14 +89,18 @@ TEST(UringPlan, DirectIoOffLeavesEveryPartBufferedAndChunksCoverEachPartOnce) {
   }
 }
 
-TEST(UringPlan, AJobSmallerThanAChunkPerWorkerIsSharedByTheWorkers) {
+TEST(UringPlan, AJobSmallerThanTwoChunksPerWorkerIsSharedByTheWorkers) {
   Files f;
   Options o;  // 16 MiB chunks
   o.workers = 4;
   const std::vector<IoRequest> one = {f.at(IoOp::read, f.a, 0, 1 << 20)};
   detail::UringPlan plan = detail::plan_batch(one, o, "uring");
-  EXPECT_EQ(plan.chunk_size, 256u << 10) << "1 MiB over 4 workers";
+  EXPECT_EQ(plan.chunk_size, 256u << 10) << "1 MiB over 4 workers: the smallest share";
   EXPECT_EQ(plan.chunks, 4u);
+  const std::vector<IoRequest> group = {f.at(IoOp::read, f.a, 0, 32 << 20)};
+  plan = detail::plan_batch(group, o, "uring");
+  EXPECT_EQ(plan.chunk_size, 4u << 20) << "32 MiB over 4 workers: two chunks each";
+  EXPECT_EQ(plan.chunks, 8u);
 
   const std::vector<IoRequest> small = {f.at(IoOp::read, f.a, 4096, 100000)};
   plan = detail::plan_batch(small, o, "uring");
@@ -108,10 +112,11 @@ TEST(UringPlan, AJobSmallerThanAChunkPerWorkerIsSharedByTheWorkers) {
   EXPECT_EQ(plan.chunk_size, 1u << 20) << "one worker: the job in one chunk";
   EXPECT_EQ(plan.chunks, 1u);
 
-  o.workers = 3;  // 1 MiB / 3 rounds up to 512 KiB
-  plan = detail::plan_batch(one, o, "uring");
-  EXPECT_EQ(plan.chunk_size, 512u << 10);
-  EXPECT_EQ(plan.chunks, 2u);
+  o.workers = 3;  // 3.5 MiB / 6 rounds up to 768 KiB
+  const std::vector<IoRequest> three = {f.at(IoOp::read, f.a, 0, 7 << 19)};
+  plan = detail::plan_batch(three, o, "uring");
+  EXPECT_EQ(plan.chunk_size, 768u << 10);
+  EXPECT_EQ(plan.chunks, 5u);
   for (std::uint64_t i = 0; i < plan.chunks; ++i)
     EXPECT_EQ(detail::chunk_range(plan.parts, i, plan.chunk_size).end % (4 << 10), 0u) << "chunks stay on the 4 KiB grid";
 

@@ -65,8 +65,8 @@ struct Part {
 struct UringPlan {
   std::vector<Part> parts;   // reads: one per request, in request order; writes: sorted by file and offset
   std::uint64_t chunks = 0;  // over all parts (a part's chunks follow the previous part's)
-  // The job's chunk size: Options::chunk_size, or less for a job smaller than a chunk per worker
-  // (at least kMinSharedChunk, on the 4 KiB grid). A lone 2 MiB tensor in one chunk is one
+  // The job's chunk size: Options::chunk_size, or less for a job smaller than two chunks per
+  // worker (at least kMinSharedChunk, on the 4 KiB grid). A lone 2 MiB tensor in one chunk is one
   // worker's page-cache copy; in 256 KiB chunks it is eight workers' (random and sliced access).
   std::size_t chunk_size = 0;
   std::uint64_t bytes = 0;   // of all requests
