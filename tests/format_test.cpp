@@ -18,6 +18,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "format/safetensors_paths.hpp"
 #include "hbmio/error.hpp"
 #include "hbmio/safetensors.hpp"
 #include "sha256.hpp"
@@ -477,6 +478,71 @@ TEST(SafetensorsHeader, ParsedTheSameWithAndWithoutTheJsonTree) {
   std::string json = "{";
   for (const int i : order) json += (json.size() > 1 ? "," : "") + tensor("model.layers." + std::to_string(i) + ".w", "BF16", "[2,2]", "[" + std::to_string(8 * i) + "," + std::to_string(8 * i + 8) + "]");
   expect_same_both_ways(json + "}", 8 * 500);
+}
+
+// What the direct scan takes, the tree takes the same; what it stops at goes to the tree. So for
+// any text, parse_header and the tree alone agree: both refuse it with the same message, or both
+// give the same header. Thousands of mutations of common headers (a byte replaced by one of
+// JSON's structural characters, a digit, a sign, an escape, a control or non-ASCII byte; a byte
+// removed or inserted) probe the edges of the scan's subset.
+TEST(SafetensorsHeader, TheDirectScanAndTheTreeAgreeOnMutatedHeaders) {
+  const std::vector<std::string> seeds = {
+      R"({"__metadata__":{"format":"pt","k":"v"},"a":{"dtype":"F16","shape":[2,3],"data_offsets":[0,12]},)"
+      R"("s":{"shape":[],"data_offsets":[12,16],"dtype":"F32"},"e":{"data_offsets":[16,16],"dtype":"I64","shape":[4,0]}})",
+      R"({"t":{"dtype":"BOOL","shape":[3],"data_offsets":[0,3]},"__metadata__":null})",
+      R"( { "w" : { "dtype" : "BF16" , "shape" : [ 1 , 2 ] , "data_offsets" : [ 0 , 4 ] } } )",
+      R"({"f4":{"dtype":"F4","shape":[4],"data_offsets":[0,2]},"u":{"dtype":"U8","shape":[10],"data_offsets":[2,12]}})",
+  };
+  const std::string alphabet = std::string("{}[]:,\"\\ \n\t-+.eE0123456789nulxa") + '\x01' + '\x7f' + "\xc3\xa9" + '\xff';
+  std::mt19937_64 random(20261207);
+  int taken = 0, refused = 0;
+  for (int round = 0; round < 20000; ++round) {
+    std::string json = seeds[round % seeds.size()];
+    const int edits = 1 + static_cast<int>(random() % 3);
+    for (int e = 0; e < edits && !json.empty(); ++e) {
+      const std::size_t at = random() % json.size();
+      const char c = alphabet[random() % alphabet.size()];
+      switch (random() % 3) {
+        case 0: json[at] = c; break;
+        case 1: json.erase(at, 1); break;
+        default: json.insert(json.begin() + static_cast<std::ptrdiff_t>(at), c); break;
+      }
+    }
+    const std::uint64_t file_size = 8 + json.size() + 16;
+    std::string fast_error, tree_error;
+    st::Header fast, tree;
+    try {
+      fast = st::parse_header(json, file_size, "x");
+    } catch (const hbmio::Error& error) {
+      fast_error = error.what();
+    }
+    try {
+      tree = st::detail::parse_header_through_tree(json, file_size, "x");
+    } catch (const hbmio::Error& error) {
+      tree_error = error.what();
+    }
+    SCOPED_TRACE(json);
+    ASSERT_EQ(fast_error, tree_error);
+    if (!fast_error.empty()) {
+      ++refused;
+      continue;
+    }
+    ++taken;
+    ASSERT_EQ(fast.tensors.size(), tree.tensors.size());
+    for (std::size_t i = 0; i < fast.tensors.size(); ++i) {
+      EXPECT_EQ(fast.tensors[i].name, tree.tensors[i].name);
+      EXPECT_EQ(fast.tensors[i].dtype, tree.tensors[i].dtype);
+      EXPECT_EQ(fast.tensors[i].shape, tree.tensors[i].shape);
+      EXPECT_EQ(fast.tensors[i].begin, tree.tensors[i].begin);
+      EXPECT_EQ(fast.tensors[i].end, tree.tensors[i].end);
+    }
+    EXPECT_EQ(fast.metadata, tree.metadata);
+    EXPECT_EQ(fast.has_metadata, tree.has_metadata);
+    EXPECT_EQ(fast.data_size, tree.data_size);
+  }
+  // Both outcomes were probed (a mutation of whitespace or of a name keeps a header valid).
+  EXPECT_GT(taken, 100);
+  EXPECT_GT(refused, 5000);
 }
 
 // Headers the fast path stops at are parsed through the tree and refused (or taken) as before:

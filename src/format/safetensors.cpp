@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -17,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/positional_io.hpp"
+#include "format/safetensors_paths.hpp"
 #include "format/strict_json.hpp"
 #include "hbmio/error.hpp"
 
@@ -103,32 +105,30 @@ std::string json_type_name(const nlohmann::json& value) { return value.type_name
 
 // --- header parsing -------------------------------------------------------------------------------
 
-// The common header, straight from nlohmann's SAX events into TensorInfo: no JSON tree, which
-// costs more than the text's scanning itself (a 3,072-tensor header, 300 KB: 2.1 ms to scan, 4.5
-// to build the tree). It takes only the usual shape of a header: each tensor {"dtype": string,
-// "shape": [unsigned...], "data_offsets": [unsigned, unsigned]}, once each, no other key, and an
-// optional "__metadata__" of strings or null. At anything else (an unknown key, a wrong type, a
-// duplicate, a nesting, a value the checks refuse) it stops and says so, and the header is parsed
-// again through the tree (HeaderParser::parse), which either takes it or refuses it with the
-// detailed message: the fast path changes no outcome, only the time of the common one.
+// The common header, scanned straight into TensorInfo: no JSON tree and no general JSON parser.
+// It takes only the usual shape of a header: each tensor {"dtype": string, "shape": [unsigned...],
+// "data_offsets": [unsigned, unsigned]}, once each, no other key, and an optional "__metadata__"
+// of strings or null; strings without escapes or control characters, numbers as plain digits. At
+// anything else (an escape, an unknown key, a wrong type, a duplicate, a nesting, a number with a
+// sign, fraction or exponent, a value the checks refuse) it stops and says so, and the header is
+// parsed again through the JSON tree (HeaderParser::parse), which either takes it or refuses it
+// with the detailed message: the fast path changes no outcome, only the time of the common one.
+// Why by hand: a 3,072-tensor header (300 KB) took 1.9 ms through nlohmann's SAX events, its
+// lexer being the floor, and 5.8 ms on the GPU machine's CPU, where a device-resident load of it
+// takes 17 ms in all (bench/RESULTS.md, "Restarts from the node's resident cache"); simdjson,
+// which scans it in 0.1 ms, is packaged as a shared library only, while hbmio's binaries need
+// nothing installed but libc, libstdc++ and the driver. The subset is small enough to read in one
+// sitting, and a test feeds both paths thousands of mutated headers (format_test.cpp).
 class FastHeader {
-  using json = nlohmann::json;
-
  public:
-  explicit FastHeader(Header& header) : header_(header) {}
-
   // Whether `text` was taken. On false `header` holds a partial result the caller discards.
   static bool parse(std::string_view text, Header& header) {
-    // The checks parse_strict_json makes before it parses: text it refuses goes its way.
+    // The checks parse_strict_json makes before it parses: text it refuses goes its way. Valid
+    // UTF-8 throughout lets strings below take any byte from 0x20 up.
     if (format::first_invalid_utf8(text) || text.find('\0') != std::string_view::npos || text.substr(0, 3) == "\xEF\xBB\xBF")
       return false;
-    FastHeader handler(header);
-    try {
-      if (!json::sax_parse(text.begin(), text.end(), &handler, json::input_format_t::json, /*strict=*/true, /*ignore_comments=*/false))
-        return false;
-    } catch (const json::exception&) {
-      return false;  // a number out of double's range, say: the tree's parse reports it
-    }
+    FastHeader scan(text);
+    if (!scan.header(header)) return false;
     // No tensor named twice (the tree's parse names the duplicate).
     std::vector<std::string_view> names;
     names.reserve(header.tensors.size());
@@ -137,102 +137,129 @@ class FastHeader {
     return std::adjacent_find(names.begin(), names.end()) == names.end();
   }
 
-  bool null() {
-    if (state_ != State::metadata_value || seen_metadata_) return false;
-    seen_metadata_ = true;
-    state_ = State::root;
-    return true;
-  }
-  bool boolean(bool) { return false; }
-  // nlohmann reports a negative number, and -0, here; the tree refuses both (not unsigned).
-  bool number_integer(json::number_integer_t) { return false; }
-  bool number_unsigned(json::number_unsigned_t value) {
-    if (state_ == State::shape) {
-      tensor_.shape.push_back(value);
-      return true;
-    }
-    if (state_ == State::offsets && offsets_ < 2) {
-      (offsets_++ == 0 ? tensor_.begin : tensor_.end) = value;
-      return true;
-    }
-    return false;
-  }
-  bool number_float(json::number_float_t, const json::string_t&) { return false; }
-  bool binary(json::binary_t&) { return false; }
-  bool string(json::string_t& value) {
-    if (state_ == State::metadata_entry) {
-      if (!header_.metadata.emplace(std::move(key_), std::move(value)).second) return false;
-      return true;
-    }
-    if (state_ != State::tensor || field_ != Field::dtype) return false;
-    const std::optional<Dtype> dtype = parse_dtype(value);
-    if (!dtype) return false;
-    tensor_.dtype = *dtype;
-    return true;
-  }
-  bool start_object(std::size_t) {
-    switch (state_) {
-      case State::start: state_ = State::root; return true;
-      case State::metadata_value:
-        if (seen_metadata_) return false;
-        seen_metadata_ = true;
-        header_.has_metadata = true;
-        state_ = State::metadata_entry;
-        return true;
-      case State::tensor_value:
-        tensor_ = TensorInfo{.name = std::move(key_)};
-        fields_ = 0;
-        field_ = Field::none;
-        state_ = State::tensor;
-        return true;
-      default: return false;
-    }
-  }
-  bool key(json::string_t& key) {
-    switch (state_) {
-      case State::root:
-        state_ = key == kMetadataKey ? State::metadata_value : State::tensor_value;
-        key_ = std::move(key);
-        return !key_.empty() || state_ == State::metadata_value;
-      case State::metadata_entry: key_ = std::move(key); return true;
-      case State::tensor: {
-        field_ = key == "dtype" ? Field::dtype : key == "shape" ? Field::shape : key == "data_offsets" ? Field::offsets : Field::none;
-        const unsigned bit = 1u << static_cast<unsigned>(field_);
-        if (field_ == Field::none || (fields_ & bit) != 0) return false;
-        fields_ |= bit;
-        return true;
-      }
-      default: return false;
-    }
-  }
-  bool end_object() {
-    switch (state_) {
-      case State::metadata_entry: state_ = State::root; return true;
-      case State::tensor:
-        if (fields_ != 0b1110 || offsets_ != 2 || !size_matches_shape(tensor_)) return false;
-        header_.tensors.push_back(std::move(tensor_));
-        offsets_ = 0;
-        state_ = State::root;
-        return true;
-      case State::root: state_ = State::done; return true;
-      default: return false;
-    }
-  }
-  bool start_array(std::size_t) {
-    if (state_ != State::tensor || (field_ != Field::shape && field_ != Field::offsets)) return false;
-    state_ = field_ == Field::shape ? State::shape : State::offsets;
-    return true;
-  }
-  bool end_array() {
-    if (state_ != State::shape && state_ != State::offsets) return false;
-    state_ = State::tensor;
-    return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const json::exception&) { return false; }
-
  private:
-  enum class State { start, root, metadata_value, metadata_entry, tensor_value, tensor, shape, offsets, done };
-  enum class Field : unsigned { none = 0, dtype = 1, shape = 2, offsets = 3 };
+  explicit FastHeader(std::string_view text) : p_(text.data()), end_(text.data() + text.size()) {}
+
+  void skip_space() {
+    while (p_ < end_ && (*p_ == ' ' || *p_ == '\n' || *p_ == '\r' || *p_ == '\t')) ++p_;
+  }
+  // The next non-space character is `c`: consumed.
+  bool next_is(char c) {
+    skip_space();
+    if (p_ == end_ || *p_ != c) return false;
+    ++p_;
+    return true;
+  }
+  // A string with no escape and no control character: its bytes between the quotes.
+  bool string(std::string_view& out) {
+    if (!next_is('"')) return false;
+    const char* begin = p_;
+    while (p_ < end_ && *p_ != '"') {
+      if (*p_ == '\\' || static_cast<unsigned char>(*p_) < 0x20) return false;
+      ++p_;
+    }
+    if (p_ == end_) return false;
+    out = {begin, static_cast<std::size_t>(p_ - begin)};
+    ++p_;
+    return true;
+  }
+  // An unsigned integer as plain digits (no sign, fraction or exponent; "0" alone or no leading
+  // zero), within 64 bits.
+  bool number(std::uint64_t& out) {
+    skip_space();
+    const char* begin = p_;
+    std::uint64_t value = 0;
+    while (p_ < end_ && *p_ >= '0' && *p_ <= '9') {
+      if (__builtin_mul_overflow(value, 10, &value) || __builtin_add_overflow(value, static_cast<unsigned>(*p_ - '0'), &value))
+        return false;
+      ++p_;
+    }
+    if (p_ == begin || (*begin == '0' && p_ - begin > 1)) return false;
+    if (p_ < end_ && (*p_ == '.' || *p_ == 'e' || *p_ == 'E')) return false;
+    out = value;
+    return true;
+  }
+  // [n, ...] into `out`, at most `most` numbers.
+  bool numbers(std::vector<std::uint64_t>& out, std::size_t most) {
+    if (!next_is('[')) return false;
+    if (next_is(']')) return true;
+    do {
+      std::uint64_t n = 0;
+      if (out.size() == most || !number(n)) return false;
+      out.push_back(n);
+    } while (next_is(','));
+    return next_is(']');
+  }
+
+  bool header(Header& header) {
+    if (!next_is('{')) return false;
+    bool seen_metadata = false;
+    if (!next_is('}')) {
+      do {
+        std::string_view key;
+        if (!string(key) || !next_is(':')) return false;
+        if (key == kMetadataKey) {
+          if (seen_metadata || !metadata(header)) return false;
+          seen_metadata = true;
+        } else if (key.empty() || !tensor(key, header)) {
+          return false;
+        }
+      } while (next_is(','));
+      if (!next_is('}')) return false;
+    }
+    skip_space();
+    return p_ == end_;
+  }
+
+  // null, or {"key": "value", ...} with no key twice.
+  bool metadata(Header& header) {
+    skip_space();
+    if (end_ - p_ >= 4 && std::string_view(p_, 4) == "null") {
+      p_ += 4;
+      return true;
+    }
+    if (!next_is('{')) return false;
+    header.has_metadata = true;
+    if (next_is('}')) return true;
+    do {
+      std::string_view key, value;
+      if (!string(key) || !next_is(':') || !string(value)) return false;
+      if (!header.metadata.emplace(key, value).second) return false;
+    } while (next_is(','));
+    return next_is('}');
+  }
+
+  // {"dtype": ..., "shape": [...], "data_offsets": [begin, end]}, each once, in any order.
+  bool tensor(std::string_view name, Header& header) {
+    if (!next_is('{')) return false;
+    TensorInfo t{.name = std::string(name)};
+    unsigned seen = 0;
+    std::vector<std::uint64_t> offsets;
+    do {
+      std::string_view key;
+      if (!string(key) || !next_is(':')) return false;
+      const unsigned bit = key == "dtype" ? 1u : key == "shape" ? 2u : key == "data_offsets" ? 4u : 0u;
+      if (bit == 0 || (seen & bit) != 0) return false;
+      seen |= bit;
+      if (bit == 1) {
+        std::string_view text;
+        if (!string(text)) return false;
+        const std::optional<Dtype> dtype = parse_dtype(text);
+        if (!dtype) return false;
+        t.dtype = *dtype;
+      } else if (bit == 2) {
+        if (!numbers(t.shape, std::numeric_limits<std::size_t>::max())) return false;
+      } else if (!numbers(offsets, 2) || offsets.size() != 2) {
+        return false;
+      }
+    } while (next_is(','));
+    if (!next_is('}') || seen != 7) return false;
+    t.begin = offsets[0];
+    t.end = offsets[1];
+    if (!size_matches_shape(t)) return false;
+    header.tensors.push_back(std::move(t));
+    return true;
+  }
 
   // The checks HeaderParser::check_size_matches_shape makes, as a yes or no.
   static bool size_matches_shape(const TensorInfo& t) {
@@ -243,14 +270,8 @@ class FastHeader {
     return bits % 8 == 0 && bits / 8 == t.size();
   }
 
-  Header& header_;
-  State state_ = State::start;
-  TensorInfo tensor_;
-  std::string key_;
-  Field field_ = Field::none;
-  unsigned fields_ = 0;   // bits of the fields seen in the open tensor
-  unsigned offsets_ = 0;  // data_offsets numbers seen in the open tensor
-  bool seen_metadata_ = false;
+  const char* p_;
+  const char* end_;
 };
 
 class HeaderParser {
@@ -258,9 +279,9 @@ class HeaderParser {
   HeaderParser(std::string_view json, std::uint64_t file_size, const std::string& path)
       : json_(json), file_size_(file_size), path_(path) {}
 
-  Header parse() {
+  Header parse(bool fast = true) {
     Header header;
-    if (!FastHeader::parse(json_, header)) {
+    if (!fast || !FastHeader::parse(json_, header)) {
       header = Header();
       const nlohmann::json root = parse_json();
       if (!root.is_object()) fail("header not a JSON object", "", "found " + json_type_name(root));
@@ -507,7 +528,7 @@ class ReadOnlyFile {
 
   // Reads exactly `length` bytes at `offset`, resuming short reads; a file that shrank is an error.
   void read_exactly(void* into, std::uint64_t length, std::uint64_t offset) const {
-    detail::read_exactly(fd_, {static_cast<std::byte*>(into), static_cast<std::size_t>(length)}, offset,
+    hbmio::detail::read_exactly(fd_, {static_cast<std::byte*>(into), static_cast<std::size_t>(length)}, offset,
                          {.op = "read", .path = path_});
   }
 
@@ -573,6 +594,10 @@ std::uint64_t parse_header_length(const std::byte* prefix, std::uint64_t file_si
 
 Header parse_header(std::string_view json, std::uint64_t file_size, const std::string& path) {
   return HeaderParser(json, file_size, path).parse();
+}
+
+Header detail::parse_header_through_tree(std::string_view json, std::uint64_t file_size, const std::string& path) {
+  return HeaderParser(json, file_size, path).parse(/*fast=*/false);
 }
 
 Header read_header(const std::string& path) { return read_header_of(ReadOnlyFile(path), path); }
