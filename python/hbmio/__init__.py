@@ -250,12 +250,12 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
     # equivalent, checked before reading), its bytes, and where it lands. The load below reuses
     # the parsed headers (a 3,072-tensor header takes milliseconds to parse).
     opened = _hbmio.SafeOpen(path, cache="off")  # for its headers: the load below asks the cache
-    # (name, dtype, shape, strides, offset, size) per tensor, in the load's layout.
-    rows = _hbmio._plan_rows(opened, names)
-    torch_dtypes = {d: getattr(torch, _TORCH_DTYPES.get(d, ""), None) for d in {row[1] for row in rows}}
+    # The allocation's size and the dtypes now; the views' rows while the load reads (below): a
+    # load from the resident cache's GPU copy takes about as long as making them.
+    size, dtypes, count, tensor_bytes = _hbmio._plan_summary(opened, names)
+    torch_dtypes = {d: getattr(torch, _TORCH_DTYPES.get(d, ""), None) for d in dtypes}
     if not all(isinstance(d, torch.dtype) for d in torch_dtypes.values()):
         return None
-    size = rows[-1][4] + rows[-1][5] if rows else 0
     # max(.., 1): an all-empty checkpoint still needs a real pointer to load "into".
     dest = torch.empty(max(size, 1), dtype=torch.uint8, device=dev)
     if dev.type == "cuda":
@@ -271,18 +271,19 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
             whole = dest.numel() // dtype.itemsize * dtype.itemsize  # a whole number of elements
             base[text] = (dest[:whole].view(dtype), dtype.itemsize)
         out = {}
-        for name, dtype, shape, strides, offset, _ in rows:
+        # (name, dtype, shape, strides, offset, size) per tensor, in the load's layout.
+        for name, dtype, shape, strides, offset, _ in _hbmio._plan_rows(opened, names):
             typed, itemsize = base[dtype]
             out[name] = typed.as_strided(shape, strides, offset // itemsize)
         return out
 
-    with _ProgressBar(sum(row[5] for row in rows) if progress else 0, progress) as bar:
+    with _ProgressBar(tensor_bytes if progress else 0, progress) as bar:
         # The load lays the tensors out as _plan said (same parsed headers, same options).
         def load():
             _hbmio._load_into(opened, dest, backend=backend, verify=verify, names=names, progress=bar.counter, entries=False,
                               report=report, cache=cache)
 
-        if len(rows) < _VIEWS_BESIDE_LOAD:
+        if count < _VIEWS_BESIDE_LOAD:
             load()
             return make_views()
         # Many tensors: their views are made while the data is read (the load runs on the

@@ -1,5 +1,7 @@
 // Loads (load_file, _load_into, plans), raw reads and writes, and lazy access (SafeOpen and its
 // read-ahead's queue).
+#include <set>
+
 #include "binding.hpp"
 
 namespace hbmio_py {
@@ -465,6 +467,23 @@ void bind_load(nb::module_& m) {
   // as tuples. Built here in one pass, that loop costs about half of what reading each
   // _PlannedTensor's attributes and working out its strides in Python did (bench/RESULTS.md,
   // "Restarts from the node's resident cache").
+  // What a load into one allocation needs before it starts: the allocation's size and the dtypes
+  // (a torch load checks each has a torch equivalent). The rows for its views are made while it
+  // reads (hbmio/__init__.py, _load_torch_into).
+  m.def("_plan_summary", [planned](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
+    const std::vector<hbmio::PlannedTensor> plan = planned(checkpoint, std::move(names));
+    std::set<std::string> dtypes;
+    std::uint64_t tensor_bytes = 0;
+    for (const hbmio::PlannedTensor& t : plan) {
+      dtypes.emplace(hbmio::safetensors::to_string(t.dtype));
+      tensor_bytes += t.size;
+    }
+    const std::uint64_t bytes = plan.empty() ? 0 : plan.back().memory_offset + plan.back().size;
+    return nb::make_tuple(bytes, std::vector<std::string>(dtypes.begin(), dtypes.end()), plan.size(), tensor_bytes);
+  }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
+     "(bytes, dtypes, tensors, tensor bytes) of a load of `checkpoint` into one allocation: _plan's last offset + "
+     "size, its dtypes, how many tensors and their bytes.");
+
   m.def("_plan_rows", [planned](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
     const std::vector<hbmio::PlannedTensor> plan = planned(checkpoint, std::move(names));
     nb::list rows;
