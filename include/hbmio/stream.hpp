@@ -92,7 +92,9 @@ struct StreamOptions {
   std::optional<StreamPosition> resume;
 
   std::string backend;       // "": configured_backend() (HBMIO_BACKEND, else auto)
-  Engine* engine = nullptr;  // the caller's engine (kept for the stream's life; one request at a time); else two are leased, half the configured workers each
+  // The caller's engine (kept for the stream's life; one request at a time); else two are leased,
+  // half the configured workers each.
+  Engine* engine = nullptr;
 };
 
 // One array of every batch: a tensor of the safetensors shards, or the .npy/raw array ("").
