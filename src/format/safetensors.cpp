@@ -113,12 +113,11 @@ std::string json_type_name(const nlohmann::json& value) { return value.type_name
 // sign, fraction or exponent, a value the checks refuse) it stops and says so, and the header is
 // parsed again through the JSON tree (HeaderParser::parse), which either takes it or refuses it
 // with the detailed message: the fast path changes no outcome, only the time of the common one.
-// Why by hand: a 3,072-tensor header (300 KB) took 1.9 ms through nlohmann's SAX events, its
-// lexer being the floor, and 5.8 ms on the GPU machine's CPU, where a device-resident load of it
-// takes 17 ms in all (bench/RESULTS.md, "Restarts from the node's resident cache"); simdjson,
-// which scans it in 0.1 ms, is packaged as a shared library only, while hbmio's binaries need
-// nothing installed but libc, libstdc++ and the driver. The subset is small enough to read in one
-// sitting, and a test feeds both paths thousands of mutated headers (format_test.cpp).
+// Why by hand: through nlohmann's SAX events its lexer was the floor, most of a many-tensor load
+// from the resident cache's GPU copy (bench/RESULTS.md, "Restarts from the node's resident
+// cache"); simdjson, many times faster again, is packaged as a shared library only, while hbmio's
+// binaries need nothing installed but libc, libstdc++ and the driver. The subset is small enough
+// to read in one sitting, and a test feeds both paths thousands of mutated headers (format_test.cpp).
 class FastHeader {
  public:
   // Whether `text` was taken. On false `header` holds a partial result the caller discards.

@@ -559,8 +559,8 @@ void BatchStream::State::run() noexcept {
     // ends with its workers draining one by one, and a group's batches are read while the one
     // before drains rather than after it. A caller's engine serves one request at a time: one group.
     // The two share the configured workers: with a full set each, twice as many threads as cores
-    // copied from the page cache, and each group's workers waited for cores to wake on (3.6 ms
-    // of a ~6.5 ms group; bench/RESULTS.md, "Batch ingestion").
+    // copied from the page cache, and each group's last workers waited for a core to start on
+    // (bench/RESULTS.md, "Batch streams").
     std::vector<detail::EngineInUse> engines;
     const unsigned half = std::max(1u, Options::from_env().resolved_workers() / 2);
     engines.emplace_back(options.engine, options.backend, std::nullopt, nullptr, options.engine ? 0 : half);

@@ -58,8 +58,7 @@ UringPlan plan_batch(std::span<const IoRequest> requests, const Options& options
   }
   // A job of less than two chunks per worker is cut finer, so that every worker takes two shares:
   // with one each, the job lasts as long as its slowest worker's chunk; with two, workers that
-  // are done take what is left (a stream's groups of 128 MiB: 8.4 -> 0.2 ms of waiting per group
-  // for the last worker, bench/RESULTS.md, "Batch ingestion").
+  // are done take what is left (a stream's groups of 128 MiB: bench/RESULTS.md, "Batch streams").
   const std::uint64_t workers = std::max(1u, options.resolved_workers());
   const std::uint64_t shares = workers > 1 ? 2 * workers : 1;
   const std::uint64_t share = round_up((plan.bytes + shares - 1) / shares, kMinSharedChunk);
