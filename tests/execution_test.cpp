@@ -486,6 +486,9 @@ TEST(EnginePools, EnginesOfAnotherWorkerCountAreKeptApartAndAFullPoolFreesItsOld
     EXPECT_EQ(a.get(), two);
     EXPECT_EQ(b.get(), configured) << "the newer engines were kept, so the 3-worker one was freed";
   }
+  EnginePool none(0);  // keeps nothing: a lease given back is freed
+  { auto lease = none.acquire("posix", 2); }
+  EXPECT_TRUE(none.idle_counts().empty());
 }
 
 TEST(EnginePools, SavesAndLoadsWithoutAnEngineLeaseOneFromTheSharedPool) {

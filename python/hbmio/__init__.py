@@ -252,7 +252,7 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
     opened = _hbmio.SafeOpen(path, cache="off")  # for its headers: the load below asks the cache
     # The allocation's size and the dtypes now; the views' rows while the load reads (below): a
     # load from the resident cache's GPU copy takes about as long as making them.
-    size, dtypes, count, tensor_bytes = _hbmio._plan_summary(opened, names)
+    size, dtypes, count, tensor_bytes, layout = _hbmio._plan_summary(opened, names)
     torch_dtypes = {d: getattr(torch, _TORCH_DTYPES.get(d, ""), None) for d in dtypes}
     if not all(isinstance(d, torch.dtype) for d in torch_dtypes.values()):
         return None
@@ -272,7 +272,7 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
             base[text] = (dest[:whole].view(dtype), dtype.itemsize)
         out = {}
         # (name, dtype, shape, strides, offset, size) per tensor, in the load's layout.
-        for name, dtype, shape, strides, offset, _ in _hbmio._plan_rows(opened, names):
+        for name, dtype, shape, strides, offset, _ in layout.rows():
             typed, itemsize = base[dtype]
             out[name] = typed.as_strided(shape, strides, offset // itemsize)
         return out

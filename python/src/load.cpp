@@ -88,6 +88,17 @@ nb::tuple view_row(const std::string& name, hbmio::safetensors::Dtype dtype, con
   return nb::make_tuple(name, std::string(hbmio::safetensors::to_string(dtype)), shape, stride, a, b);
 }
 
+// A load's plan (hbmio::plan_load), kept between the two steps of _load_torch_into: the size and
+// dtypes before the load starts, the rows for its views while it reads.
+struct LoadLayout {
+  std::vector<hbmio::PlannedTensor> plan;
+  nb::list rows() const {
+    nb::list out;
+    for (const hbmio::PlannedTensor& t : plan) out.append(view_row(t.name, t.dtype, t.shape, nb::int_(t.memory_offset), nb::int_(t.size)));
+    return out;
+  }
+};
+
 // load() for a caller that makes the tensors views itself (hbmio.load_file(share=True) in torch):
 // thousands of DLPack arrays, each imported on its own, took longer than the load they came from
 // (bench/RESULTS.md, "Restarts from the node's resident cache"). Returns (bases, rows): a 1-D
@@ -471,24 +482,25 @@ void bind_load(nb::module_& m) {
   // (a torch load checks each has a torch equivalent). The rows for its views are made while it
   // reads (hbmio/__init__.py, _load_torch_into).
   m.def("_plan_summary", [planned](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
-    const std::vector<hbmio::PlannedTensor> plan = planned(checkpoint, std::move(names));
+    LoadLayout layout{planned(checkpoint, std::move(names))};
     std::set<std::string> dtypes;
     std::uint64_t tensor_bytes = 0;
-    for (const hbmio::PlannedTensor& t : plan) {
+    for (const hbmio::PlannedTensor& t : layout.plan) {
       dtypes.emplace(hbmio::safetensors::to_string(t.dtype));
       tensor_bytes += t.size;
     }
-    const std::uint64_t bytes = plan.empty() ? 0 : plan.back().memory_offset + plan.back().size;
-    return nb::make_tuple(bytes, std::vector<std::string>(dtypes.begin(), dtypes.end()), plan.size(), tensor_bytes);
+    const std::uint64_t bytes = layout.plan.empty() ? 0 : layout.plan.back().memory_offset + layout.plan.back().size;
+    const std::size_t count = layout.plan.size();
+    return nb::make_tuple(bytes, std::vector<std::string>(dtypes.begin(), dtypes.end()), count, tensor_bytes, std::move(layout));
   }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
-     "(bytes, dtypes, tensors, tensor bytes) of a load of `checkpoint` into one allocation: _plan's last offset + "
-     "size, its dtypes, how many tensors and their bytes.");
+     "(bytes, dtypes, tensors, tensor bytes, layout) of a load of `checkpoint` into one allocation: _plan's last "
+     "offset + size, its dtypes, how many tensors, their bytes, and the plan itself (layout.rows(): _plan_rows's).");
+
+  nb::class_<LoadLayout>(m, "_LoadLayout", "A load's plan, kept for its rows (_plan_summary).")
+      .def("rows", &LoadLayout::rows, "(name, dtype, shape, strides, offset, size) per tensor, in layout order.");
 
   m.def("_plan_rows", [planned](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
-    const std::vector<hbmio::PlannedTensor> plan = planned(checkpoint, std::move(names));
-    nb::list rows;
-    for (const hbmio::PlannedTensor& t : plan) rows.append(view_row(t.name, t.dtype, t.shape, nb::int_(t.memory_offset), nb::int_(t.size)));
-    return rows;
+    return LoadLayout{planned(checkpoint, std::move(names))}.rows();
   }, nb::arg("checkpoint"), nb::arg("names") = nb::none(),
      "_plan's tensors of a load of `checkpoint` as (name, dtype, shape, strides, offset, size) tuples.");
 

@@ -562,9 +562,9 @@ void BatchStream::State::run() noexcept {
     // copied from the page cache, and each group's last workers waited for a core to start on
     // (bench/RESULTS.md, "Batch streams").
     std::vector<detail::EngineInUse> engines;
-    const unsigned half = std::max(1u, Options::from_env().resolved_workers() / 2);
-    engines.emplace_back(options.engine, options.backend, std::nullopt, nullptr, options.engine ? 0 : half);
-    if (options.engine == nullptr) engines.emplace_back(nullptr, options.backend, std::nullopt, nullptr, half);
+    const unsigned workers = Options::from_env().resolved_workers();
+    engines.emplace_back(options.engine, options.backend, std::nullopt, nullptr, options.engine ? 0 : (workers + 1) / 2);
+    if (options.engine == nullptr) engines.emplace_back(nullptr, options.backend, std::nullopt, nullptr, std::max(1u, workers / 2));
     std::deque<std::unique_ptr<Group>> in_flight;  // oldest first: delivered in this order
     std::size_t groups = 0;
     const auto finish_oldest = [&] {

@@ -62,22 +62,24 @@ EnginePool::Lease EnginePool::acquire(std::string_view requested, unsigned worke
 }
 
 void EnginePool::give_back(const std::string& backend, unsigned workers, std::unique_ptr<Engine> engine) noexcept {
+  std::unique_ptr<Engine> evicted;
   try {
     std::lock_guard lock(mutex_);
-    auto& idle = idle_[backend];
-    if (idle.size() < max_idle_) {
+    if (max_idle_ > 0) {
+      auto& idle = idle_[backend];
+      // Full: the oldest idle engine makes room, so that a size in use now is kept rather than
+      // one no caller has asked for since.
+      if (idle.size() >= max_idle_) {
+        evicted = std::move(idle.front().engine);
+        idle.erase(idle.begin());
+      }
+      idle.reserve(idle.size() + 1);  // what may throw, before the engine moves: push_back cannot
       idle.push_back({workers, std::move(engine)});
-      return;
     }
-    // Full: the oldest idle engine makes room (freed outside the lock), so that a size in use
-    // now is kept rather than one no caller has asked for since.
-    auto oldest = std::move(idle.front().engine);
-    idle.erase(idle.begin());
-    idle.push_back({workers, std::move(engine)});
-    engine = std::move(oldest);
-  } catch (...) {  // no memory for the map entry: free the engine instead
+  } catch (...) {  // no memory for the map entry or the slot: free the engine instead
   }
-  engine.reset();  // outside the lock: freeing pinned memory can take a while
+  // `engine` (unless kept) and `evicted` are freed here, outside the lock: freeing pinned memory
+  // and joining threads can take a while.
 }
 
 std::size_t EnginePool::release_all() {
