@@ -32,7 +32,7 @@ constexpr std::array kVariables = {
                    "Options::bounce_buffer_size: one O_DIRECT I/O and one copy (page-cache pieces: at most 2MiB)"},
     ConfigVariable{"HBMIO_BOUNCE_BUFFERS", "4", "1..1024", "Options::bounce_buffers: pinned slots per worker"},
     ConfigVariable{"HBMIO_QUEUE_DEPTH", "8", "1..4096", "Options::queue_depth: I/Os in flight per worker ring"},
-    ConfigVariable{"HBMIO_WORKERS", "0", "0..1024 (0: min(cores, 16))", "Options::workers: the threads of an engine"},
+    ConfigVariable{"HBMIO_WORKERS", "0", "0..1024 (0: min(cores, 16))", "Options::workers: the threads of an engine (a stream's two engines take half each)"},
     ConfigVariable{"HBMIO_DIRECT_IO", "auto", "on | off | auto",
                    "Options::direct_io: O_DIRECT always, never, or for the ranges not in the page cache"},
     ConfigVariable{"HBMIO_REMOTE_CONNECTIONS", "16", "1..1024",
