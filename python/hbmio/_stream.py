@@ -490,8 +490,9 @@ def stream(files, device="cpu", batch_size=None, **options) -> Stream:
     files: a list of paths, a glob ("data/*.npy", sorted) or a directory (its files, sorted). Every
         shard has the same fields; records are along the first dimension.
         .npy: one array per file (C order, a little-endian dtype torch has).
-        .safetensors: the tensors named by tensors= (default: all, in name order) side by side; a
-            batch is a dict {name: tensor}, or one tensor when tensors= is one name.
+        .safetensors: the tensors named by tensors= (default: all, in name order, and then every
+            shard must hold the same ones) side by side; a batch is a dict {name: tensor}, or one
+            tensor when tensors= is one name.
         anything else: raw records; give dtype= and record_shape=.
     device: "cuda", "cuda:N", "cpu" or "pinned".
     batch_size: records per batch; or batch_bytes= (all fields together, whole records; "64MiB").

@@ -124,6 +124,29 @@ def test_safetensors_shards_written_by_the_reference(tmp_path):
     assert np.array_equal(one.numpy(), tokens)
 
 
+def test_safetensors_shards_with_other_tensors_are_refused_unless_the_fields_are_named(tmp_path):
+    """Without tensors=, a stream reads every tensor of the first shard from every shard, by name:
+    a later shard holding another set (an extra attention_mask, a missing labels) is refused naming
+    the difference (it was read position by position: the extra tensor's bytes came as the first's
+    input_ids, and a shard with fewer tensors crashed the process). With tensors= it is read."""
+    st = pytest.importorskip("safetensors.numpy")
+    n = 4
+    a, b, c = (str(tmp_path / f"{x}.safetensors") for x in "abc")
+    st.save_file({"input_ids": np.full((n, 3), 1, np.int32), "labels": np.full((n, 3), 2, np.int32)}, a)
+    st.save_file({"attention_mask": np.full((n, 3), 9, np.int32), "input_ids": np.full((n, 3), 1, np.int32),
+                  "labels": np.full((n, 3), 2, np.int32)}, b)
+    st.save_file({"input_ids": np.full((n, 3), 1, np.int32)}, c)
+    with pytest.raises(hbmio.Error, match=r"b\.safetensors.*also has attention_mask.*tensors="):
+        hbmio.stream([a, b], batch_size=n).fields
+    with pytest.raises(hbmio.Error, match=r"c\.safetensors.*lacks labels"):
+        hbmio.stream([a, c], batch_size=n).fields
+    s = hbmio.stream([a, b], batch_size=n, tensors=["input_ids", "labels"], framework="numpy")
+    got = [{k: v.copy() for k, v in batch.items()} for batch in s]
+    assert len(got) == 2
+    for batch in got:
+        assert (batch["input_ids"] == 1).all() and (batch["labels"] == 2).all()
+
+
 def test_raw_records(tmp_path):
     data = np.arange(64 * 6, dtype=np.int32).reshape(64, 6)
     path = tmp_path / "records.bin"

@@ -14,6 +14,7 @@
 #include "hbmio/stream.hpp"
 
 #include <algorithm>
+#include <iterator>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -306,7 +307,8 @@ struct BatchStream::State {
 
   void run() noexcept;
   void scan();
-  Shard scan_one(const File& file, ShardFormat format, std::vector<StreamField>& fields_out) const;
+  // `first`: the first shard's fields, when this is a later shard (matched by name).
+  Shard scan_one(const File& file, ShardFormat format, const std::vector<StreamField>* first, std::vector<StreamField>& fields_out) const;
   void plan_epoch(std::uint64_t number, const Split& split, const std::function<bool(BatchPlan&&)>& emit) const;
   void resume_from(const StreamPosition& position);
   // A group of batches being read: one engine request, in flight on the pool; each batch queued
@@ -796,7 +798,8 @@ void BatchStream::State::finish_group(Group& g) {
                               g.done[b].batch.epoch));
 }
 
-Shard BatchStream::State::scan_one(const File& file, ShardFormat format, std::vector<StreamField>& out) const {
+Shard BatchStream::State::scan_one(const File& file, ShardFormat format, const std::vector<StreamField>* first,
+                                   std::vector<StreamField>& out) const {
   const std::string& path = file.path();
   Shard shard{.path = path, .identity = identity_of(file)};
   const std::uint64_t size = shard.identity.size;
@@ -837,6 +840,21 @@ Shard BatchStream::State::scan_one(const File& file, ShardFormat format, std::ve
     if (names.empty()) {
       for (const auto& t : h.tensors) names.push_back(t.name);
       std::sort(names.begin(), names.end());
+      // Every tensor of every shard, so the shards must hold the same ones: fields go by name,
+      // and a later shard with another set would have its tensors read as the first's others.
+      if (first != nullptr) {
+        std::vector<std::string> expected;
+        for (const StreamField& f : *first) expected.push_back(f.name);
+        if (names != expected) {
+          std::vector<std::string> extra, missing;
+          std::set_difference(names.begin(), names.end(), expected.begin(), expected.end(), std::back_inserter(extra));
+          std::set_difference(expected.begin(), expected.end(), names.begin(), names.end(), std::back_inserter(missing));
+          throw Error(errno_code(EINVAL), context,
+                      fmt::format("its tensors are not the first shard's ({}):{}{}; name the fields every shard holds with tensors=",
+                                  files.front(), extra.empty() ? "" : fmt::format(" it also has {}", fmt::join(extra, ", ")),
+                                  missing.empty() ? "" : fmt::format(" it lacks {}", fmt::join(missing, ", "))));
+        }
+      }
     }
     out.clear();
     for (const std::string& name : names) {
@@ -888,7 +906,7 @@ void BatchStream::State::scan() {
                   fmt::format("a {} shard among {} shards ({} is the first)", format_name(format_of(path)), format_name(format), files.front()));
     std::vector<StreamField> these;
     File file = File::open(path, OpenMode::read);
-    found.push_back(scan_one(file, format, these));
+    found.push_back(scan_one(file, format, found.empty() ? nullptr : &first, these));
     // The first shards keep the descriptor their header was read through: no path is opened
     // again for them, so nothing renamed over them later is read.
     if (open_files.size() < kOpenShards) open_files.emplace_back(found.size() - 1, std::make_shared<const File>(std::move(file)));
@@ -896,6 +914,9 @@ void BatchStream::State::scan() {
       first = std::move(these);
       continue;
     }
+    if (these.size() != first.size())  // scan_one matched the fields by name: never reached
+      throw Error(errno_code(EINVAL), {.op = "read shard header", .path = path},
+                  fmt::format("{} fields; the first shard ({}) has {}", these.size(), files.front(), first.size()));
     for (std::size_t f = 0; f < first.size(); ++f) {
       const StreamField& a = first[f];
       const StreamField& b = these[f];
