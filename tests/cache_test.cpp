@@ -1,6 +1,7 @@
 // The resident cache (hbmio/cache.hpp): a server process (`hbmio cache serve`, spawned here) and
 // this process as its client. Every load is compared byte for byte with plain preads of the file.
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -256,15 +257,23 @@ TEST(ResidentCache, AServerOfAnotherUserIsNotTrusted) {
     ::execl(cli(), cli(), "cache", "serve", "--socket", socket.c_str(), "--host-memory", "64MiB", "--mode", "0666", static_cast<char*>(nullptr));
     ::_exit(11);
   }
+  // Up once it answers: a status request is refused as "not trusted" (EPERM) then, not unreachable.
   bool up = false;
   int exited = -1;
   for (int i = 0; i < 500 && !up && exited < 0; ++i) {
     try {
       cache_status(socket);
+      ADD_FAILURE() << "the status of another user's server was taken";
       up = true;
-    } catch (const Error&) {
-      if (int status = 0; ::waitpid(pid, &status, WNOHANG) == pid) exited = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-      else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } catch (const Error& e) {
+      if (e.code().value() == EPERM) {
+        EXPECT_NE(e.detail().find("not trusted"), std::string::npos) << e.what();
+        up = true;
+      } else if (int status = 0; ::waitpid(pid, &status, WNOHANG) == pid) {
+        exited = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
     }
   }
   if (exited == 12) GTEST_SKIP() << "the other user cannot run " << cli() << " (a parent folder is not searchable by it)";
@@ -273,10 +282,49 @@ TEST(ResidentCache, AServerOfAnotherUserIsNotTrusted) {
     const Loaded loaded = load_and_check(file, CacheUse::add, socket);
     EXPECT_FALSE(loaded.from_cache);
     EXPECT_NE(loaded.stats.note.find("not trusted"), std::string::npos) << loaded.stats.note;
+    // `hbmio cache add` sends descriptors: never to another user's server, which could read the files.
+    try {
+      cache_add(socket, {file}, true);
+      ADD_FAILURE() << "a file was handed to another user's server";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code().value(), EPERM) << e.what();
+      EXPECT_NE(e.detail().find("not trusted"), std::string::npos) << e.what();
+    }
   }
   ::kill(pid, SIGTERM);
   ::waitpid(pid, nullptr, 0);
   ASSERT_TRUE(up) << "the other user's server did not answer";
+}
+
+// Another mount namespace (a container, `unshare -m`) sees the same file through mounts of its own:
+// not served there (the mount is part of a copy's identity), and not dropped for everyone either.
+TEST(ResidentCache, ALookupThroughAnotherMountMissesWithoutDroppingTheCopy) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a mount namespace needs root";
+  TempDir dir("/tmp");
+  const std::string socket = dir.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 8);
+  ServerProcess server(socket, "64MiB");
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  const auto hit = [&] {
+    const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    const cache_detail::Lookup found = cache_detail::lookup(socket, {&fd, 1}, {&file, 1}, false);
+    ::close(fd);
+    return found.copies.size() == 1 && found.copies[0] != nullptr;
+  };
+  ASSERT_TRUE(hit());
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (::unshare(CLONE_NEWNS) != 0) ::_exit(10);
+    ::_exit(hit() ? 11 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 10) GTEST_SKIP() << "unshare(CLONE_NEWNS) is not allowed here";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "11: served through another mount";
+  EXPECT_TRUE(hit()) << "the lookup from the other mount namespace dropped the copy";
+  EXPECT_EQ(cache_status(socket).stale, 0u);
 }
 
 TEST(ResidentCache, DescriptorsWithoutReadAccessGetNothing) {
@@ -413,6 +461,32 @@ TEST(ResidentCache, AClientThatStallsMidRequestOrSpeaksNonsenseLosesOnlyItsConne
   const CacheStatus status = cache_status(socket);  // still answers
   EXPECT_EQ(status.entries.size(), 0u);
   EXPECT_LE(status.clients, 2u);  // this request and `unknown`: the stalled and the garbled ones were dropped
+}
+
+// A frame of nothing but brackets is refused once it nests past the protocol's depth, before its
+// tree is built (a node per bracket: many times the frame in memory, held by the server).
+TEST(ResidentCache, AFrameNestedTooDeeplyIsRefusedBeforeItsTreeIsBuilt) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  const cache_detail::OwnedFd writer(pair[0]), reader(pair[1]);
+  const std::string text(1 << 16, '[');
+  std::string frame(4, '\0');
+  for (int k = 0; k < 4; ++k) frame[static_cast<std::size_t>(k)] = static_cast<char>((text.size() >> (8 * k)) & 0xff);
+  frame += text;
+  std::thread send([&] { (void)::send(writer.get(), frame.data(), frame.size(), MSG_NOSIGNAL); });
+  try {
+    cache_detail::receive_message(reader.get(), "pair");
+    ADD_FAILURE() << "a frame nested 65,536 deep was taken";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code().value(), EPROTO) << e.what();
+    EXPECT_NE(e.detail().find("nested deeper"), std::string::npos) << e.what();
+  }
+  send.join();
+  // The protocol's own messages still pass: a copy request's nesting.
+  cache_detail::send_message(writer.get(), {{"op", "copy"}, {"copies", {{0, 0, 1, 0, 0}}}, {"allocations", {{{"handle", "00"}}}}}, {}, "pair");
+  const std::optional<cache_detail::Message> back = cache_detail::receive_message(reader.get(), "pair");
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->body.at("copies").at(0).at(2), 1);
 }
 
 // A copy request is served off the serving thread and answers on its own connection, which serves

@@ -362,6 +362,7 @@ std::string status_json(const CacheStatus& status) { return cache_detail::to_jso
 
 CacheStatus cache_status(const std::string& socket_path) {
   const cache_detail::OwnedFd socket = cache_detail::connect_to(socket_path, 5000);
+  cache_detail::check_server(socket.get(), socket_path);  // another user's server could say anything
   cache_detail::send_message(socket.get(), {{"op", "status"}}, {}, socket_path);
   std::optional<cache_detail::Message> reply = cache_detail::receive_message(socket.get(), socket_path);
   if (!reply) throw Error(errno_code(ECONNRESET), {.op = "cache", .path = socket_path}, "the server closed the connection");
@@ -384,6 +385,8 @@ std::vector<std::string> cache_add(const std::string& socket_path, const std::ve
     fds.push_back(files.back().get());
   }
   const cache_detail::OwnedFd socket = cache_detail::connect_to(socket_path, 5000);
+  // Before any descriptor goes: another user's server at the path would get to read the files.
+  cache_detail::check_server(socket.get(), socket_path);
   std::vector<std::string> said(paths.size());
   std::vector<std::size_t> open(paths.size());
   for (std::size_t k = 0; k < paths.size(); ++k) open[k] = k;

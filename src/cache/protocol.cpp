@@ -130,7 +130,13 @@ std::optional<Message> receive_message(int socket, const std::string& socket_pat
   if (length > 0 && !receive_all(socket, reinterpret_cast<std::byte*>(text.data()), length, nullptr, socket_path, deadline))
     throw Error(errno_code(ECONNRESET), context_of(socket_path), "the peer closed the connection mid-frame");
   try {
-    message.body = nlohmann::json::parse(text);
+    // The protocol's messages nest a few levels deep; a frame of brackets would otherwise make a
+    // tree node per byte (dozens of times the frame in memory) before anything looked at it.
+    message.body = nlohmann::json::parse(text, [&socket_path](int depth, nlohmann::json::parse_event_t, nlohmann::json&) {
+      if (depth > kMaxDepth)
+        throw Error(errno_code(EPROTO), context_of(socket_path), fmt::format("a frame nested deeper than {} levels", kMaxDepth));
+      return true;
+    });
   } catch (const nlohmann::json::exception& e) {
     throw Error(errno_code(EPROTO), context_of(socket_path), fmt::format("a frame that is not JSON: {}", e.what()));
   }

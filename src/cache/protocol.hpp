@@ -54,6 +54,8 @@ class OwnedFd {
 inline constexpr std::size_t kMaxDescriptors = 250;
 // A frame's JSON at most: a status of many thousand entries fits.
 inline constexpr std::uint32_t kMaxFrame = 64u << 20;
+// The deepest nesting a frame's JSON may have (the messages use four levels at most).
+inline constexpr int kMaxDepth = 16;
 
 struct Message {
   nlohmann::json body;

@@ -571,6 +571,17 @@ struct CacheServer::State {
           results.push_back({{"hit", false}, {"reason", "being taken in"}, {"gpus", on_gpus(it->second)}});
           continue;
         }
+        Identity through_this_mount = e.identity;
+        through_this_mount.mount = id.mount;
+        if (through_this_mount == id) {
+          // The same file unchanged, seen through another mount: another mount namespace (a
+          // container, `unshare -m`) sees the file system through mounts of its own. Not served (a
+          // mount is part of the identity: see Identity), but not dropped either: the copy is still
+          // the file for those who added it.
+          misses += counted ? 1 : 0;
+          results.push_back({{"hit", false}, {"reason", "held as seen through another mount (another mount namespace?)"}});
+          continue;
+        }
         drop(key);  // the file changed since: never served again
         ++stale;
       }
