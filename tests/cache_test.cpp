@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <set>
 #include <thread>
 
 #include <fmt/format.h>
@@ -214,6 +215,50 @@ TEST(ResidentCache, AUsersQuotaEvictsThatUsersFilesAndAllowKeepsOthersOut) {
   EXPECT_NE(said[0].find("outside the directories this cache serves"), std::string::npos) << said[0];
   EXPECT_FALSE(load_and_check(outside, CacheUse::add, socket).from_cache);
   EXPECT_EQ(cache_status(socket).entries.size(), 1u);
+}
+
+// Files are bounded by number too (each is a descriptor of the server's): many small files of one
+// user evict that user's oldest once past --user-files, anyone's past --max-files.
+TEST(ResidentCache, FilesAreBoundedInNumberPerUserAndInAll) {
+  TempDir dir, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock");
+  std::vector<std::string> files;
+  for (int k = 0; k < 4; ++k) {
+    files.push_back(dir.file(fmt::format("f{}.safetensors", k)));
+    save_sample(files.back(), 40 + k, 1, 4096);
+  }
+  {
+    ServerProcess server(socket, "64MiB", {"--user-files", "2"});
+    for (const std::string& f : files) ASSERT_EQ(cache_add(socket, {f}, true), std::vector<std::string>{"held"}) << f;
+    const CacheStatus status = cache_status(socket);
+    EXPECT_EQ(status.user_files_limit, 2u);
+    EXPECT_GT(status.files_limit, 2u);  // from the descriptor limit
+    ASSERT_EQ(status.entries.size(), 2u);
+    std::set<std::string> held;
+    for (const CacheEntryStatus& e : status.entries) held.insert(e.path);
+    EXPECT_EQ(held, (std::set<std::string>{std::filesystem::canonical(files[2]).string(), std::filesystem::canonical(files[3]).string()}));
+    EXPECT_EQ(status.evictions, 2u);
+  }
+  ServerProcess server(socket, "64MiB", {"--max-files", "3"});
+  for (const std::string& f : files) ASSERT_EQ(cache_add(socket, {f}, true), std::vector<std::string>{"held"}) << f;
+  const CacheStatus status = cache_status(socket);
+  EXPECT_EQ(status.files_limit, 3u);
+  EXPECT_EQ(status.user_files_limit, 3u);
+  EXPECT_EQ(status.entries.size(), 3u);
+  EXPECT_EQ(status.evictions, 1u);
+  // The one evicted is read from the file again, byte for byte.
+  EXPECT_FALSE(load_and_check(files[0], CacheUse::use, socket).from_cache);
+}
+
+// A file whose name has 255 bytes is taken in (the memfd's name is cut; it is for /proc only).
+TEST(ResidentCache, AFileOfTheLongestNameIsTakenIn) {
+  TempDir dir, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock");
+  const std::string file = dir.file(std::string(255 - std::string(".safetensors").size(), 'n') + ".safetensors");
+  save_sample(file, 50, 2, 4096);
+  ServerProcess server(socket, "64MiB");
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});
+  EXPECT_TRUE(load_and_check(file, CacheUse::use, socket).from_cache);
 }
 
 // A hit stays what it was even when a later file of the same request evicts it: the reply carries

@@ -43,6 +43,11 @@ struct CacheServerOptions {
   // 0: none. Files are copied there when a client asks (cache_add's `gpus`), least recently used
   // copies evicted first; a load into that GPU then gets a device-to-device copy. Needs a GPU.
   std::uint64_t gpu_bytes = 0;
+  // Files the cache holds at most (each holds a descriptor of the server's: without a bound, many
+  // small files would take the descriptors connections need); 0: half the server's descriptor
+  // limit (raised to its hard limit at start). `user_files`: of which one user's; 0: all of them.
+  std::uint64_t max_files = 0;
+  std::uint64_t user_files = 0;
 };
 
 // One cached file, as status reports it.
@@ -62,6 +67,7 @@ struct CacheEntryStatus {
 struct CacheStatus {
   std::string socket;
   std::uint64_t host_bytes_limit = 0, user_bytes_limit = 0;
+  std::uint64_t files_limit = 0, user_files_limit = 0;  // CacheServerOptions::max_files, user_files as in force
   std::uint64_t host_bytes = 0;  // held by the entries now (those being added included)
   std::uint64_t gpu_bytes_limit = 0;  // per GPU (CacheServerOptions::gpu_bytes)
   std::uint64_t gpu_bytes = 0;        // held in GPU memory now, all GPUs together (copies evicted

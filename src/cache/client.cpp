@@ -325,6 +325,7 @@ nlohmann::json to_json(const CacheStatus& s) {
     entries.push_back({{"path", e.path}, {"bytes", e.bytes}, {"tier", e.tier}, {"state", e.state}, {"pinned", e.pinned}, {"owner", e.owner},
                        {"hits", e.hits}, {"idle_seconds", e.idle_seconds}, {"gpus", e.gpus}, {"shares", e.shares}});
   return {{"socket", s.socket},       {"host_bytes_limit", s.host_bytes_limit}, {"user_bytes_limit", s.user_bytes_limit},
+          {"files_limit", s.files_limit}, {"user_files_limit", s.user_files_limit},
           {"gpu_bytes_limit", s.gpu_bytes_limit}, {"gpu_bytes", s.gpu_bytes}, {"shares", s.shares},
           {"host_bytes", s.host_bytes}, {"hits", s.hits},                       {"misses", s.misses},
           {"adds", s.adds},           {"evictions", s.evictions},             {"stale", s.stale},
@@ -341,6 +342,8 @@ CacheStatus status_from_json(const nlohmann::json& j) {
                              {&s.served_clients, "served_clients"}})
     *field = j.at(name).get<std::uint64_t>();
   s.shares = j.value("shares", std::uint64_t{0});
+  s.files_limit = j.value("files_limit", std::uint64_t{0});  // (an older server does not say)
+  s.user_files_limit = j.value("user_files_limit", std::uint64_t{0});
   s.uptime_seconds = j.at("uptime_seconds").get<double>();
   for (const nlohmann::json& e : j.at("entries"))
     s.entries.push_back({.path = e.at("path").get<std::string>(),

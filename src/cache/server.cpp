@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -199,10 +200,19 @@ struct CacheServer::State {
     // after that only the same user gets it (shared or device to device); others get the sealed
     // host copy. Forgotten with the copy.
     std::map<int, std::set<std::uint32_t>> shared_by;
+    // Per device, the users whose "copy" requests are reading its copy there right now (device to
+    // device). Another user is not given that copy to map until they are done: the mapping is
+    // writable, and a write landing during their DMA would hand them bytes that are not the file's.
+    std::map<int, std::multiset<std::uint32_t>> reading;
     // Whether `uid` may take its copy on `device`: none but `uid` shared it.
     bool gpu_copy_is_for(int device, std::uint32_t uid) const {
       const auto it = shared_by.find(device);
       return it == shared_by.end() || std::all_of(it->second.begin(), it->second.end(), [uid](std::uint32_t u) { return u == uid; });
+    }
+    // Whether a user other than `uid` is copying from its copy on `device` now.
+    bool read_by_others(int device, std::uint32_t uid) const {
+      const auto it = reading.find(device);
+      return it != reading.end() && std::any_of(it->second.begin(), it->second.end(), [uid](std::uint32_t u) { return u != uid; });
     }
   };
   // A client's share of a device copy: held (with the client's connection) until it closes.
@@ -358,6 +368,7 @@ struct CacheServer::State {
   // evicting every ready entry would not make room.
   bool make_room(std::uint64_t size, std::uint32_t owner, std::string& why) {
     const std::uint64_t user_limit = options.user_bytes ? options.user_bytes : options.host_bytes;
+    const std::uint64_t user_files = options.user_files ? options.user_files : options.max_files;
     if (size > user_limit) {
       why = fmt::format("{} bytes is more than the cache holds for one user ({} bytes)", size, user_limit);
       return false;
@@ -366,6 +377,9 @@ struct CacheServer::State {
       std::uint64_t n = 0;
       for (const auto& [key, e] : entries) n += e->owner == owner ? e->identity.size : 0;
       return n;
+    };
+    const auto owned_files = [&] {
+      return static_cast<std::uint64_t>(std::count_if(entries.begin(), entries.end(), [&](const auto& kv) { return kv.second->owner == owner; }));
     };
     const auto evict_oldest = [&](bool owners_only) {
       std::shared_ptr<Entry> oldest;
@@ -380,12 +394,12 @@ struct CacheServer::State {
       ++evictions;
       return true;
     };
-    while (owned() + size > user_limit)
+    while (owned() + size > user_limit || owned_files() + 1 > user_files)
       if (!evict_oldest(true)) {
         why = "the user's quota is taken by files still being added or shared";
         return false;
       }
-    while (bytes + size > options.host_bytes)
+    while (bytes + size > options.host_bytes || entries.size() + 1 > options.max_files)
       if (!evict_oldest(false)) {
         why = "the cache is taken by files still being added or shared";
         return false;
@@ -596,7 +610,9 @@ struct CacheServer::State {
         results.push_back({{"hit", false}, {"reason", "not taken in: " + why}});
         continue;
       }
-      OwnedFd memory(::memfd_create(fmt::format("hbmio-cache:{}", std::filesystem::path(path).filename().string()).c_str(),
+      // (The name is for /proc's eyes only; memfd_create refuses one of more than 249 bytes, and a
+      // file's name may have 255.)
+      OwnedFd memory(::memfd_create(fmt::format("hbmio-cache:{}", std::filesystem::path(path).filename().string().substr(0, 200)).c_str(),
                                     MFD_CLOEXEC | MFD_ALLOW_SEALING));
       if (!memory || (id.size > 0 && ::ftruncate(memory.get(), static_cast<off_t>(id.size)) != 0)) {
         ++refused;
@@ -677,6 +693,11 @@ struct CacheServer::State {
         refuse("its copy on that GPU was shared with another user, who may have written to it: only that user gets it");
         continue;
       }
+      if (e.read_by_others(device, uid)) {
+        ++misses;
+        refuse("its copy on that GPU is being copied into another user's memory right now (a load reads the file instead)");
+        continue;
+      }
       cuda::IpcAllocation allocation;
       try {
         allocation = cuda::ipc_allocation_of(copy->second->data(), context);
@@ -729,6 +750,24 @@ struct CacheServer::State {
     std::vector<std::shared_ptr<Entry>> held;
     const int device = cuda::device_of_pci_bus_id(request.at("device").get<std::string>(), context);
     std::vector<std::shared_ptr<Buffer>> on_gpu;  // per held file, its copy in that GPU's memory, if any
+    // The device copies read below are marked as being read by `uid` from the moment they are
+    // chosen, under the same lock as the choice, until the copies are done (or failed): no other
+    // user can be given one of them to map (and write) in between (share).
+    struct Reading {
+      State& state;
+      int device;
+      std::uint32_t uid;
+      std::vector<std::shared_ptr<Entry>> entries;
+      ~Reading() {
+        if (entries.empty()) return;
+        std::lock_guard lock(state.mutex);
+        for (const auto& e : entries) {
+          auto& readers = e->reading[device];
+          readers.erase(readers.find(uid));
+          if (readers.empty()) e->reading.erase(device);
+        }
+      }
+    } reading{*this, device, uid, {}};
     {
       std::lock_guard lock(mutex);
       for (OwnedFd& fd : fds) {
@@ -747,6 +786,10 @@ struct CacheServer::State {
         const auto copy = it->second->on_gpu.find(device);
         // A copy another user was given to map is not copied from: the sealed host copy is.
         on_gpu.push_back(copy == it->second->on_gpu.end() || !it->second->gpu_copy_is_for(device, uid) ? nullptr : copy->second);
+        if (on_gpu.back()) {
+          it->second->reading[device].insert(uid);
+          reading.entries.push_back(it->second);
+        }
         it->second->last_use = Clock::now();
       }
     }
@@ -838,6 +881,21 @@ CacheServer::CacheServer(CacheServerOptions options) : state_(std::make_unique<S
   s.options = std::move(options);
   const ErrorContext context{.op = "cache serve", .path = s.options.socket};
   if (s.options.host_bytes == 0) throw Error(errno_code(EINVAL), context, "the host tier needs a size (host_bytes > 0)");
+  if (s.options.max_files == 0) {
+    // Each held file is a memfd of the server's; connections and the descriptors of requests in
+    // flight need the rest. A server may raise its own soft limit up to the hard one.
+    rlimit files{};
+    if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
+      if (files.rlim_cur < files.rlim_max) {
+        rlimit raised = files;
+        raised.rlim_cur = files.rlim_max == RLIM_INFINITY ? std::max<rlim_t>(files.rlim_cur, 1 << 20) : files.rlim_max;
+        if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) files = raised;
+      }
+      s.options.max_files = std::max<std::uint64_t>(16, static_cast<std::uint64_t>(files.rlim_cur) / 2);
+    } else {
+      s.options.max_files = 512;
+    }
+  }
   if (s.options.gpu_bytes > 0 && cuda_device_count() == 0)
     throw Error(errno_code(ENODEV), context, fmt::format("a device tier (gpu_bytes) needs a GPU: {}", cuda_unavailable_reason()));
   for (std::string& dir : s.options.allow) {
@@ -1013,6 +1071,8 @@ CacheStatus CacheServer::status() const {
   CacheStatus out{.socket = s.options.socket,
                   .host_bytes_limit = s.options.host_bytes,
                   .user_bytes_limit = s.options.user_bytes ? s.options.user_bytes : s.options.host_bytes,
+                  .files_limit = s.options.max_files,
+                  .user_files_limit = s.options.user_files ? s.options.user_files : s.options.max_files,
                   .host_bytes = s.bytes,
                   .gpu_bytes_limit = s.options.gpu_bytes,
                   .hits = s.hits,

@@ -14,6 +14,7 @@ namespace {
 
 struct CacheFlags {
   std::string socket, host_memory = "", user_memory = "0", gpu_memory = "0", json, mode = "0600";
+  std::uint64_t max_files = 0, user_files = 0;
   std::vector<std::string> allow, paths;
   std::vector<int> gpus;
   bool wait = false;
@@ -29,8 +30,8 @@ nlohmann::json status_json_of_command(const CacheStatus& s) {
 
 void print_status(const CacheStatus& s) {
   fmt::print("resident cache at {}, up {:.0f} s\n", s.socket, s.uptime_seconds);
-  fmt::print("  host memory: {} of {} held (per user at most {}), {} file(s)\n", format_size(s.host_bytes), format_size(s.host_bytes_limit),
-             format_size(s.user_bytes_limit), s.entries.size());
+  fmt::print("  host memory: {} of {} held (per user at most {}), {} file(s) of at most {} ({} per user)\n", format_size(s.host_bytes),
+             format_size(s.host_bytes_limit), format_size(s.user_bytes_limit), s.entries.size(), s.files_limit, s.user_files_limit);
   if (s.gpu_bytes_limit > 0)
     fmt::print("  GPU memory: {} held, at most {} per GPU; {} share(s) by clients now\n", format_size(s.gpu_bytes),
                format_size(s.gpu_bytes_limit), s.shares);
@@ -66,6 +67,10 @@ void add_cache_command(CLI::App& app, int& exit_status) {
       ->check(size_value());
   serve->add_option("--user-memory", flags->user_memory, "Of which the files one user added may hold (default: all of it)")
       ->check(size_value());
+  serve->add_option("--max-files", flags->max_files,
+                    "Files the cache holds at most, least recently used going first (default 0: half the server's descriptor limit)")
+      ->type_name("N");
+  serve->add_option("--user-files", flags->user_files, "Of which the files one user added (default 0: all of them)")->type_name("N");
   serve->add_option("--allow", flags->allow, "Only cache files under these directories (repeatable; default: any file a client opened)")
       ->type_name("DIR")
       ->check(CLI::ExistingDirectory);
@@ -84,7 +89,9 @@ void add_cache_command(CLI::App& app, int& exit_status) {
                                .user_bytes = parse_size(flags->user_memory),
                                .allow = flags->allow,
                                .socket_mode = static_cast<unsigned>(std::stoul(flags->mode, nullptr, 8)),
-                               .gpu_bytes = parse_size(flags->gpu_memory)};
+                               .gpu_bytes = parse_size(flags->gpu_memory),
+                               .max_files = flags->max_files,
+                               .user_files = flags->user_files};
     if (options.socket.empty()) options.socket = default_cache_socket();
     CacheServer server(options);
     fmt::print(stderr, "hbmio cache: serving on {} (host memory {}{}, socket mode {}); point loads at it with HBMIO_CACHE={}\n",
