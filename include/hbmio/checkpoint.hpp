@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "hbmio/cache.hpp"
@@ -238,7 +239,8 @@ class OpenedCheckpoint {
   std::vector<CheckpointFile> files_;
   std::shared_ptr<const detail::ResidentCopies> resident_;  // the resident cache's copies of files_
   std::vector<Tensor> tensors_;
-  std::map<std::string, std::size_t, std::less<>> by_name_;
+  // Keys view the names in files_' headers (which never move: this class moves, never copies).
+  std::unordered_map<std::string_view, std::size_t> by_name_;
 };
 
 // Batches of reads of an opened checkpoint, read in order by a job of the library's pool while the

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <set>
 #include <tuple>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -128,12 +129,13 @@ class FastHeader {
       return false;
     FastHeader scan(text);
     if (!scan.header(header)) return false;
-    // No tensor named twice (the tree's parse names the duplicate).
-    std::vector<std::string_view> names;
+    // No tensor named twice (the tree's parse names the duplicate). Hashed: names share long
+    // prefixes ("model.layers.12."), which a sort compares again and again.
+    std::unordered_set<std::string_view> names;
     names.reserve(header.tensors.size());
-    for (const TensorInfo& t : header.tensors) names.push_back(t.name);
-    std::sort(names.begin(), names.end());
-    return std::adjacent_find(names.begin(), names.end()) == names.end();
+    for (const TensorInfo& t : header.tensors)
+      if (!names.insert(t.name).second) return false;
+    return true;
   }
 
  private:
