@@ -58,6 +58,12 @@ struct StreamPosition {
   // Batches delivered (returned by next()) from each rank's part of the pool: one per rank of
   // `world`, or one for all of them (ranks in lockstep: a rank with fewer batches delivered all).
   std::vector<std::uint64_t> batches{0};
+  // Where ranks are in different epochs (without drop_last a rank with one batch fewer goes on into
+  // the next epoch while the others finish theirs): each rank's epoch, one per rank of `world`, with
+  // `batches` then counting each rank's batches of its own epoch (a rank past `epoch` delivered all
+  // of its part of it, and its later epochs are whole). Empty: every rank is in `epoch`. Such a
+  // position resumes on as many ranks as it was saved on only (an Error otherwise).
+  std::vector<std::uint64_t> epochs;
   // What the position belongs to, checked on resume (an error naming the mismatch). fingerprint
   // and fields are checked when not empty, batch_records when not 0; the rest always.
   std::string fingerprint;  // BatchStream::fingerprint(): the shards' names, sizes and headers

@@ -201,35 +201,60 @@ def _check_state(state) -> dict:
             raise StateError(_errno.EINVAL, f"the stream state's {key!r} is {'missing' if key not in state else repr(value)}, "
                              f"not {'a string' if kind is str else 'an int'}")
         out[key] = int(value) if kind is int else value
+    # Where ranks were in different epochs, each rank's (written since ranks could be; a state
+    # without it has every rank in "epoch").
+    epochs = _state_value(state.get("rank_epochs", ""))
+    if not isinstance(epochs, str):
+        raise StateError(_errno.EINVAL, f"the stream state's 'rank_epochs' is {epochs!r}, not a string")
+    out["rank_epochs"] = epochs
     return out
 
 
 def _merge_states(states) -> dict:
-    """The states every rank of one world saved at one moment -> one, with every rank's batches."""
+    """The states every rank of one world saved at one moment -> one, with every rank's batches
+    (and, where ranks were in different epochs, every rank's epoch)."""
     states = [_check_state(s) for s in states]
     if not states:
         raise StateError(_errno.EINVAL, "no stream states given")
     first = states[0]
     # States that differ in nothing but the rank that saved them are one moment of ranks in
-    # lockstep (any one resumes them all): among them, states saved right after a resume on
-    # another number of ranks, before any batch, which still give the world they resumed from.
+    # lockstep (any one resumes them all).
     same = lambda s: {k: v for k, v in s.items() if k != "rank"}  # noqa: E731
     if len(states) > 1 and all(same(s) == same(first) for s in states):
         return first
     world = first["world"]
-    counts = [None] * world
     for s in states:
         for key in _STATE_KEYS:
-            if key not in ("batches", "rank", "rank_batches") and s[key] != first[key]:
+            if key not in ("batches", "rank", "rank_batches", "epoch", "pool") and s[key] != first[key]:
                 raise StateError(_errno.EINVAL, f"the stream states disagree on {key!r}: {first[key]!r} (rank {first['rank']}) "
                                  f"and {s[key]!r} (rank {s['rank']}): they are not of one moment of one stream")
         if not 0 <= s["rank"] < world:
             raise StateError(_errno.EINVAL, f"a stream state of rank {s['rank']} in a world of {world}")
-        counts[s["rank"]] = s["batches"]
-    if None in counts:
-        raise StateError(_errno.EINVAL, f"stream states of ranks {[r for r, c in enumerate(counts) if c is not None]} of a "
+    # Each rank's (epoch, batches, pool of that epoch), from its own state: a state saved before
+    # its rank delivered anything since a resume gives every rank's, as it resumed.
+    at = [None] * world
+    for s in states:
+        counts = _ints(s["rank_batches"], "rank_batches")
+        epochs = _ints(s["rank_epochs"], "rank_epochs")
+        k = s["rank"]
+        if counts and len(counts) != world or epochs and len(epochs) != world:
+            raise StateError(_errno.EINVAL, f"the stream state of rank {k} gives {len(counts)} ranks' batches and {len(epochs)} "
+                             f"ranks' epochs for a world of {world}")
+        epoch = epochs[k] if epochs else s["epoch"]
+        mine = (epoch, counts[k] if counts else s["batches"], s["pool"] if epoch == s["epoch"] else "")
+        if at[k] is not None and at[k] != mine:
+            raise StateError(_errno.EINVAL, f"two stream states of rank {k} say different things: {at[k]} and {mine}")
+        at[k] = mine
+    if None in at:
+        raise StateError(_errno.EINVAL, f"stream states of ranks {[r for r, c in enumerate(at) if c is not None]} of a "
                          f"world of {world}: give every rank's (or one, for ranks in lockstep)")
-    return dict(first, rank_batches=",".join(map(str, counts)))
+    low = min(e for e, _, _ in at)
+    pools = {pool for e, _, pool in at if e == low}
+    if len(pools) > 1 or any(pool for e, _, pool in at if e > low):
+        raise StateError(_errno.EINVAL, f"the stream states disagree on 'pool' ({sorted(pools)}): they are not of one "
+                         f"moment of one stream")
+    return dict(first, epoch=low, pool=pools.pop(), batches=at[first["rank"]][1], rank_batches=",".join(str(c) for _, c, _ in at),
+                rank_epochs=",".join(str(e) for e, _, _ in at) if any(e != low for e, _, _ in at) else "")
 
 
 class Stream:
@@ -312,14 +337,18 @@ class Stream:
                 raise StateError(_errno.EINVAL, f"the stream state is of {key}={s[key]!r}; this stream's is {key}={mine!r}")
         pool = _ints(s["pool"], "pool")
         counts = _ints(s["rank_batches"], "rank_batches") or [s["batches"]]
+        epochs = _ints(s["rank_epochs"], "rank_epochs")
+        if epochs and (len(epochs) != s["world"] or len(counts) != s["world"]):
+            raise StateError(_errno.EINVAL, f"the stream state gives the epochs of {len(epochs)} ranks and the batches of "
+                             f"{len(counts)} for a world of {s['world']}")
         if len(pool) % 2:
             raise StateError(_errno.EINVAL, f"the stream state's pool {s['pool']!r} is not pieces first:end")
         if s["world"] < 1 or len(counts) not in (1, s["world"]):
             raise StateError(_errno.EINVAL, f"the stream state gives the batches of {len(counts)} ranks for a world of "
                              f"{s['world']}")
-        if min([s["epoch"], s["batch_size"], s["seed"], s["shuffle_window"], *pool, *counts]) < 0:
+        if min([s["epoch"], s["batch_size"], s["seed"], s["shuffle_window"], *pool, *counts, *epochs]) < 0:
             raise StateError(_errno.EINVAL, "the stream state holds a negative number")
-        return {"epoch": s["epoch"], "pool": pool, "world": s["world"], "batches": counts, "fingerprint": s["fingerprint"],
+        return {"epoch": s["epoch"], "pool": pool, "world": s["world"], "batches": counts, "epochs": epochs, "fingerprint": s["fingerprint"],
                 "fields": s["fields"], "batch_records": s["batch_size"], "seed": s["seed"],
                 "shuffle_window": s["shuffle_window"], "shuffle": bool(s["shuffle"]), "drop_last": bool(s["drop_last"])}
 
@@ -335,21 +364,54 @@ class Stream:
         rank had delivered), "batches" how many batches this rank yielded of its part. The state
         is the same on every rank that yielded as many batches (ranks in lockstep, as DDP's are;
         "rank" says which saved it and is not used), so any one rank's state resumes them all
-        (DCP keeps one). For ranks not in lockstep, give rank_batches (every rank's batches
-        yielded in this epoch, e.g. all-gathered), or load the list of every rank's states."""
+        (DCP keeps one). For ranks not in lockstep, give rank_batches: every rank's `progress`
+        (all-gathered), or load the list of every rank's states. Without drop_last, a rank with a
+        batch fewer goes on into the next epoch while the others finish theirs: such a state
+        ("rank_epochs" says each rank's epoch) resumes on as many ranks as saved it.
+
+        rank_batches: one entry per rank, each (epoch, batches) as `progress` gives it, or a
+        number of batches of this rank's epoch. With (epoch, batches) entries, take the state
+        on a rank in the earliest of their epochs."""
         if self._closed:
             raise ValueError("the stream is closed: take its state_dict before closing it")
         p = self._stream.position()
-        counts = list(p["batches"])
+        counts, epochs, epoch = list(p["batches"]), list(p["epochs"]), p["epoch"]
         if rank_batches is not None:
-            counts = [_int_option(f"rank_batches[{i}]", c, 0, _U64, "a number of batches") for i, c in enumerate(rank_batches)]
+            counts, epochs = [], []
+            for i, c in enumerate(rank_batches):
+                if isinstance(c, (tuple, list)) and len(c) == 2:
+                    epochs.append(_int_option(f"rank_batches[{i}][0]", c[0], 0, _U64 - 1, "an epoch"))
+                    c = c[1]
+                counts.append(_int_option(f"rank_batches[{i}]", c, 0, _U64, "a number of batches, or (epoch, batches)"))
             if len(counts) != p["world"]:
                 raise ValueError(f"rank_batches gives {len(counts)} ranks' batches; the epoch is divided among {p['world']}")
+            if epochs and len(epochs) != len(counts):
+                raise ValueError("rank_batches: give every rank's (epoch, batches), or every rank's batches")
+            mine = self.progress[0]
+            if epochs and mine != min(epochs):
+                low = epochs.index(min(epochs))
+                raise ValueError(f"rank_batches puts rank {low} in epoch {epochs[low]}, before this rank's {mine}: take "
+                                 f"the state on rank {low}, or load the list of every rank's state_dict()")
+            if epochs and epochs[self._rank] != mine:
+                raise ValueError(f"rank_batches puts this rank ({self._rank}) in epoch {epochs[self._rank]}; it is in {mine}")
+            epochs = epochs if epochs and len(set(epochs)) > 1 else []
         mine = counts[self._rank] if len(counts) > 1 and self._rank < len(counts) else counts[0]
-        return {"format": _STATE_FORMAT, "epoch": p["epoch"], "world": p["world"],
+        return {"format": _STATE_FORMAT, "epoch": epoch, "world": p["world"],
                 "pool": ",".join(f"{a}:{b}" for a, b in zip(p["pool"][::2], p["pool"][1::2])),
                 "batches": mine, "rank": self._rank, "rank_batches": ",".join(map(str, counts)) if len(counts) > 1 else "",
+                "rank_epochs": ",".join(map(str, epochs)),
                 "batch_size": p["batch_records"], **self._options, "fields": p["fields"], "fingerprint": p["fingerprint"]}
+
+    @property
+    def progress(self) -> tuple:
+        """(epoch, batches): the epoch this rank is in and the batches it yielded of its part of
+        it, the one in hand included; what state_dict(rank_batches=) takes from every rank."""
+        if self._closed:
+            raise ValueError("the stream is closed")
+        p = self._stream.position()
+        if p["epochs"]:
+            return p["epochs"][self._rank], p["batches"][self._rank]
+        return p["epoch"], p["batches"][self._rank] if len(p["batches"]) > 1 else p["batches"][0]
 
     def load_state_dict(self, state) -> None:
         """Continue from `state` (a state_dict() of this stream or of any rank of one over the same

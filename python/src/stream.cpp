@@ -94,6 +94,7 @@ class PyStream {
     d["pool"] = pool;
     d["world"] = p.world;
     d["batches"] = p.batches;
+    d["epochs"] = p.epochs;
     d["fingerprint"] = p.fingerprint;
     d["fields"] = p.fields;
     d["batch_records"] = p.batch_records;
@@ -111,6 +112,7 @@ class PyStream {
     for (std::size_t i = 0; i < pool.size(); i += 2) p.pool.emplace_back(pool[i], pool[i + 1]);
     p.world = nb::cast<unsigned>(d["world"]);
     p.batches = nb::cast<std::vector<std::uint64_t>>(d["batches"]);
+    if (d.contains("epochs")) p.epochs = nb::cast<std::vector<std::uint64_t>>(d["epochs"]);
     p.fingerprint = nb::cast<std::string>(d["fingerprint"]);
     p.fields = nb::cast<std::string>(d["fields"]);
     p.batch_records = nb::cast<std::uint64_t>(d["batch_records"]);

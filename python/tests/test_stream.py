@@ -587,6 +587,49 @@ def test_a_resume_across_epochs(id_shards, drop_last):
                 assert sorted(got) == list(range(sum(RESUME_COUNTS)))
 
 
+@pytest.mark.parametrize("world", [4, 6])
+def test_ranks_in_different_epochs_resume_exactly_on_the_same_ranks(id_shards, world):
+    # Without drop_last, 51 records on 4 ranks are parts of 13, 13, 13 and 12: 4, 4, 4 and 3
+    # batches of 4. Stepping in lockstep, rank 3 goes on into epoch 1 while the others finish epoch
+    # 0, and so on. At every step, every rank's state (or one with every rank's progress) resumes
+    # each rank with exactly its own rest, in order, across the epochs.
+    opts = dict(shuffle=True, epochs=3)
+    runs = [walk(id_shards, r, world, **opts) for r in range(world)]
+    steps = min(len(batches) for batches, _ in runs)
+    mixed = 0
+    for k in range(steps + 1):
+        states = [st[k] for _, st in runs]
+        progress = [(st["epoch"], st["batches"]) for st in states]
+        mixed += len({e for e, _ in progress}) > 1
+        expected = [batches[k:] for batches, _ in runs]
+        assert [resumed(id_shards, states, r, world, **opts) for r in range(world)] == expected, k
+        low = min(range(world), key=lambda r: progress[r][0])
+        s = hbmio.stream(id_shards, rank=low, world=world, **RESUME_OPTIONS, **opts)
+        for _ in range(k):
+            next(s)
+        assert s.progress == progress[low]
+        one = s.state_dict(rank_batches=progress)
+        assert [resumed(id_shards, one, r, world, **opts) for r in range(world)] == expected, k
+        if len({e for e, _ in progress}) > 1:
+            assert one["rank_epochs"] != ""
+            # Not from a rank ahead (its epoch's pool may not be the earliest's), not on other ranks.
+            ahead = max(range(world), key=lambda r: progress[r][0])
+            s = hbmio.stream(id_shards, rank=ahead, world=world, **RESUME_OPTIONS, **opts)
+            for _ in range(k):
+                next(s)
+            with pytest.raises(ValueError, match=f"take the state on rank {low}"):
+                s.state_dict(rank_batches=progress)
+            with pytest.raises(hbmio.StateError, match="different epochs"):
+                resumed(id_shards, states, 0, world + 1, **opts)
+    assert mixed > 0
+
+
+def test_a_state_at_the_last_epoch_there_is_is_refused(id_shards):
+    state = walk(id_shards, 0, 1)[1][1]
+    with pytest.raises(hbmio.StateError, match="no stream gets there"):
+        resumed(id_shards, dict(state, epoch=2**64 - 1), 0, 1, epochs=0)
+
+
 def test_elastic_resumes_chain_and_ranks_out_of_lockstep_give_every_state(id_shards):
     n = sum(RESUME_COUNTS)
     opts = dict(shuffle=True)

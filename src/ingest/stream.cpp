@@ -14,7 +14,6 @@
 #include "hbmio/stream.hpp"
 
 #include <algorithm>
-#include <iterator>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -22,9 +21,11 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <iterator>
+#include <limits>
 #include <list>
-#include <memory>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -458,11 +459,18 @@ StreamPosition BatchStream::position() {
   StreamPosition p{.world = o.world, .fingerprint = s.fingerprint, .fields = s.fields_text, .batch_records = s.batch_records,
                    .seed = o.seed, .shuffle_window = o.shuffle_window, .shuffle = o.shuffle, .drop_last = o.drop_last};
   if (!s.delivered_any) {
-    if (o.resume) {  // nothing delivered since: where it resumed, as given
+    if (o.resume && o.resume->world == o.world) {  // nothing delivered since: where it resumed, as given
       p.epoch = o.resume->epoch;
       p.pool = o.resume->pool;
       p.world = o.resume->world;
       p.batches = o.resume->batches;
+      p.epochs = o.resume->epochs;
+    } else if (o.resume) {
+      // Resumed on another number of ranks, nothing delivered since: the same moment in this
+      // world's terms (what is left of the epoch, divided among these ranks, none of it delivered),
+      // so that it merges with the states of ranks that did deliver since.
+      p.epoch = s.first_epoch;
+      if (s.resumed && !(s.resumed->pool.size() == 1 && s.resumed->pool[0] == Interval{0, s.total_records})) p.pool = s.resumed->pool;
     }
     return p;
   }
@@ -997,6 +1005,27 @@ void BatchStream::State::resume_from(const StreamPosition& r) {
                                      r.fingerprint, shards.size(), fingerprint));
   if (r.batch_records != 0 && r.batch_records != batch_records)
     throw state_mismatch(fmt::format("is of batches of {} records; this stream's are {}", r.batch_records, batch_records));
+  // An epoch past which no stream can go (the next one would be epoch 0 again).
+  const auto last_epoch = std::numeric_limits<std::uint64_t>::max();
+  if (r.epoch == last_epoch) throw state_mismatch(fmt::format("is at epoch {}: no stream gets there", r.epoch));
+  bool ahead = false;  // a rank in a later epoch than r.epoch
+  if (!r.epochs.empty()) {
+    if (r.epochs.size() != r.world || r.batches.size() != r.world)
+      throw state_mismatch(fmt::format("gives the epochs of {} ranks and the batches of {} for a world of {}", r.epochs.size(),
+                                       r.batches.size(), r.world));
+    for (unsigned k = 0; k < r.world; ++k) {
+      if (r.epochs[k] < r.epoch || r.epochs[k] == last_epoch)
+        throw state_mismatch(fmt::format("puts rank {} in epoch {}, outside epochs {} to {}", k, r.epochs[k], r.epoch, last_epoch - 1));
+      ahead = ahead || r.epochs[k] > r.epoch;
+    }
+  }
+  if (ahead && r.world != options.world) {
+    const auto k = static_cast<unsigned>(std::max_element(r.epochs.begin(), r.epochs.end()) - r.epochs.begin());
+    throw state_mismatch(fmt::format(
+        "was saved while ranks were in different epochs (rank {} in epoch {}, others in epoch {}): it resumes on the {} "
+        "ranks it was saved on, not on {} (save it where every rank is in one epoch to change their number)",
+        k, r.epochs[k], r.epoch, r.world, options.world));
+  }
   std::uint64_t end = 0;
   for (const auto& [a, b] : r.pool)
     if (a >= b || a < end || b > total_records)
@@ -1011,9 +1040,24 @@ void BatchStream::State::resume_from(const StreamPosition& r) {
   std::uint64_t mine = 0;
   for (unsigned k = 0; k < r.world; ++k) {
     const Part part = part_of(old.records, r.world, k, batch_records, options.drop_last);
-    const std::uint64_t done = std::min(r.batches.size() == 1 ? r.batches[0] : r.batches[k], part.batches);
+    const bool past = !r.epochs.empty() && r.epochs[k] > r.epoch;  // went on into a later epoch: delivered all of this one
+    const std::uint64_t done = past ? part.batches : std::min(r.batches.size() == 1 ? r.batches[0] : r.batches[k], part.batches);
     if (k == options.rank) mine = done;
     old.pieces(part.first + (done == part.batches ? part.records : done * batch_records), part.first + part.records, left);
+  }
+  if (ahead && r.epochs[options.rank] > r.epoch) {
+    // This rank (the same world: checked above) is in a later epoch, which is whole: its own part
+    // of it from the batch it had come to (or the epoch after, where it had delivered all of it).
+    first_epoch = r.epochs[options.rank];
+    Split whole({{0, total_records}}, options.world);
+    const std::uint64_t part = part_of(whole.records, options.world, options.rank, batch_records, options.drop_last).batches;
+    if (r.batches[options.rank] >= part) {
+      first_epoch += 1;
+      return;
+    }
+    resumed.emplace(std::move(whole));
+    resumed->start_batch = r.batches[options.rank];
+    return;
   }
   if (left.empty()) {
     first_epoch = r.epoch + 1;  // the epoch was delivered whole: the next one, whole
