@@ -12,6 +12,7 @@
 #include <limits>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 #include <set>
 #include <tuple>
 #include <unordered_set>
@@ -225,7 +226,12 @@ class FastHeader {
     do {
       std::string_view key, value;
       if (!string(key) || !next_is(':') || !string(value)) return false;
-      if (!header.metadata.emplace(key, value).second) return false;
+      // Keys in order (as hbmio and the reference write them: one checksum per tensor, thousands
+      // of keys sharing a long prefix) go in at the end with one comparison, not a walk down the tree.
+      if (!header.metadata.empty() && std::prev(header.metadata.end())->first < key)
+        header.metadata.emplace_hint(header.metadata.end(), key, value);
+      else if (!header.metadata.emplace(key, value).second)
+        return false;
     } while (next_is(','));
     return next_is('}');
   }
