@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -370,6 +371,35 @@ TEST(ResidentCache, ALookupThroughAnotherMountMissesWithoutDroppingTheCopy) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "11: served through another mount";
   EXPECT_TRUE(hit()) << "the lookup from the other mount namespace dropped the copy";
   EXPECT_EQ(cache_status(socket).stale, 0u);
+}
+
+// --allow is the directories as the server sees them: a client in a mount namespace of its own
+// that mounts a file system over an allowed directory sends files whose paths are inside it, and
+// none of them is taken in.
+TEST(ResidentCache, AFileSystemMountedOverAnAllowedDirectoryInAnotherNamespaceIsNotServed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a mount namespace needs root";
+  TempDir dir("/tmp"), sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock"), file = dir.file("a.safetensors");
+  save_sample(file, 9);
+  ServerProcess server(socket, "64MiB", {"--allow", dir.path()});
+  ASSERT_EQ(cache_add(socket, {file}, true), std::vector<std::string>{"held"});  // the allowed file itself
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    if (::unshare(CLONE_NEWNS) != 0) ::_exit(10);
+    if (::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 || ::mount("tmpfs", dir.path().c_str(), "tmpfs", 0, "size=16m") != 0)
+      ::_exit(10);
+    const std::string other = dir.file("b.safetensors");
+    save_sample(other, 10);
+    const std::vector<std::string> said = cache_add(socket, {other}, true);
+    ::_exit(said.size() == 1 && said[0].find("mounts of its own") != std::string::npos ? 0 : 11);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 10) GTEST_SKIP() << "unshare(CLONE_NEWNS) or a tmpfs mount is not allowed here";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "11: a file of the client's own mount was taken in (or refused for another reason)";
+  EXPECT_EQ(cache_status(socket).entries.size(), 1u);
 }
 
 TEST(ResidentCache, DescriptorsWithoutReadAccessGetNothing) {

@@ -499,6 +499,13 @@ struct CacheServer::State {
         return !path.empty() && path.starts_with(dir) && (path.size() == dir.size() || path[dir.size()] == '/' || dir.ends_with('/'));
       });
       if (!inside) return fmt::format("{} is outside the directories this cache serves", path.empty() ? "the file" : path);
+      // The path is the client's view: in a mount namespace of its own (a container, `unshare -m`)
+      // a file system mounted over a served directory has paths inside it. Served only where the
+      // server, looking up that path itself, finds the same file.
+      struct stat here {};
+      if (::stat(path.c_str(), &here) != 0 || here.st_dev != st.st_dev || here.st_ino != st.st_ino)
+        return fmt::format("{} is another file (or none) where this server looks: the client sees the file system through "
+                           "mounts of its own, and only the served directories as the server sees them are cached", path);
     }
     return {};
   }
