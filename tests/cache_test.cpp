@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <set>
 #include <thread>
@@ -400,6 +401,36 @@ TEST(ResidentCache, AFileSystemMountedOverAnAllowedDirectoryInAnotherNamespaceIs
   if (WEXITSTATUS(status) == 10) GTEST_SKIP() << "unshare(CLONE_NEWNS) or a tmpfs mount is not allowed here";
   EXPECT_EQ(WEXITSTATUS(status), 0) << "11: a file of the client's own mount was taken in (or refused for another reason)";
   EXPECT_EQ(cache_status(socket).entries.size(), 1u);
+}
+
+// A client that asks for a large reply and reads it a trickle at a time holds the one serving
+// thread for a bounded time only (about 2 s), however long it goes on reading: another client's
+// status is answered within its own timeout (5 s).
+TEST(ResidentCache, AClientThatReadsItsReplySlowlyDoesNotHoldTheServer) {
+  TempDir dir, sockets("/tmp");
+  const std::string socket = sockets.file("cache.sock");
+  std::vector<std::string> files;
+  for (int k = 0; k < 1500; ++k) {  // a status of ~1,500 entries with long paths: ~550 KB, more than a socket buffer
+    files.push_back(dir.file(fmt::format("{:0>200}.safetensors", k)));
+    save_sample(files.back(), 60, 1, 64);
+  }
+  ServerProcess server(socket, "64MiB");
+  ASSERT_EQ(cache_add(socket, files, true).size(), files.size());
+  cache_detail::OwnedFd slow = cache_detail::connect_to(socket, 1000);
+  cache_detail::send_message(slow.get(), {{"op", "status"}}, {}, socket);
+  std::atomic<bool> done{false};
+  std::thread trickle([&] {  // 48 KiB a second: each send finds room again within its socket timeout
+    std::vector<char> buffer(48 << 10);
+    while (!done && ::recv(slow.get(), buffer.data(), buffer.size(), MSG_DONTWAIT) != 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const auto start = std::chrono::steady_clock::now();
+  std::size_t held = 0;
+  EXPECT_NO_THROW(held = cache_status(socket).entries.size()) << "the slow reader held the server past the status's timeout";
+  EXPECT_EQ(held, files.size());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  done = true;
+  trickle.join();
 }
 
 TEST(ResidentCache, DescriptorsWithoutReadAccessGetNothing) {

@@ -2,6 +2,7 @@
 #include "cache/protocol.hpp"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -31,8 +32,11 @@ namespace {
 
 ErrorContext context_of(const std::string& socket_path) { return {.op = "cache", .path = socket_path}; }
 
-// Writes all of `data`; the first sendmsg carries the descriptors.
-void send_all(int socket, const std::byte* data, std::size_t size, std::span<const int> descriptors, const std::string& socket_path) {
+// Writes all of `data`; the first sendmsg carries the descriptors. With `deadline`, a frame the
+// other side has not taken whole by then is given up, however slowly it reads: the sends do not
+// wait (MSG_DONTWAIT), and between them poll waits for room until the deadline only.
+void send_all(int socket, const std::byte* data, std::size_t size, std::span<const int> descriptors, const std::string& socket_path,
+              const std::optional<std::chrono::steady_clock::time_point>& deadline) {
   std::vector<char> control(descriptors.empty() ? 0 : CMSG_SPACE(sizeof(int) * descriptors.size()));
   bool first = true;
   while (size > 0) {
@@ -49,9 +53,16 @@ void send_all(int socket, const std::byte* data, std::size_t size, std::span<con
       header->cmsg_len = CMSG_LEN(sizeof(int) * descriptors.size());
       std::memcpy(CMSG_DATA(header), descriptors.data(), sizeof(int) * descriptors.size());
     }
-    const ssize_t sent = ::sendmsg(socket, &message, MSG_NOSIGNAL);
+    const ssize_t sent = ::sendmsg(socket, &message, MSG_NOSIGNAL | (deadline ? MSG_DONTWAIT : 0));
     if (sent < 0) {
       if (errno == EINTR) continue;
+      if (deadline && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*deadline - std::chrono::steady_clock::now()).count();
+        pollfd room{socket, POLLOUT, 0};
+        if (left > 0 && ::poll(&room, 1, static_cast<int>(left)) >= 0) continue;
+        if (left > 0 && errno == EINTR) continue;
+        throw Error(errno_code(ETIMEDOUT), context_of(socket_path), "a frame the other side did not take in time");
+      }
       throw Error(errno_code(errno == EAGAIN ? ETIMEDOUT : errno), context_of(socket_path), "send");
     }
     first = false;
@@ -106,7 +117,8 @@ bool receive_all(int socket, std::byte* data, std::size_t size, std::vector<Owne
 
 }  // namespace
 
-void send_message(int socket, const nlohmann::json& body, std::span<const int> descriptors, const std::string& socket_path) {
+void send_message(int socket, const nlohmann::json& body, std::span<const int> descriptors, const std::string& socket_path,
+                  std::optional<std::chrono::steady_clock::time_point> deadline) {
   if (descriptors.size() > kMaxDescriptors)
     throw Error(errno_code(EINVAL), context_of(socket_path), fmt::format("{} descriptors in one frame (at most {})", descriptors.size(), kMaxDescriptors));
   const std::string text = body.dump();
@@ -115,7 +127,7 @@ void send_message(int socket, const nlohmann::json& body, std::span<const int> d
   const auto length = static_cast<std::uint32_t>(text.size());
   for (int k = 0; k < 4; ++k) frame[k] = static_cast<std::byte>((length >> (8 * k)) & 0xff);
   std::memcpy(frame.data() + 4, text.data(), text.size());
-  send_all(socket, frame.data(), frame.size(), descriptors, socket_path);
+  send_all(socket, frame.data(), frame.size(), descriptors, socket_path, deadline);
 }
 
 std::optional<Message> receive_message(int socket, const std::string& socket_path,

@@ -63,7 +63,10 @@ struct Message {
 };
 
 // Sends one frame. Throws Error (op "cache", naming `socket_path`) when the peer is gone.
-void send_message(int socket, const nlohmann::json& body, std::span<const int> descriptors, const std::string& socket_path);
+// `deadline`: a frame the other side has not taken whole by then is given up (Error ETIMEDOUT):
+// the server's single serving thread is never held by a client that reads slowly.
+void send_message(int socket, const nlohmann::json& body, std::span<const int> descriptors, const std::string& socket_path,
+                  std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt);
 // Receives one frame; nullopt when the peer closed the connection before its first byte. Throws
 // Error on a broken or oversized frame, or when the socket's receive timeout passes mid-frame.
 // With `deadline`, a frame not whole by then is an Error (ETIMEDOUT), however slowly it trickles.

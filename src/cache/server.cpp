@@ -118,6 +118,9 @@ std::string path_of(int fd) {
 // Files are read into the memfd in pieces of this size, on up to kFillThreads threads.
 constexpr std::uint64_t kFillPiece = std::uint64_t{16} << 20;
 constexpr unsigned kFillThreads = 8;
+// A reply the client has not taken whole by then is given up with its connection: a client that
+// reads slowly never holds the serving thread (nor a pool thread) longer.
+constexpr auto kReplyTime = std::chrono::seconds(2);
 
 // A held file's sealed memfd mapped read-only and page-locked, so that a GPU can DMA from it
 // (the "copy" request): where the machine has a GPU, made once when the file is taken in.
@@ -1003,7 +1006,8 @@ void CacheServer::run(const std::atomic<bool>& stop) {
       if (accepted) {
         ucred credentials{};
         socklen_t length = sizeof credentials;
-        ::getsockopt(accepted.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length);
+        // Without the peer's credentials nothing can be checked (and a zeroed uid would be root's).
+        if (::getsockopt(accepted.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0 || length != sizeof credentials) continue;
         // A client stalled mid-frame holds the one serving thread at most this long.
         const timeval timeout{.tv_sec = 2, .tv_usec = 0};
         ::setsockopt(accepted.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
@@ -1044,7 +1048,7 @@ void CacheServer::run(const std::atomic<bool>& stop) {
                     answer = {{"error", e.what()}};
                   }
                   try {
-                    cache_detail::send_message(socket, answer, {}, s.options.socket);
+                    cache_detail::send_message(socket, answer, {}, s.options.socket, std::chrono::steady_clock::now() + kReplyTime);
                     return true;
                   } catch (...) {
                     return false;
@@ -1058,7 +1062,7 @@ void CacheServer::run(const std::atomic<bool>& stop) {
           } else {
             reply = {{"error", fmt::format("unknown request '{}'", op)}};
           }
-          cache_detail::send_message(current->socket.get(), reply, reply_fds, s.options.socket);
+          cache_detail::send_message(current->socket.get(), reply, reply_fds, s.options.socket, std::chrono::steady_clock::now() + kReplyTime);
         }
       } catch (const std::exception& e) {
         keep = false;  // a client that breaks the protocol or goes away loses its connection only
