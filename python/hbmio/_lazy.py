@@ -759,7 +759,9 @@ class _Slice:
         block = self._read_runs(target, block_shape, [first], length)
         index = tuple((a - rows[0] if d == 0 else a) if is_int else slice(a - rows[0] if d == 0 else a, b - rows[0] if d == 0 else b, s)
                       for d, (a, b, s, is_int) in enumerate(dims))
-        result = block[index]
+        # (The trailing '...' keeps an all-int index an array: NumPy gives a scalar for block[i, j],
+        # safe_open a 0-d array.)
+        result = block[index + (Ellipsis,)]
         # A copy of its own: a view would keep all the covering rows alive.
         return result.clone(memory_format=target.torch.contiguous_format) if target.torch is not None else result.copy()
 
@@ -831,15 +833,21 @@ def _normalize(key, shape, name, strict=True):
     torch's: slice bounds are clamped. Refusals are _slice_error's."""
     if isinstance(key, list) and not key and strict:
         key = slice(0, 0)  # safe_open's NumPy mode reads a bare [] as no rows
-    if not isinstance(key, tuple):
+    several = isinstance(key, tuple)
+    if not several:
         key = (key,)
-    if sum(k is Ellipsis for k in key) > 1:
+    # (By identity: an array in the index compares element-wise.)
+    ellipses = [i for i, k in enumerate(key) if k is Ellipsis]
+    if len(ellipses) > 1:
         raise _slice_error(IndexError, f"tensor {name!r}: an index can only have a single ellipsis ('...')")
-    if Ellipsis in key:
-        at = key.index(Ellipsis)
+    if ellipses:
+        at = ellipses[0]
         key = key[:at] + (slice(None),) * max(0, len(shape) - len(key) + 1) + key[at + 1:]
-    # Both safe_open's NumPy mode and torch convert every slice (bounds, then step) before they
-    # look at the shape: a bad slice is named as such even where there are too many indices.
+    # safe_open's NumPy mode converts every slice (bounds, then step) before it looks at the shape:
+    # a bad slice is named as such even where there are too many indices. torch counts the indices
+    # of a tuple first (a lone slice it applies, bad or not).
+    if not strict and several and len(key) > len(shape):
+        raise _slice_error(IndexError, f"tensor {name!r}: too many indices ({len(key)}) for its {len(shape)} dimension(s)")
     for k in key:
         if isinstance(k, slice):
             for b in (k.start, k.stop, k.step):

@@ -507,6 +507,28 @@ def test_torch_row_slices_take_the_short_path_and_equal_safe_open(tmp_path):
             assert check_index(ref, f, keys[0], index) in ("equal", "refused")
 
 
+@pytest.mark.parametrize("framework", ["numpy", "pt"])
+def test_an_index_of_single_elements_arrays_in_the_index_and_too_many_indices_as_safe_open(tmp_path, framework):
+    """An index of only ints gives what safe_open gives (a 0-d array in NumPy mode, never a NumPy
+    scalar: torch.from_numpy and in-place writes need an array), on the short-runs path of a
+    small tensor and on a large one; an index array is refused as safe_open refuses it, not with
+    NumPy's "truth value is ambiguous"; too many indices beside a bad slice are refused as the
+    framework's own indexing refuses them (torch counts first, safe_open's NumPy mode checks the
+    slice first)."""
+    from safetensors.numpy import save_file
+    rng = np.random.default_rng(5)
+    tensors = {"x": rng.random(9, dtype=np.float32), "y": rng.random((3, 4), dtype=np.float32),
+               "big": rng.random((512, 300), dtype=np.float32), "b": rng.random((4, 5)) > 0.5}
+    path = tmp_path / "elements.safetensors"
+    save_file(tensors, str(path))
+    with safe_open(path, framework) as ref, hbmio.open(path, framework=framework) as f:
+        for key, index in [("x", 3), ("x", -1), ("y", (1, 2)), ("y", (-1, 0)), ("big", (300, 7)), ("b", (2, 3)),
+                           ("x", np.array([1, 0])), ("x", (slice(None, None, -1), 0)), ("x", (slice(None, None, 0), 0)),
+                           ("y", (slice(0, 2), 1, 0)), ("y", (Ellipsis, np.array([1])))]:
+            if check_index(ref, f, key, index) == "equal":
+                assert type(f.get_slice(key)[index]) is type(ref.get_slice(key)[index]), (key, index)
+
+
 def test_slices_kept_past_the_with_block_read_their_rows_and_nothing_ahead(tmp_path):
     # A slice object taken inside the `with` block still reads after it (as safe_open's do), but
     # starts no read-ahead: nothing would free it until the handle itself is collected.
