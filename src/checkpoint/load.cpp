@@ -234,7 +234,7 @@ std::vector<Pick> pick_tensors(const std::string& path, const std::vector<Checkp
     for (const auto& t : files[f].header.tensors) {
       if (!wanted.empty() && !wanted.contains(t.name)) continue;
       picks.push_back({f, &t});
-      found.insert(t.name);
+      if (!wanted.empty()) found.insert(t.name);  // (only to name what is missing: thousands of names otherwise)
     }
   }
   for (const auto& name : wanted)
