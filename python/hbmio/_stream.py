@@ -163,6 +163,9 @@ def _rank_world(rank, world, group):
 
 
 _STATE_FORMAT = "hbmio.stream 1"
+# A state whose ranks are in different epochs ("rank_epochs"): an hbmio that knows only format 1
+# would read its rank_batches as counts of "epoch" and repeat records, so it must refuse it.
+_STATE_FORMAT_EPOCHS = "hbmio.stream 2"
 # key -> type of a state_dict's values (all ints and strings: torch.save, DCP and JSON take them).
 _STATE_KEYS = {"format": str, "epoch": int, "world": int, "pool": str, "batches": int, "rank": int, "rank_batches": str,
                "batch_size": int, "seed": int, "shuffle": int, "drop_last": int, "shuffle_window": int, "fields": str,
@@ -191,9 +194,9 @@ def _state_value(v):
 def _check_state(state) -> dict:
     if not isinstance(state, dict):
         raise StateError(_errno.EINVAL, f"a stream state is a dict (stream.state_dict()), not {type(state).__name__}")
-    if state.get("format") != _STATE_FORMAT:
+    if state.get("format") not in (_STATE_FORMAT, _STATE_FORMAT_EPOCHS):
         raise StateError(_errno.EINVAL, f"not a stream state of this hbmio: its format is {state.get('format')!r}, not "
-                         f"{_STATE_FORMAT!r}")
+                         f"{_STATE_FORMAT!r} or {_STATE_FORMAT_EPOCHS!r}")
     out = {}
     for key, kind in _STATE_KEYS.items():
         value = _state_value(state.get(key))
@@ -206,6 +209,9 @@ def _check_state(state) -> dict:
     epochs = _state_value(state.get("rank_epochs", ""))
     if not isinstance(epochs, str):
         raise StateError(_errno.EINVAL, f"the stream state's 'rank_epochs' is {epochs!r}, not a string")
+    if (state["format"] == _STATE_FORMAT_EPOCHS) != bool(epochs):
+        raise StateError(_errno.EINVAL, f"a stream state of format {state['format']!r} "
+                         f"{'without' if not epochs else 'with'} rank_epochs")
     out["rank_epochs"] = epochs
     return out
 
@@ -253,8 +259,9 @@ def _merge_states(states) -> dict:
     if len(pools) > 1 or any(pool for e, _, pool in at if e > low):
         raise StateError(_errno.EINVAL, f"the stream states disagree on 'pool' ({sorted(pools)}): they are not of one "
                          f"moment of one stream")
-    return dict(first, epoch=low, pool=pools.pop(), batches=at[first["rank"]][1], rank_batches=",".join(str(c) for _, c, _ in at),
-                rank_epochs=",".join(str(e) for e, _, _ in at) if any(e != low for e, _, _ in at) else "")
+    mixed = any(e != low for e, _, _ in at)
+    return dict(first, format=_STATE_FORMAT_EPOCHS if mixed else _STATE_FORMAT, epoch=low, pool=pools.pop(), batches=at[first["rank"]][1],
+                rank_batches=",".join(str(c) for _, c, _ in at), rank_epochs=",".join(str(e) for e, _, _ in at) if mixed else "")
 
 
 class Stream:
@@ -394,9 +401,15 @@ class Stream:
                                  f"the state on rank {low}, or load the list of every rank's state_dict()")
             if epochs and epochs[self._rank] != mine:
                 raise ValueError(f"rank_batches puts this rank ({self._rank}) in epoch {epochs[self._rank]}; it is in {mine}")
+            # The state's epoch is the earliest given (this rank's): before this rank's first batch
+            # after a resume, the position still gives the epoch and pool it resumed from, which
+            # may be earlier; a later epoch is divided whole.
+            epoch = min(epochs) if epochs else mine
+            if epoch != p["epoch"]:
+                p = dict(p, pool=[])
             epochs = epochs if epochs and len(set(epochs)) > 1 else []
         mine = counts[self._rank] if len(counts) > 1 and self._rank < len(counts) else counts[0]
-        return {"format": _STATE_FORMAT, "epoch": epoch, "world": p["world"],
+        return {"format": _STATE_FORMAT_EPOCHS if epochs else _STATE_FORMAT, "epoch": epoch, "world": p["world"],
                 "pool": ",".join(f"{a}:{b}" for a, b in zip(p["pool"][::2], p["pool"][1::2])),
                 "batches": mine, "rank": self._rank, "rank_batches": ",".join(map(str, counts)) if len(counts) > 1 else "",
                 "rank_epochs": ",".join(map(str, epochs)),

@@ -624,10 +624,51 @@ def test_ranks_in_different_epochs_resume_exactly_on_the_same_ranks(id_shards, w
     assert mixed > 0
 
 
-def test_a_state_at_the_last_epoch_there_is_is_refused(id_shards):
+def test_an_endless_stream_stops_before_the_last_epoch_there_is(id_shards):
     state = walk(id_shards, 0, 1)[1][1]
-    with pytest.raises(hbmio.StateError, match="no stream gets there"):
+    with pytest.raises(hbmio.StateError, match="streams stop before it"):
         resumed(id_shards, dict(state, epoch=2**64 - 1), 0, 1, epochs=0)
+    per_epoch = len(walk(id_shards, 0, 1)[0])
+    s = hbmio.stream(id_shards, rank=0, world=1, epochs=0, state=dict(state, epoch=2**64 - 2, batches=per_epoch - 2),
+                     **RESUME_OPTIONS)
+    assert [s.epoch for _ in s] == [2**64 - 2] * 2  # the rest of that epoch, then the end (never epoch 0 again)
+
+
+def test_a_state_taken_before_a_resumed_ranks_first_batch_is_of_its_own_epoch(tmp_path):
+    # 13 records on 4 ranks, one a batch: parts of 4, 3, 3, 3. After 4 steps in lockstep rank 0
+    # is at (epoch 0, 4 batches) and the others at (1, 1). Resumed, rank 0 takes one more batch:
+    # every rank is at (1, 1). Rank 1's state, taken before its first batch since the resume, with
+    # every rank's progress, is of epoch 1 (its position still gives epoch 0, where it resumed
+    # from), and resumes every rank with exactly its own rest.
+    path = str(tmp_path / "ids.npy")
+    np.save(path, np.arange(13, dtype=np.int64).reshape(13, 1))
+    opts = dict(batch_size=1, framework="numpy", epochs=3)
+    full = []
+    for r in range(4):
+        full.append([(e, int(b[0, 0])) for e, b in ((s.epoch, b) for s in [hbmio.stream([path], rank=r, world=4, **opts)] for b in s)])
+    runs = [hbmio.stream([path], rank=r, world=4, **opts) for r in range(4)]
+    for _ in range(4):
+        for s in runs:
+            next(s)
+    states = [s.state_dict() for s in runs]
+    assert [s.progress for s in runs] == [(0, 4), (1, 1), (1, 1), (1, 1)]
+    assert states[1]["format"] == "hbmio.stream 1" and states[1]["rank_epochs"] == ""
+    r0 = hbmio.stream([path], rank=0, world=4, state=states, **opts)
+    next(r0)
+    r1 = hbmio.stream([path], rank=1, world=4, state=states, **opts)
+    progress = [r0.progress] + [r1.progress] * 3
+    assert progress == [(1, 1)] * 4
+    state = r1.state_dict(rank_batches=progress)
+    assert state["epoch"] == 1 and state["format"] == "hbmio.stream 1"
+    for r in range(4):
+        s = hbmio.stream([path], rank=r, world=4, state=state, **opts)
+        assert [(s.epoch, int(b[0, 0])) for b in s] == full[r][len(full[r]) // 3 + 1:], r
+    # The list of the ranks' states, taken then: mixed epochs, format 2 (an older hbmio refuses it).
+    mixed = [s.state_dict() for s in runs]
+    merged = hbmio._stream._merge_states(mixed)
+    assert merged["format"] == "hbmio.stream 2" and merged["rank_epochs"] == "0,1,1,1"
+    with pytest.raises(hbmio.StateError, match="format"):
+        hbmio.stream([path], rank=0, world=4, state=dict(mixed[0], format="hbmio.stream 2"), **opts)
 
 
 def test_elastic_resumes_chain_and_ranks_out_of_lockstep_give_every_state(id_shards):

@@ -778,6 +778,7 @@ struct CacheServer::State {
         }
       }
     } reading{*this, device, uid, {}};
+    reading.entries.reserve(fds.size());  // (a mark made is always recorded: push_back cannot throw)
     {
       std::lock_guard lock(mutex);
       for (OwnedFd& fd : fds) {
@@ -1003,11 +1004,14 @@ void CacheServer::run(const std::atomic<bool>& stop) {
       OwnedFd accepted(::accept4(s.listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
       // Out of descriptors: the connection waits in the backlog; not a busy loop meanwhile.
       if (!accepted && (errno == EMFILE || errno == ENFILE)) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      ucred credentials{};
       if (accepted) {
-        ucred credentials{};
         socklen_t length = sizeof credentials;
         // Without the peer's credentials nothing can be checked (and a zeroed uid would be root's).
-        if (::getsockopt(accepted.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0 || length != sizeof credentials) continue;
+        if (::getsockopt(accepted.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0 || length != sizeof credentials)
+          accepted = OwnedFd();
+      }
+      if (accepted) {
         // A client stalled mid-frame holds the one serving thread at most this long.
         const timeval timeout{.tv_sec = 2, .tv_usec = 0};
         ::setsockopt(accepted.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);

@@ -70,6 +70,9 @@ Error bad_option(const std::string& why) { return Error(errno_code(EINVAL), {.op
 
 std::string shape_text(const std::vector<std::uint64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
+// Streams stop before this epoch (an endless one would count on from 0 after it).
+constexpr std::uint64_t last_epoch = std::numeric_limits<std::uint64_t>::max();
+
 // A reproducible sequence from (seed, epoch, what): splitmix64 steps. The same on every rank and
 // every platform, which std::shuffle's distributions do not promise.
 class Random {
@@ -623,7 +626,8 @@ void BatchStream::State::run() noexcept {
       return !stop;
     };
     const Split whole({{0, total_records}}, options.world);
-    for (std::uint64_t e = first_epoch; (options.epochs == 0 || e < options.epochs) && !stop; ++e) {
+    // (An endless stream stops before epoch 2^64-1: the count would wrap to 0 after it.)
+    for (std::uint64_t e = first_epoch; (options.epochs == 0 || e < options.epochs) && e < last_epoch && !stop; ++e) {
       if (resumed && e == first_epoch) {
         plan_epoch(e, *resumed, emit);
         continue;
@@ -1005,9 +1009,7 @@ void BatchStream::State::resume_from(const StreamPosition& r) {
                                      r.fingerprint, shards.size(), fingerprint));
   if (r.batch_records != 0 && r.batch_records != batch_records)
     throw state_mismatch(fmt::format("is of batches of {} records; this stream's are {}", r.batch_records, batch_records));
-  // An epoch past which no stream can go (the next one would be epoch 0 again).
-  const auto last_epoch = std::numeric_limits<std::uint64_t>::max();
-  if (r.epoch == last_epoch) throw state_mismatch(fmt::format("is at epoch {}: no stream gets there", r.epoch));
+  if (r.epoch >= last_epoch) throw state_mismatch(fmt::format("is at epoch {}: streams stop before it", r.epoch));
   bool ahead = false;  // a rank in a later epoch than r.epoch
   if (!r.epochs.empty()) {
     if (r.epochs.size() != r.world || r.batches.size() != r.world)
