@@ -18,6 +18,10 @@ Faults (RangeServer.faults, a dict, changed by a test between requests):
   "weak_etag": True           the ETag is weak (W/"..."), which If-Match never matches
   "error_body": n             a "status_burst" answer's body goes on for n zero bytes after the XML
   "trickle": (n, s)           every body is sent n bytes at a time, s seconds apart
+  "short_206": n              the next 206 of more than n bytes announces and sends n bytes fewer
+                              than its range, and ends cleanly (a flaky proxy: not a broken connection)
+  "gzip_206": n               the next 206 of more than n bytes sends its range gzip-compressed
+                              (Content-Encoding: gzip)
 Every answer carries a Last-Modified of the file's mtime unless told otherwise.
 """
 from __future__ import annotations
@@ -100,15 +104,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             start, end = 0, size - 1
             self.send_response(200)
         length = end - start + 1
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(length)
+        if m and faults.get("short_206") is not None and len(data) > faults["short_206"]:
+            data = data[:len(data) - faults.pop("short_206")]
+            length = len(data)
+        if m and faults.get("gzip_206") is not None and len(data) > faults["gzip_206"]:
+            del faults["gzip_206"]
+            import gzip
+            data = gzip.compress(data)
+            length = len(data)
+            self.send_header("Content-Encoding", "gzip")
         self.send_header("Content-Length", str(length))
         if not faults.get("no_etag"):
             self.send_header("ETag", etag)
         if not faults.get("no_last_modified"):
             self.send_header("Last-Modified", last_modified)
         self.end_headers()
-        with open(path, "rb") as f:
-            f.seek(start)
-            data = f.read(length)
         if faults.get("slow_s"):
             time.sleep(faults["slow_s"])
         big = faults.get("reset_big")

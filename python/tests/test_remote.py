@@ -191,6 +191,24 @@ def test_an_answer_for_another_range_is_never_taken(server, monkeypatch, fault):
         hbmio.load_file(url)
 
 
+@pytest.mark.parametrize("fault", [{"short_206": 100}, {"gzip_206": 100}])
+def test_a_range_sent_short_or_encoded_is_never_taken(server, monkeypatch, fault):
+    """A 206 that announces and sends fewer bytes than its range and ends cleanly (a flaky proxy,
+    not a broken connection), or sends its range gzip-compressed, is an error without verify=True:
+    its bytes are never kept as the range's (they were, and the rest was asked for after them)."""
+    monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "16KiB")
+    url = server.url("layers.safetensors")
+    with hbmio.open(url, framework="pt") as f:
+        server.faults.update(fault)
+        with pytest.raises(hbmio.Error, match="206 announced|encoded") as e:
+            f.get_tensor(next(iter(f.keys())))
+    assert "layers.safetensors" in str(e.value)
+    server.faults.clear()
+    server.faults.update(fault)
+    with pytest.raises(hbmio.Error, match="206 announced|encoded"):
+        hbmio.load_file(url)
+
+
 def test_without_an_etag_a_replaced_object_is_still_noticed(served, tmp_path):
     """Servers without ETags: Last-Modified fixes the version; without either, the size in every
     Content-Range does (a replacement of another size is an error, never a mix of two versions)."""
@@ -384,6 +402,12 @@ def test_the_command_never_prints_a_secret(server):
             text = out.stdout + out.stderr
             assert "secret.safetensors" in text or command == ["ckpt", "load", "--into", "host"], (command, text)
             assert "SECRET" not in text, (command, text)
+        # `hbmio bench --url`'s JSON record keeps the command line: without the secrets, in either
+        # spelling of the option.
+        for args in (["--url", url], [f"--url={url}"]):
+            out = subprocess.run([cli, "bench", *args, "--json", "-"], capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, (args, out.stderr[-2000:])
+            assert "secret.safetensors" in out.stdout and "SECRET" not in out.stdout + out.stderr, (args, out.stdout[-3000:])
         # A failure names the URL without its secrets too.
         missing = url.replace("secret.safetensors", "missing.safetensors")
         out = subprocess.run([cli, "ckpt", "info", missing, "--json", "-"], capture_output=True, text=True, timeout=120)

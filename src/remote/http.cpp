@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -81,6 +82,15 @@ bool accept_body(Sink& sink, Response& r) {
   if (sink.checked || !sink.expect.ranged) return true;
   if (r.status == 206) {
     r.refused = range_mismatch(r.content_range, sink.expect);
+    // A body of another length than its range, or an encoded one (gzip: curl is not asked to
+    // decode, so the bytes would be the compressed ones), is not the range: a proxy or server that
+    // sends one once would otherwise have its bytes kept as the object's.
+    const std::uint64_t range_bytes = sink.expect.last - sink.expect.first + 1;
+    if (r.refused.empty() && r.content_length && *r.content_length != range_bytes)
+      r.refused = fmt::format("the server's 206 announced a body of {} bytes for the {} bytes of the range {}", *r.content_length,
+                              range_bytes, r.content_range);
+    if (r.refused.empty() && !r.content_encoding.empty() && r.content_encoding != "identity")
+      r.refused = fmt::format("the server sent the range encoded (Content-Encoding: {}), not as the object's bytes", r.content_encoding);
   } else if (r.status == 200) {
     const ExpectedRange& e = sink.expect;
     const bool whole = e.first == 0 && e.total != 0 && e.last + 1 == e.total;
@@ -152,6 +162,12 @@ std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* user) {
   if (name == "etag") r->etag = value;
   else if (name == "last-modified") r->last_modified = value;
   else if (name == "content-range") r->content_range = value;
+  else if (name == "content-encoding") r->content_encoding = value;
+  else if (name == "content-length") {
+    std::uint64_t n = 0;
+    const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), n);
+    if (error == std::errc() && end == value.data() + value.size()) r->content_length = n;
+  }
   return bytes;
 }
 

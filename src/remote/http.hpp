@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "hbmio/remote.hpp"
@@ -33,6 +34,10 @@ class Handle {
 struct Response {
   long status = 0;
   std::string etag, last_modified, content_range, error_code, error_message;
+  // What the body claims to be: its length (where sent) and its encoding ("" or "identity": the
+  // bytes as stored; anything else is refused, never taken as the object's bytes).
+  std::optional<std::uint64_t> content_length;
+  std::string content_encoding;
   std::uint64_t received = 0;  // body bytes delivered
   bool overflow = false;       // more body than the caller could take
   // The body was not read to its end on purpose: an error body past what is kept, a 200 to a

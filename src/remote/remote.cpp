@@ -140,7 +140,13 @@ Response get(const Target& target, const RemoteOptions& options, std::uint64_t o
       if (whole || r.status == 206 || (r.status == 416 && length == 0)) {
         if (r.overflow) throw Error(errno_code(EPROTO), context, "the server sent more bytes than the range asked for");
         if (length == 0 || done + r.received == length) return r;
-        retry_why = fmt::format("short body: {} of {} bytes", done + r.received, length);
+        // A body that ended without a transfer error but short was sent as whole by the server
+        // (a shorter Content-Length, a chunked body ended early): its bytes are not the range's,
+        // and resuming after them would keep them. (A body that broke off is a transfer error:
+        // resumed below.)
+        throw Error(errno_code(EPROTO), context,
+                    fmt::format("the server ended the body after {} of the range's {} bytes without an error: its answer "
+                                "is not the range asked for", r.received, length - done));
       } else if (remote::transient_status(r.status)) {
         retry_why = remote::describe(a.curl, a.response);
       } else {

@@ -69,11 +69,15 @@ std::vector<std::string> split_backends(const std::string& list) {
 // The GPU whose name the machine's record carries: the one measured into, else the first.
 int gpu_of(const MemoryLocation& into) { return into.kind == MemoryKind::device ? into.device : 0; }
 
-// The command line as typed, for the JSON record (CLI11 does not keep argv).
+// The command line as typed, for the JSON record (CLI11 does not keep argv), each argument as
+// messages show paths: a URL without its user info and query (a password, a presigned URL's
+// signature and session token).
 std::string command_line() {
   std::ifstream in("/proc/self/cmdline", std::ios::binary);
   std::string text, arg;
   while (std::getline(in, arg, '\0')) {
+    const std::size_t equals = arg.starts_with("--") ? arg.find('=') : std::string::npos;  // --url=URL
+    arg = equals == std::string::npos ? shown_path(arg) : arg.substr(0, equals + 1) + shown_path(arg.substr(equals + 1));
     if (!text.empty()) text += ' ';
     text += arg.find_first_of(" \t'\"") == std::string::npos ? arg : "'" + arg + "'";
   }
