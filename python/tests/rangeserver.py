@@ -17,6 +17,7 @@ Faults (RangeServer.faults, a dict, changed by a test between requests):
   "no_last_modified": True    no Last-Modified header
   "weak_etag": True           the ETag is weak (W/"..."), which If-Match never matches
   "error_body": n             a "status_burst" answer's body goes on for n zero bytes after the XML
+  "retry_after": s            a "status_burst" answer carries Retry-After: s
   "trickle": (n, s)           every body is sent n bytes at a time, s seconds apart
   "short_206": n              the next 206 of more than n bytes announces and sends n bytes fewer
                               than its range, and ends cleanly (a flaky proxy: not a broken connection)
@@ -51,6 +52,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         server = self.server
         server.requests.append((self.path, self.headers.get("Range")))
+        server.times.append(time.monotonic())
         server.headers.append(dict(self.headers))
         faults = server.faults
         burst = faults.get("status_burst")
@@ -59,6 +61,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = b"<Error><Code>Busy</Code><Message>try later</Message></Error>"
             self.send_response(burst[0])
             huge = faults.get("error_body", 0)
+            if faults.get("retry_after") is not None:
+                self.send_header("Retry-After", str(faults["retry_after"]))
             self.send_header("Content-Length", str(len(body) + huge))
             self.end_headers()
             self.wfile.write(body)
@@ -179,6 +183,7 @@ class RangeServer(http.server.ThreadingHTTPServer):
         self.root = str(root)
         self.faults = {}
         self.requests = []  # (path, Range header) of every GET
+        self.times = []  # when each came (time.monotonic())
         self.headers = []   # every GET's headers
         self.sent = 0       # body bytes of "huge_200" answers sent
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)

@@ -70,6 +70,7 @@ def server(served):
     s, root = served
     s.faults.clear()
     s.requests.clear()
+    s.times.clear()
     return s
 
 
@@ -110,6 +111,22 @@ def test_transient_failures_are_retried(server):
         same(hbmio.load_file(server.url("layers.safetensors")), want)
 
 
+def test_a_server_that_says_when_to_come_back_is_not_asked_sooner(server):
+    """503 SlowDown with Retry-After: 1 (S3's way of asking for less): the next attempt comes a
+    second later at the earliest, not after the backoff's fraction of a second, and the load
+    succeeds."""
+    want = st_torch.load_file(str(FIXTURES / "layers.safetensors"))
+    url = server.url("layers.safetensors")
+    with hbmio.open(url, framework="pt") as f:
+        name = next(iter(f.keys()))
+        server.faults.update({"status_burst": (503, 1), "retry_after": 1})
+        before = len(server.requests)
+        same({name: f.get_tensor(name)}, {name: want[name]})
+    refused = server.requests[before]  # the GET answered 503; its retry asks for the same range
+    again = next(k for k in range(before + 1, len(server.requests)) if server.requests[k] == refused)
+    assert server.times[again] - server.times[before] >= 0.95
+
+
 def test_a_body_that_breaks_off_is_resumed_where_it_stopped(server, monkeypatch):
     # One part for the whole data: the retry after a reset asks for the rest, not the part again.
     monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "64MiB")
@@ -137,6 +154,7 @@ def test_verify_checks_each_tensor_as_it_arrives(server, monkeypatch):
     # at t5's last part instead of fetching t6 and t7 first.
     monkeypatch.setenv("HBMIO_REMOTE_CONNECTIONS", "1")
     server.requests.clear()
+    server.times.clear()
     with pytest.raises(hbmio.VerifyError, match="t5"):
         hbmio.load_file(server.url("bad.safetensors"), verify=True)
     starts = [int(r.split("=")[1].split("-")[0]) for _, r in server.requests]

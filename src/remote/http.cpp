@@ -163,6 +163,11 @@ std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* user) {
   else if (name == "last-modified") r->last_modified = value;
   else if (name == "content-range") r->content_range = value;
   else if (name == "content-encoding") r->content_encoding = value;
+  else if (name == "retry-after") {
+    unsigned seconds = 0;
+    const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), seconds);
+    if (error == std::errc() && end == value.data() + value.size()) r->retry_after = seconds;  // (an HTTP date: ignored)
+  }
   else if (name == "content-length") {
     std::uint64_t n = 0;
     const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), n);
@@ -297,11 +302,16 @@ std::string describe(CURLcode c, const Response& r) {
   return s;
 }
 
-void backoff(unsigned attempt, const RemoteOptions& options) {
+void backoff(unsigned attempt, const RemoteOptions& options, unsigned retry_after, const std::atomic<bool>* stop) {
   thread_local std::mt19937_64 rng{std::random_device{}()};
   const double bound = std::min(10.0, options.backoff_seconds * static_cast<double>(1u << std::min(attempt - 1, 16u)));
-  std::uniform_real_distribution<double> wait(0, bound);
-  std::this_thread::sleep_for(std::chrono::duration<double>(wait(rng)));
+  std::uniform_real_distribution<double> jitter(0, bound);
+  // A server that says when to come back (S3's SlowDown) is not asked again sooner.
+  const double wait = std::max(jitter(rng), static_cast<double>(std::min(retry_after, 30u)));
+  const auto until =
+      std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wait));
+  while (std::chrono::steady_clock::now() < until && !(stop != nullptr && stop->load()))
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), until - std::chrono::steady_clock::now()));
 }
 
 }  // namespace hbmio::remote

@@ -38,6 +38,7 @@ struct Response {
   // bytes as stored; anything else is refused, never taken as the object's bytes).
   std::optional<std::uint64_t> content_length;
   std::string content_encoding;
+  unsigned retry_after = 0;  // Retry-After in seconds (503 SlowDown, 429), where given as a number
   std::uint64_t received = 0;  // body bytes delivered
   bool overflow = false;       // more body than the caller could take
   // The body was not read to its end on purpose: an error body past what is kept, a 200 to a
@@ -107,6 +108,8 @@ std::string describe(CURLcode c, const Response& r);
 
 // Sleeps before retry `attempt` + 1: exponential backoff with full jitter (a random wait up to
 // the bound), so that many workers retrying after one server hiccup do not return in step.
-void backoff(unsigned attempt, const RemoteOptions& options);
+// At least `retry_after` seconds where the server asked for that (capped at 30); returns early
+// once `stop` is set.
+void backoff(unsigned attempt, const RemoteOptions& options, unsigned retry_after = 0, const std::atomic<bool>* stop = nullptr);
 
 }  // namespace hbmio::remote

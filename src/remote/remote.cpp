@@ -166,7 +166,7 @@ Response get(const Target& target, const RemoteOptions& options, std::uint64_t o
     if (attempt >= attempts)
       throw Error(errno_code(remote::errno_of_failure(a.curl, r.status)), context,
                   fmt::format("attempt {} of {}: {} (gave up)", attempt, attempts, retry_why));
-    remote::backoff(attempt, options);
+    remote::backoff(attempt, options, r.retry_after, stop);
   }
 }
 

@@ -141,7 +141,7 @@ Response perform(const Target& target, const RemoteOptions& options, const Call&
     if (attempt >= attempts)
       throw Error(errno_code(remote::errno_of_failure(a.curl, r.status)), context,
                   fmt::format("attempt {} of {}: {} (gave up)", attempt, attempts, retry_why));
-    remote::backoff(attempt, options);
+    remote::backoff(attempt, options, r.retry_after);
   }
 }
 
