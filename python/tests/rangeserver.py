@@ -18,6 +18,7 @@ Faults (RangeServer.faults, a dict, changed by a test between requests):
   "weak_etag": True           the ETag is weak (W/"..."), which If-Match never matches
   "error_body": n             a "status_burst" answer's body goes on for n zero bytes after the XML
   "retry_after": s            a "status_burst" answer carries Retry-After: s
+  "location": url             a "status_burst" answer carries Location: url (a redirect)
   "trickle": (n, s)           every body is sent n bytes at a time, s seconds apart
   "short_206": n              the next 206 of more than n bytes announces and sends n bytes fewer
                               than its range, and ends cleanly (a flaky proxy: not a broken connection)
@@ -61,6 +62,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = b"<Error><Code>Busy</Code><Message>try later</Message></Error>"
             self.send_response(burst[0])
             huge = faults.get("error_body", 0)
+            if faults.get("location") is not None:
+                self.send_header("Location", faults["location"])
             if faults.get("retry_after") is not None:
                 self.send_header("Retry-After", str(faults["retry_after"]))
             self.send_header("Content-Length", str(len(body) + huge))

@@ -127,6 +127,19 @@ def test_a_server_that_says_when_to_come_back_is_not_asked_sooner(server):
     assert server.times[again] - server.times[before] >= 0.95
 
 
+def test_a_redirect_not_followed_says_where_it_pointed(server, monkeypatch):
+    """A signed request is not sent on to another host: the error says where the redirect pointed
+    (without that URL's query), which for S3 is the bucket's region's endpoint."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "hbmio-test-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hbmio-test-SECRET")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.url("").rstrip("/"))
+    server.faults.update({"status_burst": (301, 10), "location": "http://elsewhere.invalid/bkt/layers.safetensors?X-Amz-Signature=SIG"})
+    with pytest.raises(hbmio.Error, match="a redirect to http://elsewhere.invalid/bkt/layers.safetensors") as e:
+        hbmio.load_file("s3://bkt/layers.safetensors")
+    assert "SECRET" not in str(e.value) and "SIG" not in str(e.value)
+
+
 def test_a_body_that_breaks_off_is_resumed_where_it_stopped(server, monkeypatch):
     # One part for the whole data: the retry after a reset asks for the rest, not the part again.
     monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "64MiB")

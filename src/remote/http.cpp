@@ -163,6 +163,7 @@ std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* user) {
   else if (name == "last-modified") r->last_modified = value;
   else if (name == "content-range") r->content_range = value;
   else if (name == "content-encoding") r->content_encoding = value;
+  else if (name == "location") r->location = value;
   else if (name == "retry-after") {
     unsigned seconds = 0;
     const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), seconds);
@@ -299,6 +300,11 @@ std::string describe(CURLcode c, const Response& r) {
   std::string s = c != CURLE_OK && c != CURLE_WRITE_ERROR ? shim::curl_api().easy_strerror(c) : fmt::format("HTTP {}", r.status);
   if (!r.error_code.empty()) s += " " + r.error_code;
   if (!r.error_message.empty()) s += ": " + r.error_message;
+  // A redirect not followed (a signed request is not sent on to another host): where it pointed,
+  // which for S3 is the bucket's region's endpoint (S3's PermanentRedirect names it too).
+  if (r.status >= 300 && r.status < 400 && !r.location.empty())
+    s += fmt::format(" (a redirect to {}, not followed with credentials: for S3, set AWS_REGION or AWS_ENDPOINT_URL to the bucket's)",
+                     shown_path(r.location));
   return s;
 }
 

@@ -39,6 +39,7 @@ struct Response {
   std::optional<std::uint64_t> content_length;
   std::string content_encoding;
   unsigned retry_after = 0;  // Retry-After in seconds (503 SlowDown, 429), where given as a number
+  std::string location;      // a redirect's target (not followed with credentials: said in the message)
   std::uint64_t received = 0;  // body bytes delivered
   bool overflow = false;       // more body than the caller could take
   // The body was not read to its end on purpose: an error body past what is kept, a 200 to a
