@@ -204,22 +204,29 @@ def test_an_object_replaced_during_a_load_is_an_error(served, tmp_path):
             f.get_tensor("w")
 
 
+def refused_by_open_and_load(server, fault, match):
+    """With `fault` on, a lazy handle's read (the object's size fixed by its first GET, before the
+    fault) and a whole load of layers.safetensors both raise hbmio.Error matching `match`, naming
+    the object."""
+    url = server.url("layers.safetensors")
+    with hbmio.open(url, framework="pt") as f:
+        server.faults.update(fault)
+        with pytest.raises(hbmio.Error, match=match) as e:
+            f.get_tensor(next(iter(f.keys())))
+    assert "layers.safetensors" in str(e.value)
+    server.faults.clear()
+    server.faults.update(fault)
+    with pytest.raises(hbmio.Error, match=match):
+        hbmio.load_file(url)
+
+
 @pytest.mark.parametrize("fault", [{"range_from_start": True}, {"range_shift": 8}, {"total": 123456789}])
 def test_an_answer_for_another_range_is_never_taken(server, monkeypatch, fault):
     """A 206 whose Content-Range is not the range asked for (the object's start, the right range a
     few bytes later, or an object of another size) is an error, without verify=True: its bytes
     never land at the offset that was asked for."""
     monkeypatch.setenv("HBMIO_REMOTE_ATTEMPTS", "2")
-    url = server.url("layers.safetensors")
-    with hbmio.open(url, framework="pt") as f:  # the object's size is fixed by its first GET
-        server.faults.update(fault)
-        with pytest.raises(hbmio.Error, match="another range|size changed") as e:
-            f.get_tensor(next(iter(f.keys())))
-    assert "layers.safetensors" in str(e.value)
-    server.faults.clear()
-    server.faults.update(fault)
-    with pytest.raises(hbmio.Error, match="another range|size changed"):
-        hbmio.load_file(url)
+    refused_by_open_and_load(server, fault, "another range|size changed")
 
 
 @pytest.mark.parametrize("fault", [{"short_206": 100}, {"gzip_206": 100}])
@@ -228,16 +235,7 @@ def test_a_range_sent_short_or_encoded_is_never_taken(server, monkeypatch, fault
     not a broken connection), or sends its range gzip-compressed, is an error without verify=True:
     its bytes are never kept as the range's (they were, and the rest was asked for after them)."""
     monkeypatch.setenv("HBMIO_REMOTE_PART_SIZE", "16KiB")
-    url = server.url("layers.safetensors")
-    with hbmio.open(url, framework="pt") as f:
-        server.faults.update(fault)
-        with pytest.raises(hbmio.Error, match="206 announced|encoded") as e:
-            f.get_tensor(next(iter(f.keys())))
-    assert "layers.safetensors" in str(e.value)
-    server.faults.clear()
-    server.faults.update(fault)
-    with pytest.raises(hbmio.Error, match="206 announced|encoded"):
-        hbmio.load_file(url)
+    refused_by_open_and_load(server, fault, "206 announced|encoded")
 
 
 def test_without_an_etag_a_replaced_object_is_still_noticed(served, tmp_path):

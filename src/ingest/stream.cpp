@@ -461,6 +461,11 @@ StreamPosition BatchStream::position() {
   const StreamOptions& o = s.options;
   StreamPosition p{.world = o.world, .fingerprint = s.fingerprint, .fields = s.fields_text, .batch_records = s.batch_records,
                    .seed = o.seed, .shuffle_window = o.shuffle_window, .shuffle = o.shuffle, .drop_last = o.drop_last};
+  // The resumed epoch's pool as a position gives it: empty where it is the whole epoch.
+  const auto resumed_pool = [&] {
+    const bool whole = s.resumed->pool.size() == 1 && s.resumed->pool[0] == Interval{0, s.total_records};
+    return whole ? std::vector<Interval>{} : s.resumed->pool;
+  };
   if (!s.delivered_any) {
     if (o.resume && o.resume->world == o.world) {  // nothing delivered since: where it resumed, as given
       p.epoch = o.resume->epoch;
@@ -473,7 +478,7 @@ StreamPosition BatchStream::position() {
       // world's terms (what is left of the epoch, divided among these ranks, none of it delivered),
       // so that it merges with the states of ranks that did deliver since.
       p.epoch = s.first_epoch;
-      if (s.resumed && !(s.resumed->pool.size() == 1 && s.resumed->pool[0] == Interval{0, s.total_records})) p.pool = s.resumed->pool;
+      if (s.resumed) p.pool = resumed_pool();
     }
     return p;
   }
@@ -481,7 +486,7 @@ StreamPosition BatchStream::position() {
   p.batches = {s.delivered_index + 1};  // a resumed part's batch indices continue from where it resumed
   if (s.resumed && s.delivered_epoch == s.first_epoch) {
     p.world = s.resumed->world;
-    if (!(s.resumed->pool.size() == 1 && s.resumed->pool[0] == Interval{0, s.total_records})) p.pool = s.resumed->pool;
+    p.pool = resumed_pool();
   }
   return p;
 }

@@ -142,6 +142,18 @@ std::size_t on_body(char* ptr, std::size_t size, std::size_t n, void* user) {
   return bytes;
 }
 
+namespace {
+
+// A header's value as a whole decimal number; nullopt for anything else.
+template <typename T>
+std::optional<T> number_of(std::string_view value) {
+  T n{};
+  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), n);
+  return error == std::errc() && end == value.data() + value.size() ? std::optional<T>(n) : std::nullopt;
+}
+
+}  // namespace
+
 std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* user) {
   auto* r = static_cast<Response*>(user);
   const std::size_t bytes = size * n;
@@ -164,16 +176,8 @@ std::size_t on_header(char* ptr, std::size_t size, std::size_t n, void* user) {
   else if (name == "content-range") r->content_range = value;
   else if (name == "content-encoding") r->content_encoding = value;
   else if (name == "location") r->location = value;
-  else if (name == "retry-after") {
-    unsigned seconds = 0;
-    const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), seconds);
-    if (error == std::errc() && end == value.data() + value.size()) r->retry_after = seconds;  // (an HTTP date: ignored)
-  }
-  else if (name == "content-length") {
-    std::uint64_t n = 0;
-    const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), n);
-    if (error == std::errc() && end == value.data() + value.size()) r->content_length = n;
-  }
+  else if (name == "retry-after") r->retry_after = number_of<unsigned>(value).value_or(0);  // (an HTTP date: ignored)
+  else if (name == "content-length") r->content_length = number_of<std::uint64_t>(value);
   return bytes;
 }
 
