@@ -150,6 +150,19 @@ PY
 out=$("$hbmio" ckpt load "$dir/plain.safetensors" --verify 2>&1) && fail "a flipped byte passed --verify"
 grep -q "verification failed" <<<"$out" && ! grep -q "Input/output error" <<<"$out" || fail "verify failure named: $out"
 
+# A usage error quotes its arguments: a URL among them without its password or presigned query.
+url='https://user:hun/ter2@127.0.0.1:9/k.safetensors?X-Amz-Signature=SECRETSIG'
+out=$("$hbmio" ckpt info "$dir/a.bin" "$url" 2>&1) && fail "an extra argument was accepted"
+grep -q "127.0.0.1:9/k.safetensors" <<<"$out" && ! grep -q "ter2\|SECRETSIG" <<<"$out" || fail "usage error: $out"
+out=$("$hbmio" read "HTTPS://user:hunter2@127.0.0.1:9/k?X-Amz-Signature=SECRETSIG" 2>&1) && fail "read of a URL in capitals succeeded"
+! grep -q "hunter2\|SECRETSIG" <<<"$out" || fail "a URL in capitals shown whole: $out"
+
+# --json with a file name that is not UTF-8: the load's JSON, the odd byte replaced, and status 0.
+odd=$dir/$'bad\xffname.safetensors'
+"$hbmio" ckpt generate "$odd" --count 2 --tensor-size 4KiB > /dev/null
+"$hbmio" ckpt load "$odd" --json - > "$dir/odd.json" || fail "ckpt load --json of a non-UTF-8 name failed"
+python3 -c 'import json,sys; assert len(json.load(open(sys.argv[1]))["tensors"]) == 2' "$dir/odd.json" || fail "odd.json: $(cat "$dir/odd.json")"
+
 # Result lines stay readable: the note is cut (its whole text is in -v and --json).
 out=$("$hbmio" read "$dir/a.bin")
 [ "$(wc -L <<<"$out")" -le 120 ] || fail "read's line is $(wc -L <<<"$out") columns: $out"

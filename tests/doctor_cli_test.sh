@@ -130,6 +130,20 @@ status=$?
 set -e
 [[ $status -eq 1 ]] && grep -q "missing.bin" "$work/missing.txt" || fail "--explain of a missing file: status $status, $(cat "$work/missing.txt")"
 
+# A checkpoint's index given after --json is a PATH to judge, never the output: it stays as it was.
+printf '{"metadata": {}, "weight_map": {}}\n' > "$work/model.safetensors.index.json"
+cp "$work/model.safetensors.index.json" "$work/index.before"
+"$hbmio" doctor --json "$work/model.safetensors.index.json" > "$work/index.txt" 2>&1 || true
+cmp -s "$work/model.safetensors.index.json" "$work/index.before" || fail "doctor --json INDEX overwrote the index"
+python3 -c 'import json,sys; json.loads(sys.stdin.read())' < "$work/index.txt" || fail "doctor --json INDEX: no JSON on stdout"
+
+# A URL given as PATH (a password, a presigned query): neither the checklist nor its JSON shows them.
+url='http://user:hunter2@127.0.0.1:9/k.safetensors?X-Amz-Signature=SECRETSIG'
+"$hbmio" doctor "$url" > "$work/url.txt" 2>&1 || true
+"$hbmio" doctor "$url" --json - > "$work/url.json" 2>/dev/null || true
+grep -q "127.0.0.1:9/k.safetensors" "$work/url.txt" || fail "doctor of a URL does not name it: $(cat "$work/url.txt")"
+! grep -l "hunter2\|SECRETSIG" "$work/url.txt" "$work/url.json" || fail "doctor shows a URL's secrets"
+
 # Every transfer's --json names the way each file took.
 "$hbmio" read "$work/explained.bin" --backend posix --json "$work/read.json" > /dev/null
 python3 - "$work/read.json" "$work/explained.bin" <<'PY' || fail "read --json paths: $(cat "$work/read.json")"

@@ -47,6 +47,21 @@ TEST(Remote, MessagesShowNoQueryAndNoUserInfo) {
   EXPECT_EQ(shown_path("http://user:pw@h.example:8080/x#frag"), "http://h.example:8080/x");
   EXPECT_EQ(shown_path("s3://bucket/key"), "s3://bucket/key");
   EXPECT_EQ(shown_path("/data/what?.safetensors"), "/data/what?.safetensors");  // a local name is a name
+  // A scheme in capitals is a URL all the same; a password may hold '/', '?' or '#' unescaped (AWS
+  // secret keys hold '/'); an object key's own '@' is no user info.
+  EXPECT_EQ(shown_path("HTTP://user:pw@h/x?X-Amz-Signature=s"), "HTTP://h/x");
+  EXPECT_EQ(shown_path("https://user:hun/ter2@h/k"), "https://h/k");
+  EXPECT_EQ(shown_path("https://user:hun?ter2@h/k"), "https://h/k");
+  EXPECT_EQ(shown_path("https://user:hun#ter2@h/k?sig=1"), "https://h/k");
+  EXPECT_EQ(shown_path("s3://bucket/mail@example.com/w.safetensors"), "s3://bucket/mail@example.com/w.safetensors");
+  // In free text (usage errors quote their arguments), every URL, with the sentence's punctuation kept.
+  EXPECT_EQ(without_url_secrets("argument was not expected: http://u:pw@h/k?X-Amz-Signature=S"),
+            "argument was not expected: http://h/k");
+  EXPECT_EQ(without_url_secrets("(a copy of S3://b/k?sig=S), then 'https://u:p@h/x'."), "(a copy of S3://b/k), then 'https://h/x'.");
+  EXPECT_EQ(without_url_secrets("no URL: /data/x?.bin, shttp://y"), "no URL: /data/x?.bin, shttp://y");
+  const Error detail(errno_code(EINVAL), {.op = "parse"}, "the value https://u:SECRET@h/x?t=SECRET is not a size");
+  EXPECT_EQ(std::string(detail.what()).find("SECRET"), std::string::npos) << detail.what();
+  EXPECT_EQ(detail.detail().find("SECRET"), std::string::npos) << detail.detail();
   // Every Error keeps and shows its path that way, whoever built it.
   const Error e(errno_code(EIO), {.op = "GET", .path = "https://u:SECRET@h/x?X-Amz-Signature=SECRET"});
   EXPECT_EQ(e.context().path, "https://h/x");

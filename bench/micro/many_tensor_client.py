@@ -11,7 +11,9 @@ through its JSON tree rather than its direct path. Medians of --repeat calls, in
   header-tree   the same for the file whose entries carry an unknown key (the JSON tree)
   json          CPython's json.loads of the same header text (a reference point)
   plan          hbmio._hbmio._plan_rows(opened): the load's layout as tuples
-  views         the loop _load_torch_into runs: one as_strided per tensor of a torch.empty
+  groups        the layout's views as groups (_plan_summary(opened)[4].groups(): view_groups)
+  views-each    one as_strided per tensor of a torch.empty (what _load_torch_into did before groups)
+  views         what _load_torch_into runs: an as_strided and an unbind per group (_views_of_groups)
   load          hbmio._load_torch_into(torch, path, cpu): all of it, the reads included
 Run: build-python/venv/bin/python bench/micro/many_tensor_client.py [--tensors 3072]
 """
@@ -59,7 +61,13 @@ def main():
     dest = torch.empty(rows[-1][4] + rows[-1][5], dtype=torch.uint8)
     base = {"BF16": (dest.view(torch.bfloat16), 2)}
 
+    layout = _hbmio._plan_summary(opened, None)[4]
+    names, groups = layout.groups()
+
     def views():
+        return hbmio._views_of_groups(names, groups, lambda b, dtype, _: base[dtype][0])
+
+    def views_each():
         out = {}
         for name, dtype, shape, strides, offset, _ in rows:
             typed, itemsize = base[dtype]
@@ -73,6 +81,9 @@ def main():
         "header_tree_ms": median_ms(lambda: _hbmio.SafeOpen(tree, cache="off"), a.repeat),
         "json_ms": median_ms(lambda: json.loads(raw), a.repeat),
         "plan_ms": median_ms(lambda: _hbmio._plan_rows(opened), a.repeat),
+        "groups_ms": median_ms(layout.groups, a.repeat),
+        "groups": len(groups),
+        "views_each_ms": median_ms(views_each, a.repeat),
         "views_ms": median_ms(views, a.repeat),
         "load_ms": median_ms(lambda: hbmio._load_torch_into(torch, path, torch.device("cpu"), "auto", False, None, False), a.repeat),
     }

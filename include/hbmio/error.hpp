@@ -24,6 +24,10 @@ struct ErrorContext {
 // given. Every Error's path goes through it, and so does every path the command and Python print
 // or put into JSON.
 std::string shown_path(std::string_view path);
+// `text` with shown_path() of every URL in it (a word starting s3://, http:// or https://, in any
+// case): for messages that quote what they were given (a usage error, a server's redirect). Every
+// Error's message and detail go through it.
+std::string without_url_secrets(std::string_view text);
 
 class Error : public std::system_error {
  public:

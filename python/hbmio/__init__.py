@@ -263,19 +263,14 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
         # stream; hbmio's copies run on streams of its own, so let that work finish first.
         torch.cuda.current_stream(dev).synchronize()
     def make_views():
-        # Views of `dest`, which every tensor keeps alive: one reinterpretation of `dest` per
-        # dtype, then one as_strided per tensor (a third of the cost of slice + view + view).
+        # Views of `dest`, which every tensor keeps alive, made by groups (_views_of_groups).
         # Offsets are multiples of 256, so whole elements. Views need no data, only the plan.
         base = {}
         for text, dtype in torch_dtypes.items():
             whole = dest.numel() // dtype.itemsize * dtype.itemsize  # a whole number of elements
-            base[text] = (dest[:whole].view(dtype), dtype.itemsize)
-        out = {}
-        # (name, dtype, shape, strides, offset, size) per tensor, in the load's layout.
-        for name, dtype, shape, strides, offset, _ in layout.rows():
-            typed, itemsize = base[dtype]
-            out[name] = typed.as_strided(shape, strides, offset // itemsize)
-        return out
+            base[(0, text)] = dest[:whole].view(dtype)
+        names, groups = layout.groups()
+        return _views_of_groups(names, groups, lambda b, dtype, _: base[(b, dtype)])
 
     with _ProgressBar(tensor_bytes if progress else 0, progress) as bar:
         # The load lays the tensors out as _plan said (same parsed headers, same options).
@@ -307,17 +302,29 @@ def _load_torch_into(torch, path: str, dev, backend, verify, names, progress, re
         return out
 
 
-def _torch_views(torch, bases, rows, path) -> dict:
+def _views_of_groups(names, groups, typed_base) -> dict:
+    """{name: tensor} in the order of `names`, from view_groups' groups (python/src/load.cpp):
+    typed_base(base, dtype, name) is the allocation as a 1-D tensor of that dtype. A group of tensors of
+    one shape a constant step apart (one weight of every layer) is one as_strided and one unbind:
+    a call per tensor was most of a 3,072-tensor load from the resident cache's GPU copy."""
+    out = dict.fromkeys(names)
+    for members, dtype, shape, strides, base, offset, step in groups:
+        typed = typed_base(base, dtype, members[0])
+        if step == 0:
+            out[members[0]] = typed.as_strided(shape, strides, offset)
+        else:
+            out.update(zip(members, typed.as_strided((len(members),) + shape, (step,) + strides, offset).unbind(0)))
+    return out
+
+
+def _torch_views(torch, bases, names, groups, arrays, path) -> dict:
     """{name: tensor} from _load_views: one torch tensor per allocation (the DLPack import that
-    keeps the load's memory alive), reinterpreted once per dtype, and one as_strided view per
-    tensor, as _load_torch_into makes them; a tensor that is no such view comes as its own array."""
+    keeps the load's memory alive), reinterpreted once per dtype, and the views made by groups, as
+    _load_torch_into makes them; a tensor that is no such view comes as its own array."""
     whole = [torch.from_dlpack(b) for b in bases]
     typed = {}
-    out = {}
-    for name, dtype, shape, strides, base, offset in rows:
-        if base < 0:
-            out[name] = torch.from_dlpack(offset)
-            continue
+
+    def typed_base(base, dtype, name):
         view = typed.get((base, dtype))
         if view is None:
             torch_dtype = getattr(torch, _TORCH_DTYPES.get(dtype, ""), None)
@@ -327,7 +334,11 @@ def _torch_views(torch, bases, rows, path) -> dict:
             b = whole[base]
             size = b.numel() // torch_dtype.itemsize * torch_dtype.itemsize  # a whole number of elements
             view = typed[(base, dtype)] = b[:size].view(torch_dtype)
-        out[name] = view.as_strided(shape, strides, offset)
+        return view
+
+    out = _views_of_groups(names, groups, typed_base)
+    for name, array in arrays:
+        out[name] = torch.from_dlpack(array)
     return out
 
 
@@ -426,9 +437,9 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
         total = _hbmio._tensor_bytes(path, names) if progress else 0
         with _ProgressBar(total, progress) as bar:
             if torch is not None:
-                bases, rows = _hbmio._load_views(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
-                                                 report=report, cache=_cache_text(cache), share=True)
-                return _torch_views(torch, bases, rows, path)
+                views = _hbmio._load_views(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
+                                           report=report, cache=_cache_text(cache), share=True)
+                return _torch_views(torch, *views, path)
             return _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
                                     report=report, cache=_cache_text(cache), share=True)
     if mmap:

@@ -1,6 +1,7 @@
 // Loads (load_file, _load_into, plans), raw reads and writes, and lazy access (SafeOpen and its
 // read-ahead's queue).
 #include <set>
+#include <unordered_map>
 
 #include "binding.hpp"
 
@@ -88,8 +89,80 @@ nb::tuple view_row(const std::string& name, hbmio::safetensors::Dtype dtype, con
   return nb::make_tuple(name, std::string(hbmio::safetensors::to_string(dtype)), shape, stride, a, b);
 }
 
+// A tensor that is a typed view of one of a load's allocations: `offset` counts its dtype's elements.
+struct ViewSource {
+  const std::string* name;
+  hbmio::safetensors::Dtype dtype;
+  const std::vector<std::uint64_t>* shape;
+  int base;
+  std::uint64_t offset;
+};
+
+// The views of thousands of tensors in one pass, for the Python that makes them (load_file into a
+// GPU, share=True): one as_strided per tensor was most of a device-tier hit of 3,072 tensors
+// (bench/RESULTS.md, "Restarts from the node's resident cache"). Tensors of one dtype, shape and
+// allocation whose names differ only in their numbers (one weight of every layer) and that lie a
+// constant step apart form a group, which Python makes with one call:
+// as_strided((n, *shape), (step, *strides), offset).unbind(0).
+// Returns (names, groups): every name in the order given (the dict's order), and per group
+// (names, dtype, shape, strides, base, offset, step), step 0 for a group of one.
+nb::tuple view_groups(const std::vector<ViewSource>& items) {
+  nb::list order;
+  std::vector<nb::str> names;
+  names.reserve(items.size());
+  for (const ViewSource& v : items) {
+    names.emplace_back(v.name->data(), v.name->size());
+    order.append(names.back());
+  }
+  // Bucketed by (name with each run of digits as '#', dtype, shape, allocation), first seen first.
+  std::unordered_map<std::string, std::size_t> bucket_of;
+  std::vector<std::vector<std::uint32_t>> buckets;
+  std::string key;
+  for (std::uint32_t i = 0; i < items.size(); ++i) {
+    const ViewSource& v = items[i];
+    key.clear();
+    for (std::size_t c = 0; c < v.name->size(); ++c) {
+      const char ch = (*v.name)[c];
+      if (ch < '0' || ch > '9') key += ch;
+      else if (c == 0 || (*v.name)[c - 1] < '0' || (*v.name)[c - 1] > '9') key += '#';
+    }
+    key += '\x1f';
+    key += std::to_string(static_cast<int>(v.dtype));
+    for (std::uint64_t d : *v.shape) (key += ',') += std::to_string(d);
+    (key += '\x1f') += std::to_string(v.base);
+    const auto [it, added] = bucket_of.try_emplace(key, buckets.size());
+    if (added) buckets.emplace_back();
+    buckets[it->second].push_back(i);
+  }
+  nb::list groups;
+  for (std::vector<std::uint32_t>& bucket : buckets) {
+    std::sort(bucket.begin(), bucket.end(), [&](std::uint32_t a, std::uint32_t b) { return items[a].offset < items[b].offset; });
+    const ViewSource& first = items[bucket.front()];
+    std::uint64_t elements = 1;
+    for (std::uint64_t d : *first.shape) elements *= d;
+    const nb::tuple row = view_row(*first.name, first.dtype, *first.shape, nb::none(), nb::none());
+    // Runs at one step, each tensor's elements apart from the next's (an empty tensor is a group
+    // of one: several may share an offset).
+    for (std::size_t start = 0; start < bucket.size();) {
+      std::size_t end = start + 1;
+      std::uint64_t step = 0;
+      if (elements > 0 && end < bucket.size()) {
+        step = items[bucket[end]].offset - items[bucket[start]].offset;
+        if (step >= elements)
+          while (end < bucket.size() && items[bucket[end]].offset - items[bucket[end - 1]].offset == step) ++end;
+      }
+      if (end == start + 1) step = 0;
+      nb::list members;
+      for (std::size_t k = start; k < end; ++k) members.append(names[bucket[k]]);
+      groups.append(nb::make_tuple(members, row[1], row[2], row[3], first.base, items[bucket[start]].offset, step));
+      start = end;
+    }
+  }
+  return nb::make_tuple(order, groups);
+}
+
 // A load's plan (hbmio::plan_load), kept between the two steps of _load_torch_into: the size and
-// dtypes before the load starts, the rows for its views while it reads.
+// dtypes before the load starts, the views' groups while it reads.
 struct LoadLayout {
   std::vector<hbmio::PlannedTensor> plan;
   nb::list rows() const {
@@ -97,14 +170,25 @@ struct LoadLayout {
     for (const hbmio::PlannedTensor& t : plan) out.append(view_row(t.name, t.dtype, t.shape, nb::int_(t.memory_offset), nb::int_(t.size)));
     return out;
   }
+  // view_groups of the one allocation (offsets are multiples of 256: whole elements of any dtype
+  // of a byte or more; the caller loads sub-byte dtypes another way).
+  nb::tuple groups() const {
+    std::vector<ViewSource> items;
+    items.reserve(plan.size());
+    for (const hbmio::PlannedTensor& t : plan) {
+      const unsigned bits = hbmio::safetensors::bits_per_element(t.dtype);
+      items.push_back({&t.name, t.dtype, &t.shape, 0, bits >= 8 ? t.memory_offset / (bits / 8) : t.memory_offset});
+    }
+    return view_groups(items);
+  }
 };
 
 // load() for a caller that makes the tensors views itself (hbmio.load_file(share=True) in torch):
 // thousands of DLPack arrays, each imported on its own, took longer than the load they came from
-// (bench/RESULTS.md, "Restarts from the node's resident cache"). Returns (bases, rows): a 1-D
-// byte array per allocation the tensors lie in, and per tensor in file order (name, dtype, shape,
-// strides, base, element offset) where it is a view of bases[base], or (name, dtype, shape,
-// strides, -1, array) where it is not (sub-byte dtypes, an offset that is not a whole number of
+// (bench/RESULTS.md, "Restarts from the node's resident cache"). Returns (bases, names, groups,
+// arrays): a 1-D byte array per allocation the tensors lie in; every name in file order; the
+// view_groups of the tensors that are views of bases[base] (offsets in elements); and (name,
+// array) for each tensor that is not (sub-byte dtypes, an offset that is not a whole number of
 // elements, memory the load does not own).
 nb::tuple load_views(const std::string& path, const std::string& device, const std::string& backend, nb::handle verify,
                      std::optional<std::vector<std::string>> names, Progress* progress, nb::handle report, const std::string& cache,
@@ -113,7 +197,8 @@ nb::tuple load_views(const std::string& path, const std::string& device, const s
   std::vector<hbmio::MemorySpan> memory = loaded->memory();
   std::sort(memory.begin(), memory.end(), [](const auto& a, const auto& b) { return a.data < b.data; });
   std::vector<int> base_of(memory.size(), -1);  // index in `bases`, made on first use
-  nb::list bases, rows;
+  nb::list bases, arrays;
+  std::vector<ViewSource> views;
   for (const hbmio::LoadedTensor& t : loaded->tensors()) {
     const unsigned bits = hbmio::safetensors::bits_per_element(t.dtype);
     // The allocation holding the tensor: the last that starts at or before it, if it ends after it.
@@ -126,7 +211,7 @@ nb::tuple load_views(const std::string& path, const std::string& device, const s
     }
     const std::uint64_t offset = region < memory.size() ? static_cast<std::uint64_t>(t.data.data - memory[region].data) : 0;
     if (region == memory.size() || bits % 8 != 0 || offset % (bits / 8) != 0) {
-      rows.append(view_row(t.name, t.dtype, t.shape, nb::int_(-1), nb::cast(tensor_array(t, owner), nb::rv_policy::reference)));
+      arrays.append(nb::make_tuple(t.name, nb::cast(tensor_array(t, owner), nb::rv_policy::reference)));
       continue;
     }
     if (base_of[region] < 0) {
@@ -137,9 +222,23 @@ nb::tuple load_views(const std::string& path, const std::string& device, const s
                                   m.location.kind == hbmio::MemoryKind::device ? m.location.device : 0),
                             nb::rv_policy::reference));
     }
-    rows.append(view_row(t.name, t.dtype, t.shape, nb::int_(base_of[region]), nb::int_(offset / (bits / 8))));
+    views.push_back({&t.name, t.dtype, &t.shape, base_of[region], offset / (bits / 8)});
   }
-  return nb::make_tuple(bases, rows);
+  nb::tuple grouped = view_groups(views);
+  // Every name in file order: the views' (in file order) and the arrays' merged by file position.
+  nb::list order;
+  if (arrays.size() == 0) {
+    order = nb::borrow<nb::list>(grouped[0]);
+  } else {
+    std::size_t v = 0;
+    nb::list view_names = nb::borrow<nb::list>(grouped[0]);
+    std::size_t a = 0;
+    for (const hbmio::LoadedTensor& t : loaded->tensors()) {
+      if (v < views.size() && views[v].name == &t.name) order.append(view_names[v++]);
+      else order.append(nb::borrow<nb::tuple>(arrays[a++])[0]);
+    }
+  }
+  return nb::make_tuple(bases, order, grouped[1], arrays);
 }
 
 // What the reads of one SafeOpen did, summed over them: its report().
@@ -410,9 +509,9 @@ void bind_load(nb::module_& m) {
   m.def("_load_views", &load_views, nb::arg("path"), nb::arg("device") = "cpu", nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
         nb::arg("report").none() = nb::none(), nb::arg("cache") = "", nb::arg("share") = false,
-        "load_file as (bases, rows): a 1-D uint8 DLPack array per allocation the tensors lie in, and per tensor "
-        "(name, dtype, shape, strides, base index, element offset), or (..., -1, DLPack array) for one that is "
-        "no whole-element view of a base.");
+        "load_file as (bases, names, groups, arrays): a 1-D uint8 DLPack array per allocation the tensors lie in, "
+        "every name in file order, the views of the bases as groups (names, dtype, shape, strides, base index, "
+        "element offset, element step), and (name, DLPack array) per tensor that is no whole-element view of a base.");
 
   m.def("_load_into", &load_into, nb::arg("checkpoint"), nb::arg("dest"), nb::kw_only(), nb::arg("backend") = "auto",
         nb::arg("verify").none() = false, nb::arg("names") = nb::none(), nb::arg("progress").none() = nb::none(),
@@ -497,7 +596,10 @@ void bind_load(nb::module_& m) {
      "offset + size, its dtypes, how many tensors, their bytes, and the plan itself (layout.rows(): _plan_rows's).");
 
   nb::class_<LoadLayout>(m, "_LoadLayout", "A load's plan, kept for its rows (_plan_summary).")
-      .def("rows", &LoadLayout::rows, "(name, dtype, shape, strides, offset, size) per tensor, in layout order.");
+      .def("rows", &LoadLayout::rows, "(name, dtype, shape, strides, offset, size) per tensor, in layout order.")
+      .def("groups", &LoadLayout::groups,
+           "(names, groups): every name in layout order, and the views to make of the one allocation as groups "
+           "(names, dtype, shape, strides, 0, offset, step), offsets and steps in elements (view_groups in load.cpp).");
 
   m.def("_plan_rows", [planned](nb::handle checkpoint, std::optional<std::vector<std::string>> names) {
     return LoadLayout{planned(checkpoint, std::move(names))}.rows();

@@ -576,9 +576,61 @@ def test_torch_matches_safetensors_torch(tmp_path, counters_settle):
     same(got, {n: ref[n] for n in hbmio.load_file(many, names=subset)})
     import hbmio.torch as ht
     same(ht.load_file(FIXTURES / "dtypes.safetensors"), ref_load(str(FIXTURES / "dtypes.safetensors")))
-    bases, rows = hbmio._hbmio._load_views(str(many), "cpu", names=subset)
-    assert len(bases) == 1 and all(row[4] == 0 for row in rows), "one allocation: every tensor a view of it"
-    same(hbmio._torch_views(torch, bases, rows, str(many)), {n: ref[n] for n in hbmio.load_file(many, names=subset)})
+    views = hbmio._hbmio._load_views(str(many), "cpu", names=subset)
+    bases, names, groups, arrays = views
+    assert len(bases) == 1 and not arrays and all(g[4] == 0 for g in groups), "one allocation: every tensor a view of it"
+    same(hbmio._torch_views(torch, *views, str(many)), {n: ref[n] for n in hbmio.load_file(many, names=subset)})
+
+
+def test_views_made_by_groups_are_each_tensor_exactly(tmp_path, counters_settle):
+    """Loads into one allocation make the views of one weight of every layer with one call
+    (view_groups in load.cpp): tensors of a dtype and shape whose names differ only in their numbers,
+    a constant step apart. Layers numbered past 9 (so 10 sorts before 2), two weights of one shape in
+    each layer (not a constant step together), scalars, empty tensors and a layer whose weight has
+    another dtype: every tensor must still be the reference's, in file order, each its own view."""
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    from safetensors.torch import load_file as ref_load, save_file as ref_save
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for layer in range(12):
+        p = f"model.layers.{layer}."
+        tensors[p + "mlp.gate.weight"] = torch.randn(6, 4, generator=gen).to(torch.bfloat16)
+        tensors[p + "mlp.up.weight"] = torch.randn(6, 4, generator=gen).to(torch.bfloat16)
+        tensors[p + "mlp.down.weight"] = torch.randn(4, 6, generator=gen).to(torch.float16 if layer == 7 else torch.bfloat16)
+        tensors[p + "scale"] = torch.tensor(float(layer))
+        tensors[p + "empty"] = torch.zeros(0, 3)
+    tensors["lm_head.weight"] = torch.randn(5, 4, generator=gen)
+    path = tmp_path / "layers.safetensors"
+    ref_save(tensors, str(path))
+    order = list(hbmio.load_file(path))  # file order
+    ref = {n: ref_load(str(path))[n] for n in order}
+
+    def check(got, want):
+        assert list(got) == list(want)
+        for name, t in got.items():
+            r = want[name]
+            assert t.dtype == r.dtype and t.shape == r.shape and t.stride() == r.contiguous().stride(), name
+            assert torch_bytes(t) == torch_bytes(r), name
+
+    opened = hbmio._hbmio.SafeOpen(str(path), cache="off")
+    names, groups = hbmio._hbmio._plan_summary(opened, None)[4].groups()
+    assert names == order
+    # The 49 non-empty tensors: lm_head 1 group, scales 1, gate, up and down 2 each (layer 7's F16 down breaks the
+    # step), that down 1 (each empty tensor is a group of its own: several lie at one offset).
+    nonempty = [g for g in groups if 0 not in g[2]]
+    assert len(nonempty) <= 9 and max(len(g[0]) for g in nonempty) == 12, nonempty
+    got = hbmio._load_torch_into(torch, str(path), torch.device("cpu"), "auto", False, None, False)
+    check(got, ref)
+    # Each is a view of its own bytes: writing one leaves its group's others as they were.
+    got["model.layers.3.mlp.gate.weight"].fill_(7)
+    for name in order:
+        if name != "model.layers.3.mlp.gate.weight":
+            assert torch_bytes(got[name]) == torch_bytes(ref[name]), name
+    subset = ["model.layers.11.mlp.up.weight", "lm_head.weight", "model.layers.2.mlp.up.weight", "model.layers.10.scale"]
+    want = {n: ref[n] for n in hbmio.load_file(path, names=subset)}
+    check(hbmio._load_torch_into(torch, str(path), torch.device("cpu"), "auto", False, subset, False), want)
+    check(hbmio._torch_views(torch, *hbmio._hbmio._load_views(str(path), "cpu", names=subset), str(path)), want)
+    check(hbmio._torch_views(torch, *hbmio._hbmio._load_views(str(path), "cpu"), str(path)), ref)
 
 
 def test_views_of_a_load_hand_over_what_is_no_whole_element_view_as_its_own_array(tmp_path, counters_settle):
@@ -597,10 +649,11 @@ def test_views_of_a_load_hand_over_what_is_no_whole_element_view_as_its_own_arra
     path = tmp_path / "odd.safetensors"
     data = bytes([1, 2, 3]) + np.array([1.5, -2.0], "<f4").tobytes() + bytes([0x12, 0x34, 0x56, 0x78])
     path.write_bytes(len(header).to_bytes(8, "little") + header + data)
-    bases, rows = hbmio._hbmio._load_views(str(path), "cpu")
-    kinds = {row[0]: row[4] for row in rows}
-    assert kinds["a"] == 0 and kinds["c"] == -1, kinds
-    got = hbmio._torch_views(torch, bases, rows, str(path))
+    views = hbmio._hbmio._load_views(str(path), "cpu")
+    bases, names, groups, arrays = views
+    assert names == ["a", "b", "c"], names
+    assert [g[0] for g in groups][:1] == [["a"]] and "c" in [a[0] for a in arrays], (groups, arrays)
+    got = hbmio._torch_views(torch, *views, str(path))
     ref = ref_load(str(path))
     assert list(got) == ["a", "b", "c"]
     for name in ref:

@@ -135,9 +135,16 @@ def test_a_redirect_not_followed_says_where_it_pointed(server, monkeypatch):
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", server.url("").rstrip("/"))
     server.faults.update({"status_burst": (301, 10), "location": "http://elsewhere.invalid/bkt/layers.safetensors?X-Amz-Signature=SIG"})
-    with pytest.raises(hbmio.Error, match="a redirect to http://elsewhere.invalid/bkt/layers.safetensors") as e:
+    with pytest.raises(hbmio.Error, match="redirected to http://elsewhere.invalid/bkt/layers.safetensors") as e:
         hbmio.load_file("s3://bkt/layers.safetensors")
     assert "SECRET" not in str(e.value) and "SIG" not in str(e.value)
+    # A relative Location, and one of another scheme with user info: neither shown with its secrets.
+    for location, shown in [("/bkt/elsewhere?X-Amz-Signature=SIG", "/bkt/elsewhere"),
+                            ("ftp://user:hunter2@elsewhere.invalid/x#SIG", "ftp://elsewhere.invalid/x")]:
+        server.faults.update({"status_burst": (301, 10), "location": location})
+        with pytest.raises(hbmio.Error, match=f"redirected to {re.escape(shown)};") as e:
+            hbmio.load_file("s3://bkt/layers.safetensors")
+        assert "SIG" not in str(e.value) and "hunter2" not in str(e.value)
 
 
 def test_a_body_that_breaks_off_is_resumed_where_it_stopped(server, monkeypatch):

@@ -1,5 +1,8 @@
 #include "hbmio/error.hpp"
 
+#include <algorithm>
+#include <cctype>
+
 #include <fmt/format.h>
 
 namespace hbmio {
@@ -46,20 +49,68 @@ const std::error_category& hbmio_category() noexcept {
   return category;
 }
 
+namespace {
+
+// The length of the URL scheme `text` starts with ("s3://", "http://", "https://" in any case), or 0.
+std::size_t url_scheme(std::string_view text) {
+  for (std::string_view scheme : {"s3://", "http://", "https://"})
+    if (text.size() >= scheme.size() &&
+        std::equal(scheme.begin(), scheme.end(), text.begin(), [](char a, char b) { return a == std::tolower(static_cast<unsigned char>(b)); }))
+      return scheme.size();
+  return 0;
+}
+
+}  // namespace
+
 std::string shown_path(std::string_view path) {
-  if (!path.starts_with("s3://") && !path.starts_with("http://") && !path.starts_with("https://")) return std::string(path);
-  const std::string_view u = path.substr(0, path.find_first_of("?#"));
-  const std::size_t host = u.find("://") + 3;
-  const std::size_t at = u.substr(0, u.find('/', host)).rfind('@');
-  if (at != std::string_view::npos && at >= host) return std::string(u.substr(0, host)) + std::string(u.substr(at + 1));
-  return std::string(u);
+  const std::size_t host = url_scheme(path);
+  if (host == 0) return std::string(path);
+  std::string_view rest = path.substr(host);
+  // The user info ends at the last '@' of the authority. A password with an unescaped '/', '?' or
+  // '#' (an AWS secret key may hold '/') moves where the authority seems to end, so every '@' is
+  // looked at, last first: one with no '/' before it, or a ':' before its first '/', ends user info
+  // (an object key's own '@', "s3://bucket/a@b", has neither).
+  for (std::size_t at = rest.rfind('@'); at != std::string_view::npos; at = at == 0 ? std::string_view::npos : rest.rfind('@', at - 1)) {
+    const std::string_view before = rest.substr(0, at);
+    const std::size_t slash = before.find('/');
+    if (slash == std::string_view::npos || before.find(':') < slash) {
+      rest = rest.substr(at + 1);
+      break;
+    }
+  }
+  return std::string(path.substr(0, host)) + std::string(rest.substr(0, rest.find_first_of("?#")));
+}
+
+std::string without_url_secrets(std::string_view text) {
+  std::string out;
+  std::size_t i = 0;
+  while (i < text.size()) {
+    std::size_t scheme = 0;
+    const bool word_start = i == 0 || !std::isalnum(static_cast<unsigned char>(text[i - 1]));
+    if (word_start) scheme = url_scheme(text.substr(i));
+    if (scheme == 0) {
+      out += text[i++];
+      continue;
+    }
+    // The URL runs to the next blank or quote; closing punctuation at its end is the sentence's.
+    std::size_t end = i;
+    while (end < text.size() && !std::isspace(static_cast<unsigned char>(text[end])) && text[end] != '"' && text[end] != '\'' &&
+           text[end] != '<' && text[end] != '>')
+      ++end;
+    std::size_t url_end = end;
+    while (url_end > i + scheme && std::string_view(")],;.").find(text[url_end - 1]) != std::string_view::npos) --url_end;
+    out += shown_path(text.substr(i, url_end - i));
+    out += text.substr(url_end, end - url_end);
+    i = end;
+  }
+  return out;
 }
 
 Error::Error(std::error_code code, ErrorContext context, const std::string& detail)
     : std::system_error(code),
-      message_(describe(code, context, detail)),
+      message_(without_url_secrets(describe(code, context, detail))),
       context_(std::move(context)),
-      detail_(detail) {
+      detail_(without_url_secrets(detail)) {
   context_.path = shown_path(context_.path);
 }
 

@@ -239,6 +239,9 @@ std::vector<Check> run_doctor(const DoctorOptions& options) {
     return 6;
   };
   std::stable_sort(checks.begin(), checks.end(), [&](const Check& a, const Check& b) { return rank(a.group) < rank(b.group); });
+  // A PATH may be a URL with a password or a presigned query: no check shows them.
+  for (Check& c : checks)
+    for (std::string* text : {&c.id, &c.found, &c.expected, &c.fix}) *text = without_url_secrets(*text);
   return checks;
 }
 

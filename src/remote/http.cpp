@@ -296,6 +296,22 @@ int errno_of_failure(CURLcode c, long status) {
   return ETIMEDOUT;
 }
 
+namespace {
+
+// Where a redirect pointed, as a message may show it: a Location may be relative or of any scheme,
+// and carry a presigned query or user info as any URL may.
+std::string shown_location(std::string_view location) {
+  const std::size_t scheme = location.find("://");
+  const bool absolute = scheme != std::string_view::npos && scheme > 0 &&
+                        std::all_of(location.begin(), location.begin() + static_cast<std::ptrdiff_t>(scheme),
+                                    [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '+' || c == '-' || c == '.'; });
+  if (!absolute) return std::string(location.substr(0, location.find_first_of("?#")));
+  // shown_path's rules for the part after the scheme (it knows s3 and http(s) only).
+  return std::string(location.substr(0, scheme)) + shown_path("http" + std::string(location.substr(scheme))).substr(4);
+}
+
+}  // namespace
+
 std::string describe(CURLcode c, const Response& r) {
   // libcurl says "Couldn't resolve host name" without the name; the name is what is to be checked.
   if (c == CURLE_COULDNT_RESOLVE_HOST)
@@ -307,8 +323,9 @@ std::string describe(CURLcode c, const Response& r) {
   // A redirect not followed (a signed request is not sent on to another host): where it pointed,
   // which for S3 is the bucket's region's endpoint (S3's PermanentRedirect names it too).
   if (r.status >= 300 && r.status < 400 && !r.location.empty())
-    s += fmt::format(" (a redirect to {}, not followed with credentials: for S3, set AWS_REGION or AWS_ENDPOINT_URL to the bucket's)",
-                     shown_path(r.location));
+    s += fmt::format(" (the server redirected to {}; credentials are never sent on to another host: for S3, set AWS_REGION or "
+                     "AWS_ENDPOINT_URL to the bucket's)",
+                     shown_location(r.location));
   return s;
 }
 

@@ -58,18 +58,18 @@ std::size_t on_read(char* buffer, std::size_t size, std::size_t n, void* user) {
   return bytes;
 }
 
-struct Attempt {
+struct PartAttempt {
   CURLcode curl = CURLE_OK;
   Response response;
 };
 
-Attempt perform_once(const Target& target, const RemoteOptions& options, const Call& call, const std::atomic<bool>* stop,
+PartAttempt perform_once(const Target& target, const RemoteOptions& options, const Call& call, const std::atomic<bool>* stop,
                      const std::atomic<bool>* cancel) {
   const auto& curl = shim::curl_api();
   remote::Handle handle;
   CURL* h = handle.get();
   curl.easy_reset(h);
-  Attempt a;
+  PartAttempt a;
   remote::Sink sink{.keep = call.keep, .response = &a.response, .stop = stop, .cancel = cancel};
   Body body{call.body};
   curl_slist* headers = nullptr;
@@ -114,7 +114,7 @@ Response perform(const Target& target, const RemoteOptions& options, const Call&
   const auto stopped = [&] { return (stop != nullptr && stop->load()) || (cancel != nullptr && cancel->load()); };
   for (unsigned attempt = 1;; ++attempt) {
     if (stopped()) throw Error(errno_code(ECANCELED), context, "stopped before the request");
-    Attempt a = perform_once(target, options, call, stop, cancel);
+    PartAttempt a = perform_once(target, options, call, stop, cancel);
     Response& r = a.response;
     const bool error_body = a.curl == CURLE_OK && r.status == 200 && r.body.find("<Error>") != std::string::npos;
     // A request the server carried out stays done, stop or not: the caller must not treat a

@@ -16,14 +16,7 @@
 namespace hbmio::shim {
 namespace {
 
-template <class Fn>
-Fn symbol(void* handle, const char* name) {
-  auto fn = reinterpret_cast<Fn>(::dlsym(handle, name));  // POSIX: a dlsym() result converts to a function pointer
-  if (fn == nullptr) throw Error(errno_code(ENOSYS), {.op = "load libcurl"}, fmt::format("the library has no {}", name));
-  return fn;
-}
-
-CurlApi load() {
+CurlApi load_curl() {
   std::vector<std::string> failures;
   void* handle = open_library("libcurl.so.4", "HBMIO_CURL_LIBRARY", failures);
   if (handle == nullptr)
@@ -31,17 +24,17 @@ CurlApi load() {
                 fmt::format("remote URLs need libcurl ({}); install it (Debian: libcurl4) or set HBMIO_CURL_LIBRARY",
                             fmt::join(failures, "; ")));
   CurlApi api;
-  api.global_init = symbol<CurlApi::GlobalInit>(handle, "curl_global_init");
-  api.easy_init = symbol<CurlApi::EasyInit>(handle, "curl_easy_init");
-  api.easy_cleanup = symbol<CurlApi::EasyCleanup>(handle, "curl_easy_cleanup");
-  api.easy_reset = symbol<CurlApi::EasyReset>(handle, "curl_easy_reset");
-  api.easy_setopt = symbol<CurlApi::EasySetopt>(handle, "curl_easy_setopt");
-  api.easy_getinfo = symbol<CurlApi::EasyGetinfo>(handle, "curl_easy_getinfo");
-  api.easy_perform = symbol<CurlApi::EasyPerform>(handle, "curl_easy_perform");
-  api.easy_strerror = symbol<CurlApi::EasyStrerror>(handle, "curl_easy_strerror");
-  api.slist_append = symbol<CurlApi::SlistAppend>(handle, "curl_slist_append");
-  api.slist_free_all = symbol<CurlApi::SlistFreeAll>(handle, "curl_slist_free_all");
-  api.version_info = symbol<CurlApi::VersionInfo>(handle, "curl_version_info");
+  api.global_init = required_symbol<CurlApi::GlobalInit>(handle, "curl_global_init", "load libcurl");
+  api.easy_init = required_symbol<CurlApi::EasyInit>(handle, "curl_easy_init", "load libcurl");
+  api.easy_cleanup = required_symbol<CurlApi::EasyCleanup>(handle, "curl_easy_cleanup", "load libcurl");
+  api.easy_reset = required_symbol<CurlApi::EasyReset>(handle, "curl_easy_reset", "load libcurl");
+  api.easy_setopt = required_symbol<CurlApi::EasySetopt>(handle, "curl_easy_setopt", "load libcurl");
+  api.easy_getinfo = required_symbol<CurlApi::EasyGetinfo>(handle, "curl_easy_getinfo", "load libcurl");
+  api.easy_perform = required_symbol<CurlApi::EasyPerform>(handle, "curl_easy_perform", "load libcurl");
+  api.easy_strerror = required_symbol<CurlApi::EasyStrerror>(handle, "curl_easy_strerror", "load libcurl");
+  api.slist_append = required_symbol<CurlApi::SlistAppend>(handle, "curl_slist_append", "load libcurl");
+  api.slist_free_all = required_symbol<CurlApi::SlistFreeAll>(handle, "curl_slist_free_all", "load libcurl");
+  api.version_info = required_symbol<CurlApi::VersionInfo>(handle, "curl_version_info", "load libcurl");
   api.library = loaded_file(handle, "libcurl.so.4");
   const curl_version_info_data* info = api.version_info(CURLVERSION_NOW);
   api.version = info && info->version ? info->version : "?";
@@ -61,7 +54,7 @@ const CurlApi& curl_api() {
   static std::mutex mutex;
   static std::unique_ptr<CurlApi> api;
   std::lock_guard lock(mutex);
-  if (!api) api = std::make_unique<CurlApi>(load());
+  if (!api) api = std::make_unique<CurlApi>(load_curl());
   return *api;
 }
 

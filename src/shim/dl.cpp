@@ -3,9 +3,13 @@
 #include <dlfcn.h>
 #include <link.h>  // struct link_map, for dlinfo(RTLD_DI_LINKMAP)
 
+#include <cerrno>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "hbmio/config.hpp"
+#include "hbmio/error.hpp"
 
 namespace hbmio::shim {
 
@@ -34,6 +38,10 @@ void* open_library(const std::string& soname, const char* env_variable, std::vec
     failures.push_back(dl_failure(candidate, ::dlerror()));
   }
   return nullptr;
+}
+
+void missing_symbol(const char* name, const char* op) {
+  throw Error(errno_code(ENOSYS), {.op = op}, fmt::format("the library has no {}", name));
 }
 
 }  // namespace hbmio::shim

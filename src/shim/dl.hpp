@@ -1,6 +1,8 @@
 // What the run-time loaders of optional libraries (cuFile, NCCL) share.
 #pragma once
 
+#include <dlfcn.h>
+
 #include <string>
 #include <vector>
 
@@ -18,5 +20,15 @@ std::string dl_failure(const std::string& path, const char* error);
 // (RTLD_LOCAL: its symbols must not interpose on another copy loaded later). Null when none
 // loads; `failures` then says why for each place tried.
 void* open_library(const std::string& soname, const char* env_variable, std::vector<std::string>& failures);
+
+// `name` from a dlopen() handle, as `Fn` (POSIX: a dlsym() result converts to a function
+// pointer); an Error (ENOSYS, operation `op`) naming it when the library lacks it.
+[[noreturn]] void missing_symbol(const char* name, const char* op);
+template <class Fn>
+Fn required_symbol(void* handle, const char* name, const char* op) {
+  auto fn = reinterpret_cast<Fn>(::dlsym(handle, name));
+  if (fn == nullptr) missing_symbol(name, op);
+  return fn;
+}
 
 }  // namespace hbmio::shim

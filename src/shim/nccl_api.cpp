@@ -16,15 +16,7 @@
 namespace hbmio::shim {
 namespace {
 
-template <class Fn>
-Fn symbol(void* handle, const char* name) {
-  // POSIX guarantees a dlsym() result can be converted to a function pointer.
-  auto fn = reinterpret_cast<Fn>(::dlsym(handle, name));
-  if (fn == nullptr) throw Error(errno_code(ENOSYS), {.op = "load NCCL"}, fmt::format("the library has no {}", name));
-  return fn;
-}
-
-NcclApi load() {
+NcclApi load_nccl() {
   // The copy the caller's communicator came from, already in the process, first.
   std::vector<std::string> failures;
   void* handle = open_library("libnccl.so.2", "HBMIO_NCCL_LIBRARY", failures);
@@ -32,18 +24,18 @@ NcclApi load() {
     throw Error(errno_code(ENOENT), {.op = "load NCCL"},
                 fmt::format("no NCCL library ({}); set HBMIO_NCCL_LIBRARY to libnccl.so.2", fmt::join(failures, "; ")));
   NcclApi api;
-  api.comm_count = symbol<NcclApi::CommCount>(handle, "ncclCommCount");
-  api.comm_user_rank = symbol<NcclApi::CommUserRank>(handle, "ncclCommUserRank");
-  api.broadcast = symbol<NcclApi::Broadcast>(handle, "ncclBroadcast");
-  api.all_reduce = symbol<NcclApi::AllReduce>(handle, "ncclAllReduce");
-  api.group_start = symbol<NcclApi::GroupStart>(handle, "ncclGroupStart");
-  api.group_end = symbol<NcclApi::GroupEnd>(handle, "ncclGroupEnd");
-  api.get_error_string = symbol<NcclApi::GetErrorString>(handle, "ncclGetErrorString");
-  api.comm_cu_device = symbol<NcclApi::CommCuDevice>(handle, "ncclCommCuDevice");
-  api.comm_get_async_error = symbol<NcclApi::CommGetAsyncError>(handle, "ncclCommGetAsyncError");
-  api.get_unique_id = symbol<NcclApi::GetUniqueId>(handle, "ncclGetUniqueId");
-  api.comm_init_rank = symbol<NcclApi::CommInitRank>(handle, "ncclCommInitRank");
-  api.comm_destroy = symbol<NcclApi::CommDestroy>(handle, "ncclCommDestroy");
+  api.comm_count = required_symbol<NcclApi::CommCount>(handle, "ncclCommCount", "load NCCL");
+  api.comm_user_rank = required_symbol<NcclApi::CommUserRank>(handle, "ncclCommUserRank", "load NCCL");
+  api.broadcast = required_symbol<NcclApi::Broadcast>(handle, "ncclBroadcast", "load NCCL");
+  api.all_reduce = required_symbol<NcclApi::AllReduce>(handle, "ncclAllReduce", "load NCCL");
+  api.group_start = required_symbol<NcclApi::GroupStart>(handle, "ncclGroupStart", "load NCCL");
+  api.group_end = required_symbol<NcclApi::GroupEnd>(handle, "ncclGroupEnd", "load NCCL");
+  api.get_error_string = required_symbol<NcclApi::GetErrorString>(handle, "ncclGetErrorString", "load NCCL");
+  api.comm_cu_device = required_symbol<NcclApi::CommCuDevice>(handle, "ncclCommCuDevice", "load NCCL");
+  api.comm_get_async_error = required_symbol<NcclApi::CommGetAsyncError>(handle, "ncclCommGetAsyncError", "load NCCL");
+  api.get_unique_id = required_symbol<NcclApi::GetUniqueId>(handle, "ncclGetUniqueId", "load NCCL");
+  api.comm_init_rank = required_symbol<NcclApi::CommInitRank>(handle, "ncclCommInitRank", "load NCCL");
+  api.comm_destroy = required_symbol<NcclApi::CommDestroy>(handle, "ncclCommDestroy", "load NCCL");
   api.library = loaded_file(handle, "libnccl.so.2");
   // The handle stays open for the process's life: the caller's communicator outlives any load.
   return api;
@@ -52,12 +44,12 @@ NcclApi load() {
 }  // namespace
 
 const NcclApi& nccl_api() {
-  // Not a function-local static initialised by load(): a failed load must be retried (the
+  // Not a function-local static initialised by load_nccl(): a failed load must be retried (the
   // program may load torch's NCCL later), and the error thrown each time.
   static std::mutex mutex;
   static std::unique_ptr<NcclApi> api;
   std::lock_guard lock(mutex);
-  if (!api) api = std::make_unique<NcclApi>(load());
+  if (!api) api = std::make_unique<NcclApi>(load_nccl());
   return *api;
 }
 

@@ -278,7 +278,7 @@ std::string render_table(const Report& r) {
 
 namespace {
 
-nlohmann::json to_json(const Row& row) {
+nlohmann::json row_json(const Row& row) {
   nlohmann::json runs = nlohmann::json::array();
   for (const Run& run : row.runs)
     runs.push_back({{"seconds", run.seconds}, {"cpu_seconds", run.cpu_seconds}, {"bytes", run.bytes},
@@ -313,7 +313,7 @@ nlohmann::json to_json(const Row& row) {
 nlohmann::json to_json(const Report& r) {
   const Machine& m = r.machine;
   nlohmann::json results = nlohmann::json::array(), ceilings = nlohmann::json::array();
-  for (const Row& row : r.rows) (row.ceiling ? ceilings : results).push_back(to_json(row));
+  for (const Row& row : r.rows) (row.ceiling ? ceilings : results).push_back(row_json(row));
   return {{"schema_version", kSchemaVersion},
           {"hbmio_version", version()},
           {"date", r.date},

@@ -150,25 +150,32 @@ std::string summary_line(const Stats& s, bool verbose) {
 
 namespace {
 
-// Every string of a JSON output that is a URL, wherever it sits, without its secrets: a script's
-// log must not keep what a message would not show.
-nlohmann::json without_secrets(const nlohmann::json& j) {
-  if (j.is_string()) return shown_path(j.get<std::string>());
+// Every URL in the strings of a JSON output without its secrets: a script's log must not keep what
+// a message would not show. A file's own data (its metadata, its tensors' names) is shown as it is:
+// it is what the file holds, not what the command was given.
+nlohmann::json without_secrets(const nlohmann::json& j, std::string_view key = {}) {
+  if (key == "metadata" || key == "name") return j;
+  if (j.is_string()) return without_url_secrets(j.get_ref<const std::string&>());
   if (!j.is_structured()) return j;
   nlohmann::json out = j;
-  for (auto it = out.begin(); it != out.end(); ++it) *it = without_secrets(*it);
+  if (out.is_object()) {
+    for (auto it = out.begin(); it != out.end(); ++it) *it = without_secrets(*it, it.key());
+  } else {
+    for (auto& item : out) item = without_secrets(item, key);
+  }
   return out;
 }
 
 }  // namespace
 
 void write_json(const nlohmann::json& shown, const std::string& path) {
-  const nlohmann::json j = without_secrets(shown);
+  // A name that is not UTF-8 (a file's, a tensor's) is written with U+FFFD for its odd bytes: JSON
+  // holds text only, and the rest of the output is still worth having.
+  const std::string text = without_secrets(shown).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   if (path == "-") {
-    std::cout << j.dump(2) << std::endl;
+    std::cout << text << std::flush;
     return;
   }
-  const std::string text = j.dump(2) + "\n";
   std::FILE* out = std::fopen(path.c_str(), "we");
   if (out == nullptr) throw Error(errno_code(errno), {.op = "write", .path = path}, "of the JSON output");
   const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
@@ -216,7 +223,10 @@ CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string
 std::vector<std::string> attach_json_values(const std::vector<std::string>& args) {
   std::vector<std::string> out;
   for (std::size_t i = 0; i < args.size(); ++i) {
-    const bool json_file = i + 1 < args.size() && (args[i + 1] == "-" || (args[i + 1].size() > 5 && args[i + 1].ends_with(".json")));
+    // A checkpoint's index (model.safetensors.index.json) is never taken as the output: `doctor
+    // --json model.safetensors.index.json` judges it (and would otherwise overwrite it).
+    const bool json_file = i + 1 < args.size() && (args[i + 1] == "-" || (args[i + 1].size() > 5 && args[i + 1].ends_with(".json") &&
+                                                                           !args[i + 1].ends_with(".index.json")));
     if (args[i] == "--json" && json_file) {
       out.push_back("--json=" + args[++i]);
     } else {

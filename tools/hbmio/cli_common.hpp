@@ -63,7 +63,8 @@ void write_json(const nlohmann::json& j, const std::string& path);
 // only at its end.
 CLI::Option* add_json_option(CLI::App* app, std::string& json, const std::string& what);
 // The command line with `--json FILE` written as `--json=FILE` where FILE is "-" or ends in
-// ".json": the spelling scripts used before --json took its value only after '='.
+// ".json" (not ".index.json": a checkpoint's index is an argument): the spelling scripts used before --json
+// took its value only after '='.
 std::vector<std::string> attach_json_values(const std::vector<std::string>& args);
 // The help of every --backend. Its default is "", which the library takes for its configured
 // backend (hbmio::configured_backend(): $HBMIO_BACKEND where set, else "auto"), so that the

@@ -64,7 +64,7 @@ void print_checklist(const std::vector<Check>& checks, const DoctorFlags& flags)
   const std::string indent(2 + 4 + 2 + id_width + 2, ' ');
   const auto line = [&](const std::string& text) { return cut ? fit(text, 118 - indent.size()) : text; };
   fmt::print("hbmio doctor (root {}{}{})\n", flags.root, flags.paths.empty() ? "" : ", paths: ",
-             fmt::format("{}", fmt::join(flags.paths, " ")));
+             without_url_secrets(fmt::format("{}", fmt::join(flags.paths, " "))));
   std::string group;
   std::size_t hidden = 0;
   for (const auto& c : checks) {

@@ -371,8 +371,9 @@ int main(int argc, char** argv) {
     // ("hbmio: ..."), and exits 1: CLI11's own codes (104-109) would tell a script nothing more.
     if (e.get_exit_code() == 0) return app.exit(e);
     const std::vector<std::string> unknown = unknown_options(commands, args);
-    if (unknown.empty()) fmt::print(stderr, "hbmio: {}\n", e.what());
-    for (const std::string& text : unknown) fmt::print(stderr, "hbmio: {}\n", text);
+    // CLI11 quotes the arguments it refused: a URL among them is shown without its secrets.
+    if (unknown.empty()) fmt::print(stderr, "hbmio: {}\n", hbmio::without_url_secrets(e.what()));
+    for (const std::string& text : unknown) fmt::print(stderr, "hbmio: {}\n", hbmio::without_url_secrets(text));
     fmt::print(stderr, "'{} --help' lists the arguments and options.\n", command);
     return 1;
   } catch (const hbmio::Error& e) {
@@ -382,7 +383,7 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "hbmio: {}\n", e.code() == std::errc::resource_unavailable_try_again ? hbmio::thread_limit_message(e) : e.what());
     return 1;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "hbmio: {}\n", e.what());
+    fmt::print(stderr, "hbmio: {}\n", hbmio::without_url_secrets(e.what()));
     return 1;
   }
   return 0;
