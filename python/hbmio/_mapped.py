@@ -19,13 +19,7 @@ import os as _os
 from . import _hbmio as _ext
 
 
-def _files(path: str) -> list[str]:
-    """The files of a checkpoint (a file, a sharded index or a directory), as hbmio resolves them."""
-    return list(_ext.SafeOpen(path, cache="off").files())
-
-
-def _map(path: str):
-    fd = _os.open(path, _os.O_RDONLY | getattr(_os, "O_CLOEXEC", 0))
+def _map(fd: int):
     try:
         size = _os.fstat(fd).st_size
         # ACCESS_COPY: private pages, writable as torch.frombuffer wants, never written back.
@@ -36,16 +30,28 @@ def _map(path: str):
 
 def load(path: str, framework: str, names) -> dict:
     """{name: tensor} of `path` in file order, each a view of a private mapping of its file."""
+    # The checkpoint as every load resolves it: its files, and which file gives each tensor (a
+    # sharded index names one file per tensor; a shard may also hold tensors the index gives to
+    # another shard, or none, and those are not the checkpoint's).
+    opened = _ext.SafeOpen(path, cache="off")
+    files = list(opened.files())
+    of_file = [set() for _ in files]
+    for (name, *_), (index, _) in zip(opened._entries(), opened._placements()):
+        of_file[index].add(name)
     wanted = None if names is None else set(names)
     out = {}
-    for file in _files(path):
-        mapping = _map(file)
-        # The same validating parser as every load (an empty file is its error too).
+    for index, file in enumerate(files):
+        keep = of_file[index] if wanted is None else of_file[index] & wanted
+        if not keep:
+            continue
+        # The file as it was opened and parsed above (never one that took its name since).
+        mapping = _map(opened._map_fd(index))
+        # The same validating parser as every load.
         entries, _ = _ext._deserialize(mapping if mapping is not None else b"")
         if framework == "torch":
-            out.update(_torch_views(mapping, entries, wanted, file))
+            out.update(_torch_views(mapping, entries, keep, file))
         else:
-            out.update(_numpy_views(mapping, entries, wanted, file))
+            out.update(_numpy_views(mapping, entries, keep, file))
     if wanted is not None:
         missing = sorted(wanted - out.keys())
         if missing:
@@ -60,7 +66,7 @@ def _torch_views(mapping, entries, wanted, file):
     base = torch.frombuffer(mapping, dtype=torch.uint8)  # shares the mapping and keeps it alive
     out = {}
     for name, dtype, shape, offset, nbytes in entries:
-        if wanted is not None and name not in wanted:
+        if name not in wanted:
             continue
         # F4 as the reference gives it: float4_e2m1fn_x2, two values a byte (see _dtypes.torch_shape).
         torch_dtype = getattr(torch, "float4_e2m1fn_x2" if dtype == "F4" else _TORCH_DTYPES.get(dtype, ""), None)
@@ -81,7 +87,7 @@ def _numpy_views(mapping, entries, wanted, file):
     base = np.frombuffer(mapping, dtype=np.uint8)
     out = {}
     for name, dtype, shape, offset, nbytes in entries:
-        if wanted is not None and name not in wanted:
+        if name not in wanted:
             continue
         if dtype not in _NUMPY_DTYPES:
             from ._dtypes import numpy_refusal

@@ -404,6 +404,7 @@ class _Lease:
     def __init__(self):
         self.slab = None
         self.device_buffers = []
+        self.called_ns = None  # when the async save it stages for was called (StorageWriter.stage)
         self._returned = False
         self._lock = threading.Lock()
 
@@ -625,7 +626,11 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
 
     def __init__(self, path=None, *, checksums=True, backend=None, staging="pinned", pool_bytes=None):
         super().__init__()
-        self.path = None if path is None else os.fspath(path)
+        # What one save needs from reset() to finish(): DCP runs each async save on a thread of its
+        # own, from its reset() to its finish(), and a writer may serve overlapping async saves (to
+        # other directories too), so that state is per thread, never the writer's.
+        self._save = threading.local()
+        self._path = None if path is None else os.fspath(path)
         self.checksums = checksums
         self.backend = backend
         if staging not in ("pinned", "device"):
@@ -639,16 +644,29 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
                                     "stages the state with its own copy, and staging/pool_bytes do nothing")
         self.last_staging = None
         self._leases = []  # of the saves staged through this writer and not yet written
-        self.save_id = None
         self.rank = 0
         self.is_coordinator = True
+
+    @property
+    def path(self):
+        """The directory of the save running on this thread (its checkpoint_id), else the writer's."""
+        return getattr(self._save, "path", self._path)
+
+    @path.setter
+    def path(self, value):
+        self._path = None if value is None else os.fspath(value)
+
+    @property
+    def save_id(self):
+        return getattr(self._save, "save_id", None)
 
     def stage(self, state_dict):
         """DCP's AsyncStager.stage: a copy of `state_dict` that changes made to it after this
         returns do not reach (tensors in hbmio's staging memory, other values deep-copied)."""
-        self._called_ns = time.time_ns()  # an async save starts at its call (see finish)
+        called_ns = time.time_ns()  # an async save starts at its call (see finish)
         started = time.perf_counter()
         staged, lease, report = _stage_state(state_dict, self.staging)
+        lease.called_ns = called_ns
         self._leases.append(lease)
         report["stage_seconds"] = time.perf_counter() - started
         self.last_staging = report
@@ -662,8 +680,9 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
         frees what no save holds)."""
 
     def reset(self, checkpoint_id=None) -> None:
-        self.path = _checkpoint_path(self.path, checkpoint_id, "StorageWriter", "dcp.save")
-        self.save_id = None
+        path = _checkpoint_path(self.path, checkpoint_id, "StorageWriter", "dcp.save")
+        self._save.__dict__.clear()
+        self._save.path = path
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         self.is_coordinator = is_coordinator
@@ -678,11 +697,10 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # One id for the whole save, chosen here and sent to every rank with its file name.
-        save_id = self.save_id = uuid.uuid4().hex[:12]
+        save_id = self._save.save_id = uuid.uuid4().hex[:12]
         # When the save started, to order overlapping saves of the directory (finish): an async
-        # save's call (stage(), on the caller's thread, in the order of the calls), else now.
-        self._started_ns = getattr(self, "_called_ns", None) or time.time_ns()
-        self._called_ns = None
+        # save's call (its staging's, found in write_data), else now.
+        self._save.started_ns = time.time_ns()
         world = len(plans)
         return [dataclasses.replace(plan, storage_data=_RankFile(f"model-{i + 1:05d}-of-{world:05d}-{save_id}.safetensors"))
                 for i, plan in enumerate(plans)]
@@ -710,26 +728,29 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
             results.append(WriteResult(index=item.index, size_in_bytes=tensor.numel() * tensor.element_size(),
                                        storage_data=_Stored(file, name)))
         metadata = {_BYTES_KEY: json.dumps(sorted(byte_items))} if byte_items else None
+        # This save's staging: the lease holding the staged state DCP's planner resolves items of
+        # (another save's may still be writing).
+        staged = getattr(planner, "state_dict", None)
+        ours = [t for t in (_tensors_of(staged, []) if isinstance(staged, dict) else tensors.values())
+                if isinstance(t, torch.Tensor) and t.numel() > 0]
+        called = [lease.called_ns for lease in list(self._leases) if any(lease.holds(t) for t in ours)]
+        if called:
+            self._save.started_ns = min(called)
         try:
             hbmio.save_file(_unshared(tensors), os.path.join(self.path, file), metadata, checksums=self.checksums,
                             backend=self.backend)
         finally:
-            self._give_back_staging(tensors.values())
+            self._give_back_staging(ours)
         future: Future = Future()
         future.set_result(results)
         return future
 
-    def _give_back_staging(self, written):
-        # The staging of the save whose tensors were just written, now free for the next save. A
-        # plan with no tensors (a rank whose items were all deduplicated away) gives back the
-        # oldest lease: one writer's saves write in the order they were staged.
+    def _give_back_staging(self, ours):
+        # The staging of the save whose file was just written (the leases holding its staged
+        # tensors, and any holding none), now free for the next save. Never another save's: its
+        # persist may still be reading it.
         leases = list(self._leases)  # stage() may add one meanwhile, on the caller's thread
-        if not leases:
-            return
-        written = [t for t in written if isinstance(t, torch.Tensor) and t.numel() > 0]
-        mine = [lease for lease in leases if not lease.spans() or any(lease.holds(t) for t in written)]
-        if not written:
-            mine = mine or leases[:1]
+        mine = [lease for lease in leases if not lease.spans() or any(lease.holds(t) for t in ours)]
         for lease in mine:
             self._leases.remove(lease)
             lease.give_back()
@@ -747,7 +768,7 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
                 total += r.size_in_bytes
         metadata.storage_data = storage
         metadata.storage_meta = self.storage_meta()
-        started = getattr(self, "_started_ns", time.time_ns())
+        started = getattr(self._save, "started_ns", None) or time.time_ns()
         index = {"metadata": {"total_size": total, _STARTED_KEY: started}, "weight_map": dict(sorted(weight_map.items()))}
         keep = set(weight_map.values())
         with _DirectoryLock(self.path):

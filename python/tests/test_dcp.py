@@ -142,6 +142,35 @@ def test_overlapping_saves_of_one_directory_leave_the_one_started_last(tmp_path)
         assert torch.equal(got["w"], second["w"])
 
 
+def test_one_writer_serves_overlapping_async_saves_to_other_directories(tmp_path):
+    """One StorageWriter reused for dcp.async_save calls that overlap, each with its own
+    checkpoint_id: DCP runs each on a thread of its own, and each directory must hold exactly its
+    own save's state, whole (a save's directory and start were the writer's: a later save's
+    reset moved an earlier save's files into its own directory)."""
+    import warnings
+    writer = hbmio.dcp.StorageWriter()
+    for trial in range(3):
+        states = {f"A{trial}": {"w": torch.full((8 << 20,), 1.0 + trial)},
+                  f"B{trial}": {"v": torch.full((4,), 2.0 + trial)},
+                  f"C{trial}": {"w": torch.full((1 << 20,), 3.0 + trial), "u": torch.arange(5.0)}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            futures = [dcp.async_save(state, storage_writer=writer, checkpoint_id=tmp_path / name)
+                       for name, state in states.items()]
+            for f in futures:
+                f.result()
+        for name, state in states.items():
+            d = tmp_path / name
+            meta = hbmio.dcp.StorageReader(d).read_metadata()
+            named = {s.file for s in meta.storage_data.values()}
+            assert {p.name for p in d.glob("model-*.safetensors")} == named, name
+            got = {k: torch.zeros_like(v) for k, v in state.items()}
+            dcp.load(got, storage_reader=hbmio.dcp.StorageReader(d))
+            for k in state:
+                assert torch.equal(got[k], state[k]), (name, k)
+    assert hbmio.dcp._arena.stats()["in_use"] == 0
+
+
 def test_an_unfinished_directory_is_refused_by_name(tmp_path, caplog):
     import inspect
     import torch.distributed.checkpoint.state_dict_loader as loader

@@ -42,6 +42,28 @@ def test_a_sharded_checkpoint_maps_every_shard():
         assert raw(got[k]) == raw(want[k]), k
 
 
+def test_a_mapped_sharded_load_takes_each_tensor_from_the_shard_its_index_names(tmp_path):
+    """A shard may hold a tensor the index gives to another shard (a stale copy) or none at all: a
+    mapped load returns what a copied load returns, the index's tensors from the index's shards."""
+    st_torch.save_file({"a": torch.ones(4), "b": torch.zeros(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    st_torch.save_file({"a": torch.full((4,), 2.0), "c": torch.arange(3.0), "extra": torch.zeros(1)},
+                       str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                                            "c": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(__import__("json").dumps(index))
+    copied = hbmio.load_file(tmp_path)
+    assert sorted(copied) == ["a", "b", "c"] and raw(copied["a"]) == raw(torch.ones(4))
+    for got in (hbmio.load_file(tmp_path, mmap=True), hbmio.torch.load_file(tmp_path),
+                hbmio.load_file(tmp_path / "model.safetensors.index.json", mmap=True)):
+        assert sorted(got) == ["a", "b", "c"], list(got)
+        for name in copied:
+            assert raw(got[name]) == raw(copied[name]), name
+    got = hbmio.load_file(tmp_path, mmap=True, names=["a"])
+    assert list(got) == ["a"] and raw(got["a"]) == raw(torch.ones(4))
+    with pytest.raises(KeyError, match="extra"):
+        hbmio.load_file(tmp_path, mmap=True, names=["extra"])
+
+
 def test_mapped_tensors_are_views_of_the_file_and_survive_a_rename_over_it(tmp_path):
     path = tmp_path / "m.safetensors"
     first = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
