@@ -54,4 +54,12 @@ function(hbmio_layer name)
   endif()
   target_include_directories(hbmio_${name} PRIVATE ${root})
   target_link_libraries(hbmio_${name} PRIVATE hbmio_layer_flags)
+  # (HBMIO_UNITY_BUILD: names a source file keeps to itself go in an anonymous namespace, and no
+  # two files of one layer may give one name two meanings.)
+  # GCC's -Wsubobject-linkage is about classes defined in headers; a batch includes .cpp files,
+  # whose classes may hold types of their own anonymous namespace.
+  set_target_properties(hbmio_${name} PROPERTIES UNITY_BUILD ${HBMIO_UNITY_BUILD} UNITY_BUILD_BATCH_SIZE 8)
+  if(HBMIO_UNITY_BUILD AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    target_compile_options(hbmio_${name} PRIVATE -Wno-subobject-linkage)
+  endif()
 endfunction()

@@ -144,6 +144,16 @@ url='http://user:hunter2@127.0.0.1:9/k.safetensors?X-Amz-Signature=SECRETSIG'
 grep -q "127.0.0.1:9/k.safetensors" "$work/url.txt" || fail "doctor of a URL does not name it: $(cat "$work/url.txt")"
 ! grep -l "hunter2\|SECRETSIG" "$work/url.txt" "$work/url.json" || fail "doctor shows a URL's secrets"
 
+# A FIFO as PATH is judged, not waited on (its open would wait for a writer).
+mkfifo "$work/fifo.safetensors"
+set +e
+timeout 20 "$hbmio" doctor "$work/fifo.safetensors" > "$work/fifo.txt" 2>&1
+status=$?
+set -e
+[[ $status -le 1 ]] || fail "doctor of a FIFO: status $status (124: it hung)"
+out=$(timeout 20 "$hbmio" cache add "$work/fifo.safetensors" --socket "$work/no.sock" 2>&1) && fail "cache add of a FIFO succeeded"
+grep -q "not a regular file" <<<"$out" || fail "cache add of a FIFO: $out"
+
 # Every transfer's --json names the way each file took.
 "$hbmio" read "$work/explained.bin" --backend posix --json "$work/read.json" > /dev/null
 python3 - "$work/read.json" "$work/explained.bin" <<'PY' || fail "read --json paths: $(cat "$work/read.json")"

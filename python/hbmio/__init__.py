@@ -784,6 +784,15 @@ def _after_fork_in_child():
                       "(a handle to one of them raises hbmio.Error, ECHILD)", RuntimeWarning, stacklevel=2)
 
 
+    # A multiprocessing worker started by fork ends with os._exit, past atexit: its background
+    # saves would die with it, unfinished and unsaid. multiprocessing runs its finalizers first;
+    # it clears them as the worker starts and then runs its after-fork hooks, so the finalizer is
+    # registered from one of those.
+    util = _sys.modules.get("multiprocessing.util")
+    if util is not None:
+        util.register_after_fork(_finish_saves, lambda _: util.Finalize(None, _finish_saves, exitpriority=0))
+
+
 _os.register_at_fork(after_in_child=_after_fork_in_child)
 
 

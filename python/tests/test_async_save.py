@@ -217,6 +217,49 @@ def test_one_save_of_a_path_at_a_time(tmp_path):
     assert_file_holds(path, second)
 
 
+def test_a_blocking_save_and_a_background_save_of_one_path_take_turns(tmp_path):
+    """A background save started while a blocking save of the same path runs waits for it, so the
+    newer state publishes last (it did not wait: the blocking save's older state won)."""
+    import threading
+    path = tmp_path / "m.safetensors"
+    older = {"w": np.full(128 << 20, 1, dtype=np.uint8)}
+    newer = {"w": np.full(4, 2, dtype=np.uint8)}
+    hbmio.save_file(older, path)  # a file whose lock the next blocking save's rename waits on
+    held = open(path, "rb")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    blocking = threading.Thread(target=hbmio.save_file, args=(older, path))
+    blocking.start()
+    time.sleep(0.5)  # the blocking save is in its persist, waiting at the rename
+    with pytest.raises(hbmio.Error, match="still in flight"):
+        hbmio.save_file(newer, path, blocking=False, wait_if_busy=False)
+    # The lock goes in a moment; meanwhile the background save waits (in the call) for its turn.
+    threading.Timer(0.3, held.close).start()
+    handle = hbmio.save_file(newer, path, blocking=False)
+    assert handle.report["stalled_seconds"] > 0.1, handle.report
+    blocking.join()
+    handle.result()
+    assert_file_holds(path, newer)
+
+
+def test_one_save_at_a_time_whatever_the_spelling_of_the_path(tmp_path, monkeypatch):
+    """"x", "./x", "d/./x" and a path through a symbolic link to the directory are one path: a
+    second save waits for the first however it is spelled."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d").mkdir()
+    os.symlink(tmp_path / "d", tmp_path / "link")
+    first, second = state(4), state(5)
+    hbmio.save_file(first, "d/m.safetensors")
+    for spelling in ("./d/m.safetensors", "d/./m.safetensors", "link/m.safetensors", str(tmp_path / "d" / "m.safetensors")):
+        with open(tmp_path / "d" / "m.safetensors", "rb") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            handle = hbmio.save_file(first, "d/m.safetensors", blocking=False)
+            with pytest.raises(hbmio.Error, match="still in flight"):
+                hbmio.save_file(second, spelling, blocking=False, wait_if_busy=False)
+        handle.result()
+    hbmio.save_file(second, "link/m.safetensors", blocking=False).result()
+    assert_file_holds(tmp_path / "d" / "m.safetensors", second)
+
+
 def test_bad_arguments_are_raised_by_the_call(tmp_path):
     with pytest.raises(FileNotFoundError):
         hbmio.save_file(state(6), tmp_path / "missing" / "m.safetensors", blocking=False)
@@ -246,10 +289,13 @@ FULL_DISK = textwrap.dedent("""
             print("next save ok", flush=True)
         except hbmio.Error as e:
             print("next save raised:", e, flush=True)
-    elif mode == "next":
+    elif mode in ("next", "next-blocking"):
         del handle
         try:
-            hbmio.save_file({"u": np.ones(10, dtype=np.uint8)}, path, blocking=False).result()
+            if mode == "next":
+                hbmio.save_file({"u": np.ones(10, dtype=np.uint8)}, path, blocking=False).result()
+            else:
+                hbmio.save_file({"u": np.ones(10, dtype=np.uint8)}, path)
             print("next save ok", flush=True)
         except hbmio.Error as e:
             print("next save raised:", e, flush=True)
@@ -257,7 +303,7 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["wait", "next", "exit"])
+@pytest.mark.parametrize("mode", ["wait", "next", "next-blocking", "exit"])
 def test_a_failure_in_the_background_is_never_lost(tmp_path, mode):
     path = tmp_path / "m.safetensors"
     old = {"old": np.arange(100, dtype=np.int32)}
@@ -271,7 +317,7 @@ def test_a_failure_in_the_background_is_never_lost(tmp_path, mode):
         assert "raised:" in run.stdout and "File too large" in run.stdout, run.stdout
         assert "next save ok" in run.stdout, run.stdout
         assert_file_holds(path, {"u": np.ones(10, dtype=np.uint8)})
-    elif mode == "next":
+    elif mode in ("next", "next-blocking"):
         assert "next save raised:" in run.stdout and "never waited for" in run.stdout, run.stdout
         assert path.read_bytes() == old_bytes
     else:
@@ -350,6 +396,27 @@ def test_fork_during_a_background_save(tmp_path):
     if warned:
         assert shared in run.stderr or mine in run.stderr, run.stderr
     assert not [p for p in tmp_path.iterdir() if ".hbmio-tmp-" in p.name]
+
+
+# A multiprocessing worker started by fork ends with os._exit, past atexit: its background save
+# must still be finished before it goes (it was dropped, the file never written, exit status 0).
+MP_WORKER = textwrap.dedent("""
+    import multiprocessing as mp, sys, numpy as np, hbmio
+    def work(path):
+        hbmio.save_file({"w": np.full(96 << 20, 5, dtype=np.uint8)}, path, blocking=False)
+    if __name__ == "__main__":
+        p = mp.get_context("fork").Process(target=work, args=(sys.argv[1],))
+        p.start()
+        p.join()
+        print("worker exit", p.exitcode)
+""")
+
+
+def test_a_fork_started_worker_finishes_its_background_save(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    run = subprocess.run([sys.executable, "-c", MP_WORKER, path], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "worker exit 0" in run.stdout, (run.stdout, run.stderr)
+    assert_file_holds(path, {"w": np.full(96 << 20, 5, dtype=np.uint8)})
 
 
 # Ctrl-C while save_file(blocking=False) blocks in its snapshot (a state 4 times the pool). The

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -383,8 +384,12 @@ std::vector<std::string> cache_add(const std::string& socket_path, const std::ve
   std::vector<cache_detail::OwnedFd> files;
   std::vector<int> fds;
   for (const std::string& path : paths) {
-    files.emplace_back(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    // O_NONBLOCK: a FIFO's open would wait for a writer; only a regular file is a checkpoint.
+    files.emplace_back(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
     if (!files.back()) throw Error(errno_code(errno), {.op = "open", .path = path});
+    struct stat st {};
+    if (::fstat(files.back().get(), &st) != 0) throw Error(errno_code(errno), {.op = "stat", .path = path});
+    if (!S_ISREG(st.st_mode)) throw Error(errno_code(EINVAL), {.op = "cache add", .path = path}, "not a regular file");
     fds.push_back(files.back().get());
   }
   const cache_detail::OwnedFd socket = cache_detail::connect_to(socket_path, 5000);

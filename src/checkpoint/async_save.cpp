@@ -51,6 +51,7 @@ struct AsyncSaveState {
   std::condition_variable finished_cv;
   bool finished = false;
   bool observed = false;  // the error (if any) reached someone through wait()
+  bool blocking = false;  // a blocking save's turn (BlockingSaveTurn): its caller sees its error
   std::optional<Stats> stats;
   std::exception_ptr error;
   AsyncSaveReport report;
@@ -86,7 +87,7 @@ void after_fork_in_child() {
   inherited_at_fork.clear();
   for (auto& [target, state] : inherited->by_target) {
     if (!state->finished) {
-      inherited_at_fork.push_back(state->path);
+      if (!state->blocking) inherited_at_fork.push_back(state->path);
       state->error = std::make_exception_ptr(
           Error(errno_code(ECHILD), {.op = "save", .path = state->path},
                 "this process is a child forked while the save was in flight; the save goes on in the parent only"));
@@ -196,15 +197,27 @@ double take_turn(const std::shared_ptr<AsyncSaveState>& state, bool wait_if_busy
 
 }  // namespace
 
-void wait_for_background_save(const std::string& target) {
+BlockingSaveTurn::BlockingSaveTurn(const std::string& target, const std::string& path)
+    : state_(std::make_shared<AsyncSaveState>()) {
+  state_->target = target;
+  state_->path = path;
+  state_->blocking = true;
+  state_->observed = true;
+  take_turn(state_, true, nullptr);
+}
+
+BlockingSaveTurn::~BlockingSaveTurn() {
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->finished = true;
+  }
   Registry& r = registry();
-  std::unique_lock lock(r.mutex);
-  r.changed.wait(lock, [&] {
-    const auto it = r.by_target.find(target);
-    if (it == r.by_target.end()) return true;
-    std::lock_guard state_lock(it->second->mutex);
-    return it->second->finished;
-  });
+  {
+    std::lock_guard lock(r.mutex);
+    const auto it = r.by_target.find(state_->target);
+    if (it != r.by_target.end() && it->second == state_) r.by_target.erase(it);
+  }
+  r.changed.notify_all();
 }
 
 namespace {

@@ -2,12 +2,25 @@
 // a time, so that an older state never publishes after a newer one.
 #pragma once
 
+#include <memory>
 #include <string>
 
 namespace hbmio::detail {
 
-// Waits while a background save of `target` (a path as check_save returns it) is in flight: what
-// a blocking save of the same path does before it persists.
-void wait_for_background_save(const std::string& target);
+struct AsyncSaveState;
+
+// A blocking save's turn at its target (a path as check_save returns it), for as long as it lives:
+// it waits for a background save of the target still in flight (and raises the error of one that
+// failed unseen), and a background save started meanwhile waits for it in turn.
+class BlockingSaveTurn {
+ public:
+  BlockingSaveTurn(const std::string& target, const std::string& path);
+  ~BlockingSaveTurn();
+  BlockingSaveTurn(const BlockingSaveTurn&) = delete;
+  BlockingSaveTurn& operator=(const BlockingSaveTurn&) = delete;
+
+ private:
+  std::shared_ptr<AsyncSaveState> state_;
+};
 
 }  // namespace hbmio::detail

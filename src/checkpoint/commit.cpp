@@ -151,6 +151,12 @@ void remove_stale_temporaries(FileSystem& files, const fs::path& target) {
   }
 }
 
+std::string save_key(const fs::path& target) {
+  std::error_code ec;
+  const fs::path directory = fs::weakly_canonical(target.parent_path(), ec);
+  return ((ec ? target.parent_path().lexically_normal() : directory) / target.filename()).string();
+}
+
 fs::path final_target(const std::string& path, bool directory, const ErrorContext& context) {
   fs::path p = fs::absolute(path);
   // "out/", "out/." and "." name the directory itself: its parent is where the temporary goes

@@ -63,6 +63,9 @@ void remove_stale_temporaries(FileSystem& files, const std::filesystem::path& ta
 // regular file), and so is a directory where a file is saved (`directory` false) or anything but
 // a directory where a sharded checkpoint is (`directory` true).
 std::filesystem::path final_target(const std::string& path, bool directory, const ErrorContext& context);
+// The key of "one save of a path at a time" for a final_target: its directory with every symbolic
+// link and "." or ".." resolved, and its name, so that "x", "./x" and "link/x" (link -> .) are one.
+std::string save_key(const std::filesystem::path& target);
 
 // Checked before any byte is written, so that the error names what the user gave (and its
 // directory), not a temporary name, and comes at once rather than after the data.

@@ -507,7 +507,7 @@ std::string check_save(const std::string& path, const std::vector<TensorToSave>&
     check_tensors(tensors, context);
     const fs::path target = final_target(path, options.max_shard_size > 0, context);
     check_directory_of(target, context);
-    return target.string();
+    return save_key(target);
   });
 }
 

@@ -40,9 +40,10 @@ using detail::take_attributes;
 Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& tensors, const SaveOptions& options) {
   return detail::errors_as_hbmio({.op = "save", .path = path}, [&] {
     if (is_remote_url(path)) return detail::save_remote(path, tensors, options);
-    // A background save of the same path still in flight goes first: otherwise the older state
-    // could publish after this newer one.
-    detail::wait_for_background_save(final_target(path, options.max_shard_size > 0, {.op = "save", .path = path}).string());
+    // A background save of the same path still in flight goes first, and one started meanwhile
+    // waits for this one: otherwise an older state could publish after a newer one.
+    const detail::BlockingSaveTurn turn(detail::save_key(final_target(path, options.max_shard_size > 0, {.op = "save", .path = path})),
+                                        path);
     return detail::persist(path, tensors, options, nullptr);
   });
 }

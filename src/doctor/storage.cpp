@@ -321,10 +321,17 @@ struct FreeDeleter {
 // Opens `file` with O_DIRECT and reads its first 4 KiB into 4 KiB-aligned memory: the only way to
 // know that O_DIRECT works is to do it (some FUSE file systems accept the flag and fail the read).
 std::string try_direct_read(const std::string& file, int& error) {
-  const int fd = ::open(file.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO's open would wait for a writer (it is refused below, as any non-file is).
+  const int fd = ::open(file.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     error = errno;
     return fmt::format("open with O_DIRECT: {}", std::strerror(error));
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    error = EINVAL;
+    ::close(fd);
+    return "not a regular file: nothing to read with O_DIRECT";
   }
   std::unique_ptr<void, FreeDeleter> buffer(std::aligned_alloc(4096, 4096));
   ssize_t got;
