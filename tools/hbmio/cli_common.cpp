@@ -26,7 +26,7 @@ void TuningFlags::add_to(CLI::App* app) {
   app->add_option("--chunk-size", chunk_size, "Work unit per worker (e.g. 16MiB)")->group("Tuning")->check(size_value());
   app->add_option("--bounce-buffer-size", bounce_buffer_size, "Size of one storage I/O and copy (default 8MiB)")->group("Tuning")->check(size_value());
   app->add_option("--bounce-buffers", bounce_buffers, "Pinned bounce buffers per worker (default 4)")
-      ->check(CLI::Range(1, 4096))
+      ->check(CLI::Range(1, 1024))  // Options' bound (HBMIO_BOUNCE_BUFFERS)
       ->group("Tuning");
   app->add_option("--queue-depth", queue_depth, "I/Os in flight per worker (default 8)")->check(CLI::Range(1, 4096))->group("Tuning");
   app->add_option("--workers", workers, "Worker threads (0: min(cores, 16))")->group("Tuning");
