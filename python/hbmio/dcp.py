@@ -647,6 +647,18 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
         self.rank = 0
         self.is_coordinator = True
 
+    def __getstate__(self):
+        # A writer sent to another process (DCP's process-based async_save) takes its settings, not
+        # this process's saves in flight or their staging.
+        state = self.__dict__.copy()
+        state["_leases"] = []
+        state["_save"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._save = threading.local()
+
     @property
     def path(self):
         """The directory of the save running on this thread (its checkpoint_id), else the writer's."""

@@ -169,6 +169,11 @@ def test_one_writer_serves_overlapping_async_saves_to_other_directories(tmp_path
             for k in state:
                 assert torch.equal(got[k], state[k]), (name, k)
     assert hbmio.dcp._arena.stats()["in_use"] == 0
+    # A writer still pickles (DCP's process-based async_save sends it to another process), with
+    # its settings and without this process's saves.
+    import pickle
+    copy = pickle.loads(pickle.dumps(hbmio.dcp.StorageWriter(tmp_path / "p", checksums=False)))
+    assert copy.path == str(tmp_path / "p") and copy.checksums is False and copy.save_id is None
 
 
 def test_an_unfinished_directory_is_refused_by_name(tmp_path, caplog):
