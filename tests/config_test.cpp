@@ -150,7 +150,7 @@ TEST(Config, OnlyConfigCppReadsTheEnvironmentForHbmio) {
 TEST(Config, EveryHbmioNameMentionedIsKnown) {
   // Build switches, not variables of the environment.
   const std::set<std::string> build = {"HBMIO_CUDA", "HBMIO_HAVE_CUDA", "HBMIO_VERSION", "HBMIO_BUILDING", "HBMIO_BUILD_TOOLS",
-                                       "HBMIO_TSAN", "HBMIO_SANITIZE"};
+                                       "HBMIO_TSAN", "HBMIO_SANITIZE", "HBMIO_UNITY_BUILD"};
   std::set<std::string> known(build);
   for (const auto& v : config_variables()) known.emplace(v.name);
   // "HBMIO_REMOTE_*" (a family, written with its wildcard) is not matched: the name must not end in '_'.
