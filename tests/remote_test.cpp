@@ -54,6 +54,8 @@ TEST(Remote, MessagesShowNoQueryAndNoUserInfo) {
   EXPECT_EQ(shown_path("https://user:hun?ter2@h/k"), "https://h/k");
   EXPECT_EQ(shown_path("https://user:hun#ter2@h/k?sig=1"), "https://h/k");
   EXPECT_EQ(shown_path("s3://bucket/mail@example.com/w.safetensors"), "s3://bucket/mail@example.com/w.safetensors");
+  EXPECT_EQ(shown_path("http://localhost:9000/bucket/model@v2.safetensors"), "http://localhost:9000/bucket/model@v2.safetensors");
+  EXPECT_EQ(shown_path("http://u:pw@localhost:9000/bucket/model@v2.safetensors?sig=1"), "http://localhost:9000/bucket/model@v2.safetensors");
   // In free text (usage errors quote their arguments), every URL, with the sentence's punctuation kept.
   EXPECT_EQ(without_url_secrets("argument was not expected: http://u:pw@h/k?X-Amz-Signature=S"),
             "argument was not expected: http://h/k");

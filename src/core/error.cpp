@@ -69,11 +69,16 @@ std::string shown_path(std::string_view path) {
   // The user info ends at the last '@' of the authority. A password with an unescaped '/', '?' or
   // '#' (an AWS secret key may hold '/') moves where the authority seems to end, so every '@' is
   // looked at, last first: one with no '/' before it, or a ':' before its first '/', ends user info
-  // (an object key's own '@', "s3://bucket/a@b", has neither).
+  // (an object key's own '@', "s3://bucket/a@b", has neither; nor has "host:9000/key@v2", whose
+  // ':' starts a port: digits only up to the '/').
   for (std::size_t at = rest.rfind('@'); at != std::string_view::npos; at = at == 0 ? std::string_view::npos : rest.rfind('@', at - 1)) {
     const std::string_view before = rest.substr(0, at);
     const std::size_t slash = before.find('/');
-    if (slash == std::string_view::npos || before.find(':') < slash) {
+    const std::size_t colon = slash == std::string_view::npos ? before.find(':') : before.rfind(':', slash);
+    const bool port = colon < slash && slash != std::string_view::npos &&
+                      std::all_of(before.begin() + static_cast<std::ptrdiff_t>(colon) + 1, before.begin() + static_cast<std::ptrdiff_t>(slash),
+                                  [](char c) { return c >= '0' && c <= '9'; });
+    if (slash == std::string_view::npos || (colon < slash && !port)) {
       rest = rest.substr(at + 1);
       break;
     }
