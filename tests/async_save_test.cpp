@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include <fmt/format.h>
@@ -297,6 +298,101 @@ TEST(AsyncSave, OneSaveOfAPathAtATime) {
   next.wait();
   save_checkpoint(dir.file("first.safetensors"), first.tensors);
   EXPECT_TRUE(read_all(path) == read_all(dir.file("first.safetensors")));
+}
+
+// A load of a path this process is saving in the background reads what the save publishes, not
+// the file it replaces (read your own writes), whichever way the path is named; a failed save
+// leaves the old file to read. The save is held by a lock on the file it replaces.
+TEST(AsyncSave, ALoadOfAPathBeingSavedReadsWhatTheSavePublishes) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  State old_state({MemoryKind::host}, 40, false), new_state({MemoryKind::host}, 41, false);
+  save_checkpoint(path, old_state.tensors);
+  using Bytes = std::map<std::string, std::vector<std::byte>>;  // by name: a load gives file order
+  const auto bytes_of = [](const LoadedCheckpoint& loaded) {
+    Bytes out;
+    for (const auto& t : loaded.tensors()) out[t.name].assign(t.data.data, t.data.data + t.data.size);
+    return out;
+  };
+  const auto expected = [&](const State& s) {
+    Bytes out;
+    for (const auto& t : s.tensors) out[t.name].assign(t.data.data, t.data.data + t.data.size);
+    return out;
+  };
+  for (const std::string& named : {path, dir.path() + "/./model.safetensors"}) {
+    SCOPED_TRACE(named);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+    SaveInProgress save = save_checkpoint_async(path, new_state.tensors);
+    std::atomic<bool> loaded{false};
+    Bytes got;
+    std::thread reader([&] {
+      got = bytes_of(load_checkpoint(named, {.into = {MemoryKind::host}}));
+      loaded = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    EXPECT_FALSE(loaded.load()) << "the load did not wait for the save in flight";
+    ::close(fd);
+    reader.join();
+    save.wait();
+    EXPECT_TRUE(got == expected(new_state)) << "the load read the file the save replaced";
+    std::swap(old_state, new_state);  // the next round saves the other state over this one
+  }
+  // A failed save: the load reads the file it left (old_state's, after the swap above).
+  auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = 2, .fail_errno = EIO});
+  SaveInProgress failing = save_checkpoint_async(
+      path, new_state.tensors, {.backend = "posix", .file_system = std::make_shared<FaultInjectionFileSystem>(faults)});
+  EXPECT_TRUE(bytes_of(load_checkpoint(path, {.into = {MemoryKind::host}})) == expected(old_state));
+  EXPECT_THROW(failing.wait(), Error);
+}
+
+// A blocking save waiting for its turn behind a background save of the path stops on its stop
+// request (Ctrl-C in Python), publishing nothing; a save refused for a blocking save in flight
+// says that it is a blocking one.
+TEST(AsyncSave, ABlockingSaveWaitingForItsTurnStopsOnRequest) {
+  TempDir dir;
+  const std::string path = dir.file("model.safetensors");
+  State first({MemoryKind::host}, 50, false), second({MemoryKind::host}, 51, false);
+  save_checkpoint(path, first.tensors);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+  SaveInProgress held = save_checkpoint_async(path, first.tensors);
+  std::atomic<bool> stop{false};
+  std::thread blocking([&] {
+    try {
+      save_checkpoint(path, second.tensors, {.cancel = &stop});
+      ADD_FAILURE() << "a stopped save went on";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), std::errc::operation_canceled) << e.what();
+      EXPECT_NE(std::string(e.what()).find("earlier background save"), std::string::npos) << e.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  stop = true;
+  blocking.join();  // returns while the background save is still held
+  EXPECT_FALSE(held.done());
+  ::close(fd);
+  held.wait();
+  // A blocking save in flight (held by the lock), and a background save refused behind it.
+  fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX), 0);
+  std::thread second_blocking([&] { save_checkpoint(path, second.tensors); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // registered, then held by the lock
+  try {
+    save_checkpoint_async(path, first.tensors, {}, {.wait_if_busy = false}).wait();
+    ADD_FAILURE() << "a background save started beside a blocking save of its path";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), std::errc::device_or_resource_busy) << e.what();
+    EXPECT_NE(std::string(e.what()).find("a blocking save of this path"), std::string::npos) << e.what();
+  }
+  ::close(fd);
+  second_blocking.join();
+  EXPECT_TRUE(wait_for_all_saves().empty());
+  save_checkpoint(dir.file("check.safetensors"), second.tensors);
+  EXPECT_TRUE(read_all(path) == read_all(dir.file("check.safetensors")));
 }
 
 // A write or fsync failing in the background: wait() throws it, the previous checkpoint is intact

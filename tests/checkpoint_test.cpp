@@ -1181,6 +1181,35 @@ TEST(ShardedSave, SaysWhichOfTheOldCheckpointsFilesWentWithIt) {
   EXPECT_TRUE(fs::exists(target + "/config.json"));
 }
 
+// A sharded save of a state without tensors writes what loads accept: one empty model.safetensors
+// and no index (an index naming no shard is refused: AnIndexWithoutShardsIsRefused), replacing the
+// sharded checkpoint that was there and keeping the directory's other files; its metadata is kept.
+TEST(ShardedSave, AnEmptyStateIsOneEmptyFileThatLoads) {
+  TempDir dir;
+  const Sample sample = make_sample({MemoryKind::host});
+  const std::string target = dir.file("model");
+  save_checkpoint(target, sample.tensors, {.max_shard_size = 300000});
+  write_file(target + "/config.json", random_bytes(10, 1));
+  const Stats s = save_checkpoint(target, {}, {.metadata = {{"step", "7"}}, .max_shard_size = 300000});
+  EXPECT_NE(s.note.find("no tensors"), std::string::npos) << s.note;
+  EXPECT_NE(s.note.find("model.safetensors.index.json"), std::string::npos) << s.note;  // named as gone
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(target)) names.insert(e.path().filename().string());
+  EXPECT_EQ(names, (std::set<std::string>{"config.json", "model.safetensors"}));
+  for (const std::string& path : {target, target + "/model.safetensors"}) {
+    SCOPED_TRACE(path);
+    const LoadedCheckpoint loaded = load_checkpoint(path, {.into = {MemoryKind::host}});
+    EXPECT_TRUE(loaded.tensors().empty());
+  }
+  const OpenedCheckpoint opened(target);
+  EXPECT_EQ(opened.tensors().size(), 0u);
+  EXPECT_EQ(opened.metadata().at("step"), "7");
+  // And back to a sharded state: the empty file goes with the new shards' index in.
+  save_checkpoint(target, sample.tensors, {.max_shard_size = 300000});
+  EXPECT_FALSE(fs::exists(target + "/model.safetensors"));
+  EXPECT_EQ(load_checkpoint(target, {.into = {MemoryKind::host}}).tensors().size(), sample.tensors.size());
+}
+
 // A file system that, at the moment a sharded save swaps its new directory in, plays a process
 // still writing into the old one: a file created and one replaced (by rename) after the save
 // listed the directory.

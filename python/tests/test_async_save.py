@@ -241,6 +241,44 @@ def test_a_blocking_save_and_a_background_save_of_one_path_take_turns(tmp_path):
     assert_file_holds(path, newer)
 
 
+@pytest.mark.parametrize("how", ["load_file", "mmap", "open"])
+def test_a_load_right_after_a_background_save_reads_what_it_publishes(tmp_path, how):
+    """Read your own writes: a load of the path while this process's background save of it is in
+    flight waits for it (it returned the file the save replaces)."""
+    import threading
+    path = tmp_path / "m.safetensors"
+    older, newer = state(6), state(7)
+    hbmio.save_file(older, path)
+    held = open(path, "rb")
+    fcntl.flock(held, fcntl.LOCK_EX)  # the save's rename waits for this lock
+    handle = hbmio.save_file(newer, path, blocking=False)
+    threading.Timer(0.3, held.close).start()
+    if how == "open":
+        with hbmio.open(path, framework="numpy") as f:
+            got = {k: f.get_tensor(k) for k in f.keys()}
+    else:
+        got = hbmio.load_file(path, framework="numpy", mmap=how == "mmap")
+    assert handle.done()
+    assert sorted(got) == sorted(newer)
+    for k, v in newer.items():
+        assert got[k].tobytes() == v.tobytes(), k
+    handle.result()
+
+
+def test_a_sharded_save_of_nothing_loads_as_nothing(tmp_path):
+    """An empty state saved with max_shard_size is one empty model.safetensors (no index naming no
+    shard, which loads refuse), in the foreground and in the background."""
+    for blocking in (True, False):
+        out = tmp_path / f"empty-{blocking}"
+        handle = hbmio.save_file({}, out, max_shard_size=1000, metadata={"step": "3"}, blocking=blocking)
+        if not blocking:
+            handle.result()
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+        assert hbmio.load_file(out, framework="numpy") == {}
+        with hbmio.open(out, framework="numpy") as f:
+            assert list(f.keys()) == [] and f.metadata()["step"] == "3"
+
+
 def test_one_save_at_a_time_whatever_the_spelling_of_the_path(tmp_path, monkeypatch):
     """"x", "./x", "d/./x" and a path through a symbolic link to the directory are one path: a
     second save waits for the first however it is spelled."""

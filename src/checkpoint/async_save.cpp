@@ -137,8 +137,17 @@ void finish(const std::shared_ptr<AsyncSaveState>& state, std::optional<Stats> s
   r.changed.notify_all();
 }
 
+// The save a thread of the pool is persisting (wait_for_background_saves_of never waits for it).
+thread_local const AsyncSaveState* persisting = nullptr;
+
 // The save's thread: the persist step over the snapshot.
 void persist_snapshot(std::shared_ptr<AsyncSaveState> state) {
+  struct Persisting {
+    explicit Persisting(const AsyncSaveState* s) { persisting = s; }
+    ~Persisting() { persisting = nullptr; }
+    Persisting(const Persisting&) = delete;
+    Persisting& operator=(const Persisting&) = delete;
+  } marked(state.get());
   try {
     Stats stats = persist(state->path, state->tensors, state->options, state->device_copy ? nullptr : &state->stream);
     finish(state, std::move(stats), nullptr);
@@ -180,9 +189,12 @@ double take_turn(const std::shared_ptr<AsyncSaveState>& state, bool wait_if_busy
       }
       continue;
     }
+    // Named as the caller would know it: a blocking save on another thread holds its turn too.
+    const char* const earlier_kind = earlier->blocking ? "blocking" : "background";
     state_lock.unlock();
     if (!wait_if_busy)
-      throw Error(errno_code(EBUSY), {.op = "save", .path = path}, "a background save of this path is still in flight");
+      throw Error(errno_code(EBUSY), {.op = "save", .path = path},
+                  fmt::format("a {} save of this path is still in flight", earlier_kind));
     if (cancel == nullptr) {
       r.changed.wait(lock);
       continue;
@@ -191,19 +203,20 @@ double take_turn(const std::shared_ptr<AsyncSaveState>& state, bool wait_if_busy
     r.changed.wait_for(lock, std::chrono::milliseconds(5));
     if (cancel->load())
       throw Error(errno_code(ECANCELED), {.op = "save", .path = path},
-                  "stopped while waiting for an earlier background save of this path; this save was not started");
+                  fmt::format("stopped while waiting for an earlier {} save of this path; this save was not started",
+                              earlier_kind));
   }
 }
 
 }  // namespace
 
-BlockingSaveTurn::BlockingSaveTurn(const std::string& target, const std::string& path)
+BlockingSaveTurn::BlockingSaveTurn(const std::string& target, const std::string& path, const std::atomic<bool>* cancel)
     : state_(std::make_shared<AsyncSaveState>()) {
   state_->target = target;
   state_->path = path;
   state_->blocking = true;
   state_->observed = true;
-  take_turn(state_, true, nullptr);
+  take_turn(state_, true, cancel);
 }
 
 BlockingSaveTurn::~BlockingSaveTurn() {
@@ -218,6 +231,33 @@ BlockingSaveTurn::~BlockingSaveTurn() {
     if (it != r.by_target.end() && it->second == state_) r.by_target.erase(it);
   }
   r.changed.notify_all();
+}
+
+void wait_for_background_saves_of(const std::string& path) {
+  Registry& r = registry();
+  {
+    std::lock_guard lock(r.mutex);
+    if (r.by_target.empty()) return;  // the common case: no file system calls
+  }
+  // The keys save_key gives a save's target: the path as loaded, and the directory holding it
+  // (a sharded save's target, when its index or a shard is loaded).
+  std::error_code ec;
+  std::filesystem::path loaded = std::filesystem::weakly_canonical(std::filesystem::absolute(path), ec);
+  if (ec) loaded = std::filesystem::absolute(path).lexically_normal();
+  while (!loaded.has_filename() && loaded != loaded.root_path()) loaded = loaded.parent_path();
+  const std::string keys[] = {loaded.string(), loaded.parent_path().string()};
+  std::unique_lock lock(r.mutex);
+  for (;;) {
+    bool in_flight = false;
+    for (const std::string& key : keys) {
+      const auto it = r.by_target.find(key);
+      if (it == r.by_target.end() || it->second.get() == persisting) continue;
+      std::lock_guard state_lock(it->second->mutex);
+      in_flight = in_flight || (!it->second->blocking && !it->second->finished);
+    }
+    if (!in_flight) return;
+    r.changed.wait(lock);
+  }
 }
 
 namespace {

@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "checkpoint/background_saves.hpp"
 #include "checkpoint/integrity.hpp"
 #include "checkpoint/load_internal.hpp"
 #include "source/source.hpp"
@@ -190,7 +191,10 @@ std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path);
 
 std::vector<CheckpointFile> open_checkpoint(const std::string& path, const std::optional<RemoteOptions>& remote) {
   if (is_remote_url(path)) return detail::open_remote_checkpoint(path, remote ? *remote : RemoteOptions::from_env());
-  return detail::errors_as_hbmio({.op = "open checkpoint", .path = path}, [&] { return open_checkpoint_retrying(path); });
+  return detail::errors_as_hbmio({.op = "open checkpoint", .path = path}, [&] {
+    detail::wait_for_background_saves_of(path);  // this process's own save of it is read once published
+    return open_checkpoint_retrying(path);
+  });
 }
 
 namespace {

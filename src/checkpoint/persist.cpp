@@ -411,9 +411,12 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
       total.add_part(persist_file(temp / shard_names[k], (fs::path(path) / shard_names[k]).string(), shards[k], single, false, staged));
       for (const auto& t : shards[k]) weight_map[t.name] = shard_names[k];
     }
-    const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-    write_index(files, temp / "model.safetensors.index.json", (fs::path(path) / "model.safetensors.index.json").string(),
+    const bool indexed = !tensors.empty();  // see plan_shards: an empty state is one file
+    if (indexed) {
+      const nlohmann::json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+      write_index(files, temp / "model.safetensors.index.json", (fs::path(path) / "model.safetensors.index.json").string(),
                   index.dump(2) + "\n");
+    }
     // Whatever else the directory holds (config.json, tokenizer files, symlinks as symlinks)
     // comes along. The old checkpoint's own files do not: a model.safetensors beside the new index
     // would be loaded in its place by loaders that look for it first, and a shard of another count
@@ -433,7 +436,8 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
                    fs::copy_options::recursive | fs::copy_options::create_hard_links | fs::copy_options::copy_symlinks, ec);
           if (ec && ec != std::errc::no_such_file_or_directory)
             throw Error(ec, {.op = context.op, .path = entry.path().string()}, "carry it into the new checkpoint directory");
-        } else if (name != "model.safetensors.index.json" && std::find(shard_names.begin(), shard_names.end(), name) == shard_names.end()) {
+        } else if ((!indexed || name != "model.safetensors.index.json") &&
+                   std::find(shard_names.begin(), shard_names.end(), name) == shard_names.end()) {
           dropped.push_back(name);
         }
       }
@@ -457,7 +461,9 @@ Stats persist_sharded(const std::string& path, const std::vector<TensorToSave>& 
   sync_published(files, target.parent_path(), path, temp);
   hand_over_late_files(files, temp, target, stale);  // then the old checkpoint goes
   std::sort(dropped.begin(), dropped.end());
-  total.note = fmt::format("{} tensors in {} shard(s) + index, swapped in atomically{}", tensors.size(), shards.size(),
+  total.note = fmt::format("{}, swapped in atomically{}",
+                           tensors.empty() ? std::string("no tensors: one empty model.safetensors, no index")
+                                           : fmt::format("{} tensors in {} shard(s) + index", tensors.size(), shards.size()),
                            dropped.empty() ? ""
                                            : fmt::format("; the old checkpoint's {} (not part of the new one) went with it",
                                                          fmt::join(dropped, ", ")));

@@ -151,7 +151,12 @@ Stats save_remote(const std::string& url, const std::vector<TensorToSave>& tenso
     timer.finish(stats);
     return stats;
   }
-  // Sharded: URL is a prefix ("s3://bucket/model/", the '/' added where missing).
+  // Sharded: URL is a prefix ("s3://bucket/model/", the '/' added where missing). A state without
+  // tensors would publish an index naming no object, which loads refuse (a local directory gets
+  // one empty model.safetensors instead; an object store's index is what publishes a save).
+  if (tensors.empty())
+    throw Error(errno_code(EINVAL), {.op = "save", .path = url},
+                "a sharded save to a URL needs at least one tensor: save an empty state as one object (no max_shard_size)");
   const std::string prefix = url.ends_with("/") ? url : url + "/";
   const RemoteOptions remote = options.remote ? *options.remote : RemoteOptions::from_env();
   const std::string index_url = prefix + "model.safetensors.index.json";

@@ -43,7 +43,7 @@ Stats save_checkpoint(const std::string& path, const std::vector<TensorToSave>& 
     // A background save of the same path still in flight goes first, and one started meanwhile
     // waits for this one: otherwise an older state could publish after a newer one.
     const detail::BlockingSaveTurn turn(detail::save_key(final_target(path, options.max_shard_size > 0, {.op = "save", .path = path})),
-                                        path);
+                                        path, options.cancel);
     return detail::persist(path, tensors, options, nullptr);
   });
 }

@@ -84,6 +84,12 @@ ShardPlan plan_shards(const std::vector<TensorToSave>& tensors, std::uint64_t ma
     shard_bytes += info.size();
     plan.total_bytes += info.size();
   }
+  // No tensor: one empty model.safetensors and no index, as Hugging Face writes a state of one
+  // shard. An index's weight_map would name no file, and such an index is refused by loads.
+  if (tensors.empty()) {
+    plan.names.push_back("model.safetensors");
+    return plan;
+  }
   for (std::size_t k = 0; k < plan.shards.size(); ++k)
     plan.names.push_back(fmt::format("model-{:05}-of-{:05}.safetensors", k + 1, plan.shards.size()));
   return plan;

@@ -28,6 +28,8 @@ struct ShardPlan {
   std::vector<std::string> names;
   std::uint64_t total_bytes = 0;
 };
+// Shards of at most max_shard_size bytes (a larger tensor alone), named model-0000K-of-0000N; a
+// state without tensors is one file, model.safetensors, saved without an index.
 ShardPlan plan_shards(const std::vector<TensorToSave>& tensors, std::uint64_t max_shard_size);
 // The caller's metadata without stale checksum entries and, with options.checksums, with
 // fixed-width placeholders for the new ones: a header serialized with them has the final
