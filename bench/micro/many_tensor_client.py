@@ -15,12 +15,15 @@ through its JSON tree rather than its direct path. Medians of --repeat calls, in
   views-each    one as_strided per tensor of a torch.empty (what _load_torch_into did before groups)
   views         what _load_torch_into runs: an as_strided and an unbind per group (_views_of_groups)
   load          hbmio._load_torch_into(torch, path, cpu): all of it, the reads included
+  load-file     hbmio.load_file(path) (torch, CPU): hbmio's memory imported once, views by groups
+  load-each     the same load imported per tensor (torch.from_dlpack of each array: the path before)
+  reference     safetensors.torch.load_file(path)
 Run: build-python/venv/bin/python bench/micro/many_tensor_client.py [--tensors 3072]
 """
 import argparse, json, os, statistics, struct, tempfile, time
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file as reference_load, save_file
 
 import hbmio
 from hbmio import _hbmio
@@ -86,6 +89,9 @@ def main():
         "views_each_ms": median_ms(views_each, a.repeat),
         "views_ms": median_ms(views, a.repeat),
         "load_ms": median_ms(lambda: hbmio._load_torch_into(torch, path, torch.device("cpu"), "auto", False, None, False), a.repeat),
+        "load_file_ms": median_ms(lambda: hbmio.load_file(path), a.repeat),
+        "load_each_ms": median_ms(lambda: {k: torch.from_dlpack(v) for k, v in _hbmio.load_file(path, "cpu").items()}, a.repeat),
+        "reference_ms": median_ms(lambda: reference_load(path), a.repeat),
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))
 

@@ -459,11 +459,16 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
         if dev is not None:
             device = "cpu" if dev.type == "cpu" else str(dev)
     total = _hbmio._tensor_bytes(path, names) if progress else 0
+    if torch is not None:
+        # Host memory: one DLPack import per allocation and the views by groups (_torch_views), as
+        # into a GPU; an import per tensor cost more than the reads of a many-tensor warm load.
+        with _ProgressBar(total, progress) as bar:
+            views = _hbmio._load_views(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
+                                       report=report, cache=_cache_text(cache))
+        return _torch_views(torch, *views, path)
     with _ProgressBar(total, progress) as bar:
         arrays = _hbmio.load_file(path, device, backend=backend, verify=verify, names=names, progress=bar.counter,
                                   report=report, cache=_cache_text(cache))
-    if framework == "torch":
-        return {name: torch.from_dlpack(array) for name, array in arrays.items()}
     if framework == "numpy":
         import numpy as np
         out = {}

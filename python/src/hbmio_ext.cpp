@@ -112,7 +112,9 @@ NB_MODULE(_hbmio, m) {
     if (a.device_type() == nb::device::cpu::value) {
       bool contiguous = true;
       std::int64_t expected = 1;
-      for (std::size_t i = a.ndim(); i-- > 0;) {
+      // Strides of dimensions of extent 1 do not matter, nor any stride of an empty array (torch
+      // gives a [2, 0, 3] tensor strides (3, 3, 1), as the reference's loads do).
+      for (std::size_t i = a.ndim(); i-- > 0 && a.size() > 0;) {
         if (a.shape(i) != 1 && a.stride(i) != expected) contiguous = false;
         expected *= static_cast<std::int64_t>(a.shape(i));
       }
