@@ -6,9 +6,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include <fmt/format.h>
@@ -300,6 +302,39 @@ TEST(AsyncSave, OneSaveOfAPathAtATime) {
   EXPECT_TRUE(read_all(path) == read_all(dir.file("first.safetensors")));
 }
 
+// The POSIX file system, whose publishing steps (link, rename, exchange) wait until open_gate().
+class GatedFileSystem final : public FileSystem {
+ public:
+  void open_gate() {
+    {
+      std::lock_guard lock(mutex_);
+      open_ = true;
+    }
+    changed_.notify_all();
+  }
+  File open(const std::string& path, const std::string& shown, OpenMode mode, bool direct) override {
+    return base_->open(path, shown, mode, direct);
+  }
+  void write(const File& f, std::span<const std::byte> b, std::uint64_t o, const ErrorContext& c) override { base_->write(f, b, o, c); }
+  void sync(const File& f, const ErrorContext& c) override { base_->sync(f, c); }
+  void sync_directory(const std::string& d, const ErrorContext& c) override { base_->sync_directory(d, c); }
+  int link(const File& f, const std::string& p) override { return wait(), base_->link(f, p); }
+  int rename(const std::string& a, const std::string& b) override { return wait(), base_->rename(a, b); }
+  int exchange(const std::string& a, const std::string& b) override { return wait(), base_->exchange(a, b); }
+  int make_directory(const std::string& p) override { return base_->make_directory(p); }
+  void remove_all(const std::string& p) noexcept override { base_->remove_all(p); }
+
+ private:
+  void wait() {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [this] { return open_; });
+  }
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  bool open_ = false;
+  std::shared_ptr<FileSystem> base_ = FileSystem::posix();
+};
+
 // A load of a path this process is saving in the background reads what the save publishes, not
 // the file it replaces (read your own writes), whichever way the path is named; a failed save
 // leaves the old file to read. The save is held by a lock on the file it replaces.
@@ -319,7 +354,8 @@ TEST(AsyncSave, ALoadOfAPathBeingSavedReadsWhatTheSavePublishes) {
     for (const auto& t : s.tensors) out[t.name].assign(t.data.data, t.data.data + t.data.size);
     return out;
   };
-  for (const std::string& named : {path, dir.path() + "/./model.safetensors"}) {
+  // The file, another spelling of it, and its directory (which resolves to it).
+  for (const std::string& named : {path, dir.path() + "/./model.safetensors", dir.path(), dir.path() + "/"}) {
     SCOPED_TRACE(named);
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     ASSERT_GE(fd, 0);
@@ -338,6 +374,31 @@ TEST(AsyncSave, ALoadOfAPathBeingSavedReadsWhatTheSavePublishes) {
     save.wait();
     EXPECT_TRUE(got == expected(new_state)) << "the load read the file the save replaced";
     std::swap(old_state, new_state);  // the next round saves the other state over this one
+  }
+  // A first save through a link to a file not there yet: the save's target is where the link
+  // points, and a load through the link waits for it (it failed with ENOENT meanwhile). No file
+  // to lock: the save is held at its publishing step instead.
+  {
+    fs::create_directory(dir.file("real"));
+    fs::create_symlink("real/m.safetensors", dir.file("link.safetensors"));
+    auto gate = std::make_shared<GatedFileSystem>();
+    SaveInProgress save = save_checkpoint_async(dir.file("link.safetensors"), new_state.tensors, {.file_system = gate});
+    std::atomic<bool> loaded{false};
+    Bytes got;
+    std::thread reader([&] {
+      try {
+        got = bytes_of(load_checkpoint(dir.file("link.safetensors"), {.into = {MemoryKind::host}}));
+      } catch (const Error& e) {
+        ADD_FAILURE() << "a load through the link while its first save was in flight: " << e.what();
+      }
+      loaded = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    EXPECT_FALSE(loaded.load()) << "the load through the link did not wait for the save in flight";
+    gate->open_gate();
+    reader.join();
+    save.wait();
+    EXPECT_TRUE(got == expected(new_state));
   }
   // A failed save: the load reads the file it left (old_state's, after the swap above).
   auto faults = std::make_shared<FaultInjector>(FaultPlan{.fail_call = 2, .fail_errno = EIO});

@@ -415,6 +415,11 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
     framework = _framework(framework)
     backend = _backend(backend)
     names = _names(names)
+    if names is not None and not names:
+        # No tensor asked for, none loaded (the library reads an empty list as "every tensor"):
+        # the checkpoint is still opened, so a missing or invalid one raises as any load's does.
+        _hbmio._tensor_bytes(path, [])
+        return {}
     if group is not None:
         if share:
             raise ValueError("share=True maps the resident cache's copies into this process's GPU: not with group= "

@@ -728,13 +728,14 @@ class _Slice:
         if owner._mmap:
             view = owner._mapped_view(self._index, target)
             if view is not None:  # a view of the mapping, as safe_open's slices on the CPU are
-                part = view[tuple(a if is_int else slice(a, b, s) for a, b, s, is_int in dims)]
+                index = tuple(a if is_int else slice(a, b, s) for a, b, s, is_int in dims)
                 # Contiguous, as the reference's slices are: a strided view would refuse .view().
                 if target.torch is not None:
-                    return part.contiguous()
-                # NumPy gives a scalar for an index of ints, and ascontiguousarray a 1-d array for it.
-                np = target.np
-                return part if isinstance(part, np.ndarray) and part.flags.c_contiguous else np.array(part)
+                    return view[index].contiguous()
+                # The trailing Ellipsis keeps an index of ints a 0-d array of the mapping: NumPy's
+                # scalar for it would make a BOOL byte such as 0x02 True (0x01).
+                part = view[index + (Ellipsis,)]
+                return part if part.flags.c_contiguous else part.copy(order="C")
         if all(a == 0 and b == n and s == 1 for (a, b, s, _), n in zip(dims, self._shape)):
             tensor = owner._tensor(self._name)  # the whole tensor: read ahead as a walk is
             return tensor.reshape(out_shape)

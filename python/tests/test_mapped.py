@@ -101,3 +101,37 @@ def test_names_numpy_and_refusals(tmp_path):
     (tmp_path / "empty.safetensors").write_bytes(b"")
     with pytest.raises(hbmio.Error):
         hbmio.load_file(tmp_path / "empty.safetensors", mmap=True)
+
+
+def test_an_empty_names_list_loads_nothing_on_every_path(tmp_path):
+    """names=[] asks for no tensor: {} whether copied, mapped, NumPy or torch (a copied load read
+    the list as "every tensor" while a mapped one gave none); a missing file still raises."""
+    path = tmp_path / "m.safetensors"
+    hbmio.save_file({"a": np.ones(2, dtype=np.float32), "b": np.zeros(3, dtype=np.float32)}, str(path))
+    for kwargs in ({}, {"mmap": True}, {"framework": "numpy"}, {"framework": "numpy", "mmap": True}):
+        assert hbmio.load_file(path, names=[], **kwargs) == {}, kwargs
+    assert hbmio.torch.load_file(path, names=[]) == {} and hbmio.torch.load_file(path, names=[], mmap=False) == {}
+    assert hbmio.numpy.load_file(path, names=()) == {}
+    with pytest.raises(FileNotFoundError):
+        hbmio.load_file(tmp_path / "missing.safetensors", names=[])
+
+
+def test_a_mapped_numpy_slice_to_one_element_keeps_its_bytes(tmp_path):
+    """A BOOL byte other than 0 and 1 sliced down to one element comes back as stored (NumPy's
+    scalar for it had made 0x02 into 0x01), as the reference's slices and hbmio's copied ones give."""
+    import json
+    import struct
+    from safetensors import safe_open
+    header = json.dumps({"t": {"dtype": "BOOL", "shape": [3], "data_offsets": [0, 3]},
+                         "m": {"dtype": "U8", "shape": [2, 2], "data_offsets": [3, 7]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "b.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\x00\x02\xff" + b"\x01\x02\x03\x04")
+    with safe_open(str(path), "np") as ref:
+        for name, index in (("t", 1), ("t", 2), ("t", slice(1, 3)), ("m", (1, 0)), ("m", 1)):
+            want = ref.get_slice(name)[index]
+            for mmap in (True, False):
+                with hbmio.open(path, framework="np", mmap=mmap) as f:
+                    got = f.get_slice(name)[index]
+                assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), (name, index, mmap)
+                assert np.shape(got) == np.shape(want), (name, index, mmap)

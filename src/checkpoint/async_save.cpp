@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 
 #include "checkpoint/background_saves.hpp"
+#include "checkpoint/commit.hpp"
 #include "checkpoint/persist.hpp"
 #include "checkpoint/save_layout.hpp"
 #include "checkpoint/staging.hpp"
@@ -233,19 +234,33 @@ BlockingSaveTurn::~BlockingSaveTurn() {
   r.changed.notify_all();
 }
 
-void wait_for_background_saves_of(const std::string& path) {
+namespace {
+
+// The keys under which a save of what a load opens at `path` is registered (save_key of
+// final_target): the path itself, and the directory holding it (a sharded save's target, when its
+// index or a shard is opened). A path that cannot be followed gives none.
+void add_save_keys(const std::string& path, std::vector<std::string>& keys) {
+  try {
+    const std::filesystem::path target = followed_target(path, {.op = "load", .path = path});
+    keys.push_back(save_key(target));
+    if (target.has_parent_path() && target.parent_path() != target.root_path())
+      keys.push_back(save_key(followed_target(target.parent_path().string(), {.op = "load", .path = path})));
+  } catch (const std::exception&) {
+    // A link loop or an unreadable link: no save could have taken that name as its target either.
+  }
+}
+
+}  // namespace
+
+bool wait_for_background_saves_of(const std::vector<std::string>& paths) {
   Registry& r = registry();
   {
     std::lock_guard lock(r.mutex);
-    if (r.by_target.empty()) return;  // the common case: no file system calls
+    if (r.by_target.empty()) return false;  // the common case: no file system calls
   }
-  // The keys save_key gives a save's target: the path as loaded, and the directory holding it
-  // (a sharded save's target, when its index or a shard is loaded).
-  std::error_code ec;
-  std::filesystem::path loaded = std::filesystem::weakly_canonical(std::filesystem::absolute(path), ec);
-  if (ec) loaded = std::filesystem::absolute(path).lexically_normal();
-  while (!loaded.has_filename() && loaded != loaded.root_path()) loaded = loaded.parent_path();
-  const std::string keys[] = {loaded.string(), loaded.parent_path().string()};
+  std::vector<std::string> keys;
+  for (const std::string& path : paths) add_save_keys(path, keys);
+  bool waited = false;
   std::unique_lock lock(r.mutex);
   for (;;) {
     bool in_flight = false;
@@ -255,7 +270,8 @@ void wait_for_background_saves_of(const std::string& path) {
       std::lock_guard state_lock(it->second->mutex);
       in_flight = in_flight || (!it->second->blocking && !it->second->finished);
     }
-    if (!in_flight) return;
+    if (!in_flight) return waited;
+    waited = true;
     r.changed.wait(lock);
   }
 }

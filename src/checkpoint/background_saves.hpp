@@ -5,6 +5,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace hbmio::detail {
 
@@ -25,12 +26,13 @@ class BlockingSaveTurn {
   std::shared_ptr<AsyncSaveState> state_;
 };
 
-// A load of `path` (a file, a sharded checkpoint's directory or its index) started while this
-// process saves it in the background reads what that save publishes: it waits for the background
-// saves in flight whose target is `path` or the directory holding it (read your own writes, as
-// after write(2)). A failed save leaves the file as it was; its error stays for its wait(). Blocking
-// saves are not waited for (another thread's load meanwhile reads whichever file is there), nor is
-// a save from the thread that persists it.
-void wait_for_background_saves_of(const std::string& path);
+// Loads read this process's own saves: a load started while this process saves what it opens in
+// the background reads what that save publishes (read your own writes, as after write(2)). This
+// waits for the background saves in flight whose target is one of `paths` (as a save follows it:
+// a link at the end followed) or the directory holding one (a sharded save's target, when its
+// index or a shard is opened); true if it waited. A failed save leaves the file as it was; its
+// error stays for its wait(). Blocking saves are not waited for (another thread's load meanwhile
+// reads whichever file is there), nor a save by the thread persisting it.
+bool wait_for_background_saves_of(const std::vector<std::string>& paths);
 
 }  // namespace hbmio::detail

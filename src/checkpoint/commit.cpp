@@ -157,7 +157,7 @@ std::string save_key(const fs::path& target) {
   return ((ec ? target.parent_path().lexically_normal() : directory) / target.filename()).string();
 }
 
-fs::path final_target(const std::string& path, bool directory, const ErrorContext& context) {
+fs::path followed_target(const std::string& path, const ErrorContext& context) {
   fs::path p = fs::absolute(path);
   // "out/", "out/." and "." name the directory itself: its parent is where the temporary goes
   // (the parent of "out/" is "out", which would build the new directory inside the old one).
@@ -170,6 +170,11 @@ fs::path final_target(const std::string& path, bool directory, const ErrorContex
     if (ec) throw Error(ec, {.op = context.op, .path = p.string()}, "readlink");
     p = to.is_absolute() ? to : p.parent_path() / to;
   }
+  return p;
+}
+
+fs::path final_target(const std::string& path, bool directory, const ErrorContext& context) {
+  const fs::path p = followed_target(path, context);
   struct stat st {};
   if (::lstat(p.c_str(), &st) != 0) return p;  // nothing there yet
   if (directory && !S_ISDIR(st.st_mode))

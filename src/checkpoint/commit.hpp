@@ -63,6 +63,9 @@ void remove_stale_temporaries(FileSystem& files, const std::filesystem::path& ta
 // regular file), and so is a directory where a file is saved (`directory` false) or anything but
 // a directory where a sharded checkpoint is (`directory` true).
 std::filesystem::path final_target(const std::string& path, bool directory, const ErrorContext& context);
+// final_target without its checks of what is there: the absolute path with "dir/" and "dir/." as
+// "dir" and a symbolic link at the end followed (throws ELOOP past 40 links, or readlink's error).
+std::filesystem::path followed_target(const std::string& path, const ErrorContext& context);
 // The key of "one save of a path at a time" for a final_target: its directory with every symbolic
 // link and "." or ".." resolved, and its name, so that "x", "./x" and "link/x" (link -> .) are one.
 std::string save_key(const std::filesystem::path& target);

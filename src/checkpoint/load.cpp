@@ -192,8 +192,16 @@ std::vector<CheckpointFile> open_checkpoint_retrying(const std::string& path);
 std::vector<CheckpointFile> open_checkpoint(const std::string& path, const std::optional<RemoteOptions>& remote) {
   if (is_remote_url(path)) return detail::open_remote_checkpoint(path, remote ? *remote : RemoteOptions::from_env());
   return detail::errors_as_hbmio({.op = "open checkpoint", .path = path}, [&] {
-    detail::wait_for_background_saves_of(path);  // this process's own save of it is read once published
-    return open_checkpoint_retrying(path);
+    // This process's own background saves of what it opens are read once published: the path
+    // first, then the files it resolved to (a directory's model.safetensors, the index's shards),
+    // opened again after a save of one of them (a few times: saves in a loop on another thread).
+    detail::wait_for_background_saves_of({path});
+    for (int attempt = 1;; ++attempt) {
+      std::vector<CheckpointFile> files = open_checkpoint_retrying(path);
+      std::vector<std::string> opened;
+      for (const CheckpointFile& f : files) opened.push_back(f.path);
+      if (attempt == 4 || !detail::wait_for_background_saves_of(opened)) return files;
+    }
   });
 }
 
