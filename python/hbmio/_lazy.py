@@ -290,7 +290,11 @@ class SafeOpen(_hbmio.SafeOpen):
             base = self._maps[f]
         if base is None:
             return None
-        raw = base[offset:offset + nbytes]
+        if target.torch is not None:
+            from ._mapped import _mapped_bytes
+            raw = _mapped_bytes(target.torch, base, offset, nbytes)  # a storage of its own, as load_file's
+        else:
+            raw = base[offset:offset + nbytes]
         element = self._ELEMENT.get(dtype, 1)
         if offset % element:
             raw = raw.clone() if target.torch is not None else raw.copy()  # views need aligned offsets
@@ -311,7 +315,7 @@ class SafeOpen(_hbmio.SafeOpen):
         finally:
             _os.close(fd)  # the mapping holds the file
         if target.torch is not None:
-            return target.torch.frombuffer(mapping, dtype=target.torch.uint8)
+            return mapping  # each tensor a frombuffer of its own bytes (_mapped_bytes)
         return target.np.frombuffer(mapping, dtype=target.np.uint8)
 
     def _own_target(self) -> _Target:

@@ -63,7 +63,6 @@ def _torch_views(mapping, entries, wanted, file):
     import torch
     from . import _TORCH_DTYPES
     from ._dtypes import packed_refusal, torch_shape
-    base = torch.frombuffer(mapping, dtype=torch.uint8)  # shares the mapping and keeps it alive
     out = {}
     for name, dtype, shape, offset, nbytes in entries:
         if name not in wanted:
@@ -74,11 +73,21 @@ def _torch_views(mapping, entries, wanted, file):
             if dtype in ("F6_E2M3", "F6_E3M2"):
                 raise packed_refusal(name, dtype, file)
             raise TypeError(f"tensor {name} of {file}: dtype {dtype} has no torch equivalent in torch {torch.__version__}")
-        raw = base[offset:offset + nbytes]
+        raw = _mapped_bytes(torch, mapping, offset, nbytes)
         if offset % torch_dtype.itemsize:
             raw = raw.clone()  # a view needs an offset that is a multiple of the element size
         out[name] = raw.view(torch_dtype).reshape(torch_shape(name, dtype, shape, file))
     return out
+
+
+def _mapped_bytes(torch, mapping, offset: int, nbytes: int):
+    """Bytes [offset, offset + nbytes) of `mapping` as a uint8 tensor with a storage of its own
+    (which keeps the mapping alive), as the reference's tensors each have: torch.save of one of
+    them writes its bytes, not the file's, and safetensors' save_model takes a model assigned from
+    them. (Slices of one tensor over the whole mapping share its storage.)"""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
 def _numpy_views(mapping, entries, wanted, file):

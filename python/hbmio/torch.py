@@ -261,7 +261,8 @@ def load_model(model, filename, strict=True, device="cpu", *, backend=None):
     state = load_file(filename, device=device, backend=backend)
     drops = _names_to_drop(model.state_dict(), keep_first=state.keys())
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing, unexpected = list(missing), list(unexpected)
+    # A set and a list, as the reference returns them (whatever its annotation says).
+    missing, unexpected = set(missing), list(unexpected)
     for dropped in drops.values():
         for name in dropped:
             if name in missing:

@@ -427,3 +427,22 @@ def test_a_failed_verification_is_a_verify_error(tmp_path):
     with pytest.raises(hbmio.Error) as info:
         hbmio.load_file(tmp_path / "absent.safetensors", verify=True)
     assert not isinstance(info.value, hbmio.VerifyError)
+
+
+def test_device_none_and_load_models_results_are_the_references(tmp_path):
+    """device=None loads into host memory, and load_model returns (set, list), as safetensors does."""
+    import torch
+    import safetensors.torch as st
+    import hbmio.torch
+    model = torch.nn.Linear(3, 2)
+    path = str(tmp_path / "m.safetensors")
+    st.save_model(model, path)
+    assert hbmio.torch.load_model(model, path) == st.load_model(model, path) == (set(), [])
+    missing, unexpected = hbmio.torch.load_model(torch.nn.Linear(3, 2, bias=False), path, strict=False)
+    reference = st.load_model(torch.nn.Linear(3, 2, bias=False), path, strict=False)
+    assert (type(missing), type(unexpected)) == (type(reference[0]), type(reference[1])) == (set, list)
+    assert (missing, unexpected) == reference
+    got = hbmio.load_file(path, device=None)
+    assert all(t.device.type == "cpu" for t in got.values())
+    with hbmio.open(path, framework="pt", device=None) as f:
+        assert f.get_tensor("weight").device.type == "cpu"

@@ -69,8 +69,13 @@ def test_mapped_tensors_are_views_of_the_file_and_survive_a_rename_over_it(tmp_p
     first = {"a": torch.arange(4096, dtype=torch.float32), "b": torch.ones(3, 5, dtype=torch.bfloat16)}
     st_torch.save_file(first, str(path))
     got = hbmio.torch.load_file(path)
-    # A view of the mapping: its data lies inside the file's pages, not in a copy of its own.
-    assert got["a"].untyped_storage().nbytes() == os.path.getsize(path)
+    # Views of one mapping (each with a storage of its own bytes): the tensors lie as far apart as
+    # in the file, not in copies of their own.
+    import json
+    header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    apart = header["b"]["data_offsets"][0] - header["a"]["data_offsets"][0]
+    assert got["b"].data_ptr() - got["a"].data_ptr() == apart
+    assert got["a"].untyped_storage().nbytes() == 4096 * 4
     # Writes go to private pages: the file is not changed.
     got["a"][0] = 99
     assert hbmio.load_file(path)["a"][0] == 0
@@ -135,3 +140,36 @@ def test_a_mapped_numpy_slice_to_one_element_keeps_its_bytes(tmp_path):
                     got = f.get_slice(name)[index]
                 assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), (name, index, mmap)
                 assert np.shape(got) == np.shape(want), (name, index, mmap)
+
+
+def test_each_cpu_tensor_has_a_storage_of_its_own(tmp_path):
+    """As the reference's: torch.save of one loaded tensor writes its bytes, not the file's, and
+    safetensors' save_model takes a model whose parameters were assigned from a load (it raised
+    "None is covering the entire storage" when every tensor was a view of one allocation or mapping)."""
+    import io
+    path = tmp_path / "m.safetensors"
+    state = {"emb": torch.randn(64, 33), "head": torch.randn(17, 8).to(torch.float16), "empty": torch.zeros(0, 3),
+             "odd": torch.arange(5, dtype=torch.int8)}
+    st_torch.save_file(state, str(path))
+    loads = {"mapped": hbmio.torch.load_file(path), "copied": hbmio.torch.load_file(path, mmap=False),
+             "hbmio.load_file": hbmio.load_file(path)}
+    with hbmio.open(path, framework="pt", mmap=True) as f:
+        loads["open(mmap=True)"] = {k: f.get_tensor(k) for k in f.keys()}
+    for how, loaded in loads.items():
+        for name, t in loaded.items():
+            assert torch.equal(t, state[name]), (how, name)
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (how, name)
+        saved = io.BytesIO()
+        torch.save(loaded["head"], saved)
+        assert saved.getbuffer().nbytes < 17 * 8 * 2 + 2048, how
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = torch.nn.Parameter(torch.empty(64, 33))
+                self.head = torch.nn.Parameter(torch.empty(17, 8, dtype=torch.float16))
+
+        model = Model()
+        model.load_state_dict({k: loaded[k] for k in ("emb", "head")}, assign=True)
+        st_torch.save_model(model, str(tmp_path / f"{how}.safetensors"))
+        assert torch.equal(st_torch.load_file(str(tmp_path / f"{how}.safetensors"))["head"], state["head"]), how
