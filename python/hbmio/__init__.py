@@ -43,7 +43,7 @@ _memory_counters = _hbmio._memory_counters
 _idle_engines = _hbmio._idle_engines
 
 __version__ = _hbmio.__version__
-__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "StateError", "load_file", "save_file", "SaveHandle", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers", "stream", "Stream",
+__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "FrameworkError", "StateError", "load_file", "save_file", "SaveHandle", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers", "stream", "Stream",
            "cuda_device_count", "cuda_unavailable_reason"]
 
 # Join the library's threads and free the pooled engines while the CUDA runtime is still alive (a
@@ -72,7 +72,8 @@ def _framework(framework: str) -> str:
     try:
         resolved = _FRAMEWORKS[framework]
     except (KeyError, TypeError):
-        raise ValueError(f"framework must be one of {sorted(_FRAMEWORKS)}, not {framework!r}") from None
+        raise _as_reference_error(FrameworkError)(
+            _errno.EINVAL, f"framework must be one of {sorted(_FRAMEWORKS)}, not {framework!r}") from None
     if resolved == "auto":
         return "torch" if _torch() is not None else "dlpack"
     if resolved == "torch" and _torch() is None:
@@ -88,7 +89,38 @@ _CUDA_INDEX = _re.compile(r"cuda:(\d+)")
 class DeviceError(Error, ValueError):
     """A device form hbmio does not load into ("gpu", "mps", "cuda:x"): a ValueError, as a bad
     argument is, and an hbmio.Error (EINVAL), as the library's parser of memory locations raised
-    before Python checked the forms itself, so code catching either keeps working."""
+    before Python checked the forms itself, so code catching either keeps working. What is raised
+    is also a safetensors.SafetensorError where safetensors is installed, as the reference raises
+    for a bad device (_device_error)."""
+
+
+_reference_subclasses = {}
+
+
+def _as_reference_error(cls):
+    """`cls`, or where safetensors is installed a subclass of it that is also a SafetensorError
+    (what the reference raises for the same mistake), made at first use: importing safetensors at
+    every import of hbmio would cost every user."""
+    made = _reference_subclasses.get(cls)
+    if made is None:
+        try:
+            from safetensors import SafetensorError
+        except ImportError:
+            made = cls
+        else:
+            made = type(cls.__name__, (cls, SafetensorError), {"__module__": "hbmio", "__doc__": cls.__doc__})
+        _reference_subclasses[cls] = made
+    return made
+
+
+class FrameworkError(Error, ValueError):
+    """An unknown framework= ("PT", "jax"): a ValueError (what hbmio raised before) and an
+    hbmio.Error (EINVAL); also a safetensors.SafetensorError where safetensors is installed, as
+    the reference raises."""
+
+
+def _device_error(message):
+    return _as_reference_error(DeviceError)(_errno.EINVAL, message)
 
 
 def _device_text(device) -> str:
@@ -102,7 +134,7 @@ def _device_text(device) -> str:
         raise TypeError("device must be a string, an int or a torch.device, not a bool")
     if isinstance(device, int):
         if device < 0:
-            raise DeviceError(_errno.EINVAL, f"device {device}: a CUDA device index is 0 or more; accepted are {_DEVICE_FORMS}")
+            raise _device_error(f"device {device}: a CUDA device index is 0 or more; accepted are {_DEVICE_FORMS}")
         return f"cuda:{device}"
     if isinstance(device, str):
         text = device.strip().lower()
@@ -114,7 +146,7 @@ def _device_text(device) -> str:
         text = "cpu"
     if text in ("cpu", "cuda", "pinned") or _CUDA_INDEX.fullmatch(text):
         return text
-    raise DeviceError(_errno.EINVAL, f"unknown device {device!r}: accepted are {_DEVICE_FORMS}")
+    raise _device_error(f"unknown device {device!r}: accepted are {_DEVICE_FORMS}")
 
 
 def _require_gpu(device: str, path=None) -> None:

@@ -267,6 +267,8 @@ class SafeOpen(_hbmio.SafeOpen):
 
     # --- internals --------------------------------------------------------------------------
     def _lookup(self, name) -> int:
+        if not isinstance(name, str):  # the reference's TypeError, not a missing name
+            raise TypeError(f"a tensor name is a str, not {name!r} ({type(name).__name__})")
         try:
             return self._index[name]
         except (KeyError, TypeError):

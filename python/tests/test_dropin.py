@@ -446,3 +446,27 @@ def test_device_none_and_load_models_results_are_the_references(tmp_path):
     assert all(t.device.type == "cpu" for t in got.values())
     with hbmio.open(path, framework="pt", device=None) as f:
         assert f.get_tensor("weight").device.type == "cpu"
+
+
+def test_bad_devices_frameworks_and_names_raise_what_the_reference_raises(tmp_path):
+    """A bad device or framework is a SafetensorError as in the reference (and still the
+    ValueError and hbmio.Error hbmio raised before); a name that is no str is a TypeError."""
+    import numpy as np
+    import safetensors
+    import hbmio.numpy
+    path = tmp_path / "m.safetensors"
+    hbmio.numpy.save_file({"x": np.arange(3, dtype=np.int32)}, str(path))
+    for device in ("gpu", "cpu:0", -1):
+        for call in (lambda: hbmio.load_file(path, device=device), lambda: hbmio.open(path, device=device)):
+            with pytest.raises(safetensors.SafetensorError) as raised:
+                call()
+            assert isinstance(raised.value, (ValueError, hbmio.Error, hbmio.DeviceError)), device
+    for framework in ("PT", "jax"):
+        with pytest.raises(safetensors.SafetensorError) as raised:
+            hbmio.load_file(path, framework=framework)
+        assert isinstance(raised.value, ValueError) and isinstance(raised.value, hbmio.FrameworkError)
+    with hbmio.open(path, framework="np") as f:
+        with pytest.raises(TypeError):
+            f.get_tensor(1)
+        with pytest.raises(TypeError):
+            f.get_slice(None)
