@@ -326,7 +326,7 @@ struct LoadResult {
   std::vector<LoadedCheckpoint> locations;
   int rank = 0, world = 1;                   // with nccl_comm: this rank and the group's size
   std::uint64_t bytes_from_storage = 0;      // read by this process
-  std::uint64_t bytes_between = 0;           // replicate: copied between locations, or received from other ranks
+  std::uint64_t bytes_between = 0;           // replicate: copied between locations (padding between tensors included), or received from other ranks
   double seconds = 0;
 };
 
