@@ -410,9 +410,10 @@ class _Lease:
 
     def spans(self):
         out = []
-        if self.slab is not None:
-            out.append((self.slab.start(), self.slab.start() + self.slab.nbytes))
-        for buffer in self.device_buffers:
+        slab = self.slab  # give_back may clear it meanwhile (a finalizer, on another thread)
+        if slab is not None:
+            out.append((slab.start(), slab.start() + slab.nbytes))
+        for buffer in list(self.device_buffers):
             out.append((buffer.data_ptr(), buffer.data_ptr() + buffer.numel()))
         return out
 
@@ -425,8 +426,9 @@ class _Lease:
             if self._returned:
                 return
             self._returned = True
-        if self.slab is not None:
-            _arena.give_back(self.slab)
+        slab, self.slab = self.slab, None  # a lease given back holds nothing: its slab may stage the next save
+        if slab is not None:
+            _arena.give_back(slab)
         self.device_buffers = []  # back to torch's caching allocator, which reuses the blocks
 
 
@@ -728,7 +730,9 @@ class StorageWriter(_StorageWriter, *((_AsyncStager,) if _AsyncStager is not Non
                 tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
                 byte_items.append(name)
             else:
-                tensor = data.detach()
+                # A conjugate or negative view is a flag on memory that holds the other values: the
+                # file gets the values (as torch's FileSystemWriter writes them), not the memory.
+                tensor = data.detach().resolve_conj().resolve_neg()
                 chunk = item.tensor_data.chunk
                 whole = list(chunk.sizes) == list(item.tensor_data.size) and not any(chunk.offsets)
                 name = _stored_name(item.index, whole)

@@ -117,6 +117,44 @@ def test_async_save(tmp_path):
     assert_state_equal(got, state)
 
 
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_conjugate_and_negative_views_are_saved_as_their_values(tmp_path, how):
+    """A conj() or _neg_view() tensor is a flag on memory holding other values: the checkpoint holds
+    the values, as torch's FileSystemWriter writes them (dcp.save wrote the memory)."""
+    z = torch.complex(torch.arange(4.0), torch.arange(4.0) + 10)
+    state = {"conj": z.conj(), "neg": torch._neg_view(torch.arange(4.0))}
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in state.items()}
+    writer = hbmio.dcp.StorageWriter(tmp_path)
+    if how == "save":
+        dcp.save(state, storage_writer=writer)
+    else:
+        dcp.async_save(state, storage_writer=writer).result()
+    got = {"conj": torch.zeros(4, dtype=torch.complex64), "neg": torch.zeros(4)}
+    dcp.load(got, storage_reader=hbmio.dcp.StorageReader(tmp_path))
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), (k, got[k], expected[k])
+
+
+def test_a_failed_async_save_does_not_make_a_later_one_of_its_writer_lose(tmp_path):
+    """A save staged through a writer that failed before writing left its lease with the writer;
+    the next save staged in the same slab took the failed one's call time, and lost to a save in
+    between (its files deleted, the older checkpoint kept, a warning only)."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (tmp_path / "afile").write_bytes(b"")
+    state = lambda v: {"w": torch.full((256,), float(v)), "step": v}  # noqa: E731
+    writer = hbmio.dcp.StorageWriter(root)
+    with pytest.raises(BaseException):
+        dcp.async_save(state(1), storage_writer=writer, checkpoint_id=str(tmp_path / "afile" / "sub")).result()
+    import gc
+    gc.collect()  # the failed save's staged state, and with it the lease's finalizer
+    dcp.save(state(2), storage_writer=hbmio.dcp.StorageWriter(root))
+    dcp.async_save(state(3), storage_writer=writer, checkpoint_id=str(root)).result()
+    got = state(0)
+    dcp.load(got, storage_reader=hbmio.dcp.StorageReader(root))
+    assert got["step"] == 3 and torch.equal(got["w"], torch.full((256,), 3.0))
+
+
 def test_overlapping_saves_of_one_directory_leave_the_one_started_last(tmp_path):
     """Two dcp.async_save of one directory, the second started before the first has finished (the
     first is larger, so it finishes last): the directory holds the second, whole, and no file of
