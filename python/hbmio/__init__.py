@@ -43,7 +43,7 @@ _memory_counters = _hbmio._memory_counters
 _idle_engines = _hbmio._idle_engines
 
 __version__ = _hbmio.__version__
-__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "FrameworkError", "StateError", "load_file", "save_file", "SaveHandle", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers", "stream", "Stream",
+__all__ = ["Error", "VerifyError", "NotVerifiedWarning", "DeviceError", "FrameworkError", "BackendError", "StateError", "load_file", "save_file", "SaveHandle", "open", "read_into", "write_from", "backends", "SafeOpen", "use_in_transformers", "stream", "Stream",
            "cuda_device_count", "cuda_unavailable_reason"]
 
 # Join the library's threads and free the pooled engines while the CUDA runtime is still alive (a
@@ -169,24 +169,14 @@ _BACKENDS = ("auto", "posix", "uring", "cufile")
 # safetensors' own backend= names (0.9: how it reads a file). They do not carry over to hbmio's
 # engines, so they mean hbmio's default (as backend=None).
 _REFERENCE_BACKENDS = ("mmap", "pread")
-_backend_error_type = None
+class BackendError(Error, ValueError):
+    """An unknown backend name, refused when the call is made (not at its first read). An
+    hbmio.Error and a ValueError; what is raised is also a safetensors.SafetensorError where
+    safetensors is installed, which is what safe_open and load_file raise for one."""
 
 
 def _backend_error(message):
-    """hbmio.BackendError: an unknown backend name, refused when the call is made (not at its
-    first read). An hbmio.Error and a ValueError, and where safetensors is installed also a
-    safetensors.SafetensorError, which is what safe_open and load_file raise for one."""
-    global _backend_error_type
-    if _backend_error_type is None:
-        bases = (Error, ValueError)
-        try:
-            from safetensors import SafetensorError
-        except ImportError:
-            pass
-        else:
-            bases += (SafetensorError,)
-        _backend_error_type = type("BackendError", bases, {"__module__": "hbmio", "__doc__": _backend_error.__doc__})
-    return _backend_error_type(_errno.EINVAL, message)
+    return _as_reference_error(BackendError)(_errno.EINVAL, message)
 
 
 def _backend(backend) -> str:
@@ -513,12 +503,14 @@ def load_file(path, device="cpu", *, framework="auto", backend=None, verify=Fals
             try:
                 out[name] = np.from_dlpack(array)
             except (TypeError, BufferError, ValueError, RuntimeError) as e:
-                if "too big" in str(e):
-                    raise  # NumPy's own ValueError for a shape past its bounds, as the reference raises it
                 # A dtype NumPy lacks (bfloat16, float8, float4): refused as the reference's NumPy
-                # mode refuses it (see _dtypes.py), the header telling which dtype it was.
+                # mode refuses it (see _dtypes.py), the header telling which dtype it was. Any other
+                # failure (NumPy's "array is too big" for a shape past its bounds) is NumPy's own.
                 from ._dtypes import numpy_refusal
+                from ._lazy import _NUMPY_DTYPES
                 dtype = next((d for n, d, *_ in _hbmio.SafeOpen(path, cache="off")._entries() if n == name), None)
+                if dtype in _NUMPY_DTYPES:
+                    raise
                 raise (numpy_refusal(name, dtype, path) if dtype else TypeError(f"tensor {name}: {e}")) from e
         return out
     return arrays

@@ -31,6 +31,7 @@ import os as _os
 import threading as _threading
 
 from . import _hbmio
+from ._mapped import _mapped_bytes
 
 _SMALL_WALK = 64 << 20
 
@@ -293,7 +294,6 @@ class SafeOpen(_hbmio.SafeOpen):
         if base is None:
             return None
         if target.torch is not None:
-            from ._mapped import _mapped_bytes
             raw = _mapped_bytes(target.torch, base, offset, nbytes)  # a storage of its own, as load_file's
         else:
             raw = base[offset:offset + nbytes]
